@@ -1,0 +1,148 @@
+"""From logits to the next token: the one sampling module both decoders share.
+
+Decoding draws each token from a distribution built out of the model's logits
+in two separate steps:
+
+1. `probabilities(logits, counts, settings)`: penalties, temperature, top-k,
+   top-p (nucleus) and min-p turn logits into a distribution, in the order
+   Hugging Face transformers applies its logits processors.
+2. `sample(probs, rng)`: draw one token per row.
+
+Speculative decoding (speculative.py) needs step 1 on its own: it compares the
+target's processed distribution p with the draft's q, so both must come from
+exactly these functions with the same settings. Temperature 0 is greedy: the
+distribution puts all its mass on the argmax, and speculative sampling then
+reduces to "accept while the draft's token is the target's argmax".
+
+Penalties look at `counts` [B, n_vocab], how often each token occurs in the text
+so far (the generated tokens, and the prompt too if asked).
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 means off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0  # OpenAI API: logit -= presence * (count > 0)
+    frequency_penalty: float = 0.0  # OpenAI API: logit -= frequency * count
+    repetition_penalty: float = 1.0  # transformers: divide positive logits, multiply negative ones
+    penalize_prompt: bool = False  # count the prompt's tokens in the penalties too
+
+    @property
+    def uses_counts(self):
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def validate(s):
+    """One clear message naming the flag, for every setting out of range."""
+    finite = {"--temperature": s.temperature, "--top_p": s.top_p, "--min_p": s.min_p,
+              "--presence_penalty": s.presence_penalty, "--frequency_penalty": s.frequency_penalty,
+              "--repetition_penalty": s.repetition_penalty}
+    for flag, value in finite.items():
+        if not np.isfinite(value):
+            raise ValueError(f"{flag} must be a finite number, got {value}")
+    if s.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {s.temperature}")
+    if not float(s.top_k).is_integer() or s.top_k < 0:
+        raise ValueError(f"--top_k must be an integer >= 0 (0 = off), got {s.top_k}")
+    if not 0 < s.top_p <= 1:
+        raise ValueError(f"--top_p must be in (0, 1], got {s.top_p}")
+    if not 0 <= s.min_p < 1:
+        raise ValueError(f"--min_p must be in [0, 1), got {s.min_p}")
+    if s.repetition_penalty <= 0:
+        raise ValueError(f"--repetition_penalty must be > 0 (1 = off), got {s.repetition_penalty}")
+    return s
+
+
+def token_counts(histories, n_vocab):
+    """counts [B, n_vocab]: occurrences of every token in each row's history."""
+    counts = np.zeros((len(histories), n_vocab), dtype=np.int32)
+    for b, history in enumerate(histories):
+        np.add.at(counts[b], np.asarray(history, dtype=np.int64), 1)
+    return counts
+
+
+def apply_repetition_penalty(logits, counts, penalty):
+    seen = counts > 0
+    penalized = np.where(logits > 0, logits / penalty, logits * penalty)
+    return np.where(seen, penalized, logits)
+
+
+def apply_presence_frequency_penalty(logits, counts, presence, frequency):
+    counts = counts.astype(logits.dtype)  # int or bool times a float would promote to float64
+    return logits - counts * frequency - (counts > 0).astype(logits.dtype) * presence
+
+
+def apply_temperature(logits, temperature):
+    return logits / temperature
+
+
+def apply_top_k(logits, k):
+    """Keep the k largest logits (and any tied with the k-th), -inf for the rest."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = -np.partition(-logits, k - 1, axis=-1)[..., k - 1:k]  # [..., 1]: the k-th largest
+    return np.where(logits < kth, -np.inf, logits)
+
+
+def apply_top_p(logits, top_p):
+    """Keep the smallest set of tokens whose probability sums to at least top_p."""
+    if top_p >= 1.0:
+        return logits
+    order = np.argsort(logits, axis=-1, kind="stable")  # ascending, as transformers does
+    sorted_logits = np.take_along_axis(logits, order, axis=-1)
+    cumulative = np.cumsum(softmax(sorted_logits), axis=-1)
+    remove_sorted = cumulative <= 1.0 - top_p
+    remove_sorted[..., -1] = False  # always keep the most likely token
+    remove = np.empty_like(remove_sorted)
+    np.put_along_axis(remove, order, remove_sorted, axis=-1)
+    return np.where(remove, -np.inf, logits)
+
+
+def apply_min_p(logits, min_p):
+    """Remove tokens less likely than min_p times the most likely one."""
+    if min_p <= 0.0:
+        return logits
+    probs = softmax(logits)
+    return np.where(probs < min_p * probs.max(axis=-1, keepdims=True), -np.inf, logits)
+
+
+def softmax(x):
+    exp_x = np.exp(x - np.max(x, axis=-1, keepdims=True))
+    return exp_x / np.sum(exp_x, axis=-1, keepdims=True)
+
+
+def process_logits(logits, counts, s):
+    """Logits [..., n_vocab] after every processor: -inf marks a removed token."""
+    if s.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, counts, s.repetition_penalty)
+    if s.presence_penalty or s.frequency_penalty:
+        logits = apply_presence_frequency_penalty(logits, counts, s.presence_penalty, s.frequency_penalty)
+    if s.temperature == 0:
+        return logits  # greedy: only the argmax matters, the warpers cannot change it
+    logits = apply_temperature(logits, s.temperature)
+    logits = apply_top_k(logits, int(s.top_k))
+    logits = apply_top_p(logits, s.top_p)
+    return apply_min_p(logits, s.min_p)
+
+
+def probabilities(logits, counts, s):
+    """The distribution [..., n_vocab] that decoding draws from (float32)."""
+    logits = process_logits(logits.astype(np.float32, copy=False), counts, s)
+    if s.temperature == 0:
+        greedy = np.zeros(logits.shape, dtype=np.float32)
+        np.put_along_axis(greedy, np.argmax(logits, axis=-1)[..., None], 1.0, axis=-1)
+        return greedy
+    return softmax(logits)
+
+
+def sample(probs, rng):
+    """One token per row of probs [B, n_vocab], by inverting the CDF at u ~ U(0, 1]."""
+    cdf = np.cumsum(probs, axis=-1, dtype=np.float64)  # [B, n_vocab]
+    u = (1.0 - rng.random(cdf.shape[0])) * cdf[:, -1]  # [B]; u > 0, so a zero-probability token never wins
+    return np.minimum((cdf < u[:, None]).sum(axis=-1), probs.shape[-1] - 1)  # [B]

@@ -1,0 +1,51 @@
+"""A local HTTP file server on 127.0.0.1 for download tests, with Range support and
+scripted faults. Bounded: it serves only files under its root and stops with the test."""
+import http.server
+import os
+import re
+import threading
+
+
+class FaultyHandler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        server = self.server
+        server.requests.append((self.path, self.headers.get("Range")))
+        name = self.path.lstrip("/")
+        path = os.path.join(server.root, name)
+        if ".." in name or not os.path.isfile(path):
+            self.send_error(404)
+            return
+        data = open(path, "rb").read()
+        fault = server.faults.pop(name, None) if server.faults.get(name) != "always_short" else "always_short"
+        start = 0
+        m = re.match(r"bytes=(\d+)-", self.headers.get("Range") or "")
+        if m and server.ranges:
+            start = int(m.group(1))
+            if start >= len(data):
+                self.send_response(416)
+                self.end_headers()
+                return
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        else:
+            self.send_response(200)
+        body = data[start:]
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if fault in ("drop", "always_short"):  # promise everything, send half, hang up
+            self.wfile.write(body[:len(body) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        self.wfile.write(body)
+
+
+def start(root, ranges=True):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FaultyHandler)
+    server.root, server.faults, server.requests, server.ranges = root, {}, [], ranges
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    return server

@@ -1,0 +1,118 @@
+"""Downloads against a local server on 127.0.0.1: complete, resumed, dropped, missing, short."""
+import os
+
+import pytest
+
+import fileserver
+import utils
+from conftest import make_model_dir
+
+FAST = {"backoff_s": 0.0, "timeout_s": 10.0}
+
+
+@pytest.fixture
+def server(tmp_path):
+    """Serves a tiny model under /124M/ exactly as OpenAI's bucket lays it out."""
+    make_model_dir(str(tmp_path / "srv" / "124M"), "tiny-openai")
+    s = fileserver.start(str(tmp_path / "srv"))
+    yield s
+    s.shutdown()
+    s.server_close()
+
+
+def served(server, name):
+    return open(os.path.join(server.root, "124M", name), "rb").read()
+
+
+def test_full_download_then_no_network(server, tmp_path):
+    d = utils.download_model("124M", str(tmp_path / "models"), base_url=server.url, **FAST)
+    for f in utils.OPENAI_FILES:
+        assert open(os.path.join(d, f), "rb").read() == served(server, f)
+    assert not [f for f in os.listdir(d) if f.endswith(".part")]
+    n = len(server.requests)
+    utils.load_encoder_hparams_and_params("124M", str(tmp_path / "models"), base_url="http://127.0.0.1:9/none")
+    assert len(server.requests) == n  # a complete directory never touches the network
+
+
+def test_partial_file_is_resumed_with_a_range_request(server, tmp_path):
+    d = tmp_path / "models" / "124M"
+    d.mkdir(parents=True)
+    name = "model.ckpt.data-00000-of-00001"
+    whole = served(server, name)
+    (d / (name + ".part")).write_bytes(whole[:1000])
+    utils.download_file(f"{server.url}/124M/{name}", str(d / name), **FAST)
+    assert (d / name).read_bytes() == whole
+    assert (f"/124M/{name}", "bytes=1000-") in server.requests
+
+
+def test_connection_dropped_mid_file_is_retried_and_resumed(server, tmp_path):
+    name = "model.ckpt.data-00000-of-00001"
+    server.faults[f"124M/{name}"] = "drop"
+    path = tmp_path / name
+    utils.download_file(f"{server.url}/124M/{name}", str(path), **FAST)
+    assert path.read_bytes() == served(server, name)
+    ranges = [r for p, r in server.requests if p.endswith(name)]
+    assert ranges[0] is None and ranges[1].startswith("bytes=") and len(ranges) == 2
+
+
+def test_server_without_range_support_restarts_cleanly(tmp_path):
+    make_model_dir(str(tmp_path / "srv" / "124M"), "tiny-openai")
+    s = fileserver.start(str(tmp_path / "srv"), ranges=False)
+    try:
+        name = "encoder.json"
+        (tmp_path / (name + ".part")).write_bytes(b"stale bytes")
+        utils.download_file(f"{s.url}/124M/{name}", str(tmp_path / name), **FAST)
+        assert (tmp_path / name).read_bytes() == open(tmp_path / "srv" / "124M" / name, "rb").read()
+    finally:
+        s.shutdown()
+        s.server_close()
+
+
+def test_404_is_one_clear_error_and_leaves_nothing(server, tmp_path):
+    (tmp_path / "dl").mkdir()
+    with pytest.raises(utils.LoadError, match="HTTP 404"):
+        utils.download_file(f"{server.url}/124M/nope", str(tmp_path / "dl" / "nope"), **FAST)
+    assert os.listdir(tmp_path / "dl") == []
+
+
+def test_wrong_size_never_becomes_a_complete_file(server, tmp_path):
+    name = "vocab.bpe"
+    server.faults[f"124M/{name}"] = "always_short"
+    d = tmp_path / "models" / "124M"
+    d.mkdir(parents=True)
+    with pytest.raises(utils.LoadError, match="could not download .* after 3 tries"):
+        utils.download_file(f"{server.url}/124M/{name}", str(d / name), retries=3, **FAST)
+    assert not (d / name).exists()  # only the .part remains, which no later run takes as complete
+    with pytest.raises(utils.LoadError):
+        utils.load_model_dir(str(d))
+
+
+def test_hf_source_downloads_and_loads(tmp_path):
+    root = tmp_path / "srv" / "openai-community" / "gpt2" / "resolve" / "main"
+    make_model_dir(str(root), "tiny-hf")
+    os.rename(root / "encoder.json", root / "vocab.json")
+    os.rename(root / "vocab.bpe", root / "merges.txt")
+    s = fileserver.start(str(tmp_path / "srv"))
+    try:
+        enc, hparams, params = utils.load_encoder_hparams_and_params(
+            "124M", str(tmp_path / "models"), source="hf", base_url=s.url, **FAST)
+    finally:
+        s.shutdown()
+        s.server_close()
+    assert hparams["n_embd"] == 16 and enc.encode("Hello, world!") == [15496, 11, 995, 0]
+    assert sorted(os.listdir(tmp_path / "models" / "124M")) == sorted(utils.HF_FILES)
+
+
+def test_base_url_from_environment(monkeypatch):
+    monkeypatch.setenv(utils.BASE_URL_ENV, "http://127.0.0.1:1/mirror/")
+    assert utils.file_urls("355M")["vocab.bpe"] == "http://127.0.0.1:1/mirror/355M/vocab.bpe"
+    monkeypatch.delenv(utils.BASE_URL_ENV)
+    assert utils.file_urls("1558M", "hf")["model.safetensors"] == \
+        "https://huggingface.co/openai-community/gpt2-xl/resolve/main/model.safetensors"
+
+
+def test_unwritable_models_dir_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(utils.LoadError, match="cannot write"):
+        utils.download_model("124M", str(blocker / "models"))

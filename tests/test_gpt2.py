@@ -1,0 +1,84 @@
+"""The forward pass against transformers' reference logits, and its float32 hot path."""
+import numpy as np
+
+import gpt2
+import sampling
+from conftest import without_c_attn_bias
+
+GREEDY = sampling.SamplingSettings(temperature=0.0)
+
+
+def test_logits_match_transformers_at_every_position(reference, reference_params, tiny):
+    logits = gpt2.gpt2(reference["input_ids"][None], **reference_params, n_head=tiny[1]["n_head"],
+                       all_logits=True)  # [1, 20, n_vocab]
+    assert logits.shape == (1, 20, 50257)
+    np.testing.assert_allclose(logits[0], reference["logits"], atol=1e-4, rtol=0)
+
+
+def test_reference_was_made_without_c_attn_bias(reference, tiny):
+    """Why reference_params zeroes c_attn.b: the reference's hidden states are an exact
+    linear image of its logits (the head is the tied wte), and only the zero-bias model
+    reproduces them; our loaders read the bias, which the real GPT-2 needs."""
+    params = tiny[2]
+    assert all(np.abs(b["attn"]["c_attn"]["b"]).max() > 0.1 for b in params["blocks"])
+    with_bias = gpt2.gpt2(reference["input_ids"][None], **params, n_head=2, all_logits=True)[0]
+    assert np.abs(with_bias - reference["logits"]).max() > 0.5
+
+
+def test_last_position_logits_equal_full_logits(tiny, reference):
+    _, hparams, params = tiny
+    ids = reference["input_ids"][None]
+    last = gpt2.gpt2(ids, **params, n_head=2)  # [1, n_vocab]
+    full = gpt2.gpt2(ids, **params, n_head=2, all_logits=True)  # [1, T, n_vocab]
+    np.testing.assert_allclose(last[0], full[0, -1], atol=1e-5)
+
+
+def test_hot_path_stays_float32(tiny, reference):
+    _, hparams, params = tiny
+    x = np.random.default_rng(0).standard_normal((2, 3, 16)).astype(np.float32)
+    assert gpt2.gelu(x).dtype == np.float32
+    assert gpt2.softmax(x).dtype == np.float32
+    assert gpt2.layer_norm(x, np.ones(16, np.float32), np.zeros(16, np.float32)).dtype == np.float32
+    logits = gpt2.gpt2(reference["input_ids"][None], **params, n_head=2, all_logits=True)
+    assert logits.dtype == np.float32
+    counts = sampling.token_counts([[1, 2, 2]], 50257)
+    s = sampling.SamplingSettings(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, presence_penalty=0.5,
+                                  frequency_penalty=0.3, repetition_penalty=1.2)
+    assert sampling.process_logits(logits[:, -1], counts, s).dtype == np.float32
+    assert sampling.probabilities(logits[:, -1], counts, s).dtype == np.float32
+
+
+def test_padding_rows_to_eight_changes_nothing():
+    rng = np.random.default_rng(1)
+    w, b = rng.standard_normal((16, 48)).astype(np.float32), rng.standard_normal(48).astype(np.float32)
+    for T in range(1, 11):
+        x = rng.standard_normal((1, T, 16)).astype(np.float32)
+        np.testing.assert_allclose(gpt2.linear(x, w, b), x @ w + b, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_generate_reproduces_transformers(reference, reference_params, tiny):
+    prompt = reference["input_ids"].tolist()
+    for use_cache in (True, False):
+        out, stats = gpt2.generate([prompt], reference_params, tiny[1], 20, GREEDY, np.random.default_rng(0),
+                                   use_cache=use_cache)
+        assert out[0] == reference["greedy_ids"].tolist()
+        assert stats["n_tokens"] == 20 and stats["tokens_per_s"] > 0
+
+
+def test_generate_stops_at_eos_and_streams(tiny, reference):
+    _, hparams, params = tiny
+    prompt = reference["input_ids"].tolist()
+    full, _ = gpt2.generate([prompt], params, hparams, 10, GREEDY, np.random.default_rng(0))
+    eos = full[0][3]  # pretend the 4th greedy token is end-of-text
+    seen = []
+    out, _ = gpt2.generate([prompt], params, hparams, 10, GREEDY, np.random.default_rng(0), eos_id=eos,
+                           callback=lambda row, tok: seen.append((row, tok)))
+    assert out[0] == full[0][:full[0].index(eos) + 1]
+    assert seen == [(0, t) for t in out[0]]
+
+
+def test_without_c_attn_bias_helper_leaves_weights_untouched(tiny):
+    params = tiny[2]
+    zeroed = without_c_attn_bias(params)
+    assert np.abs(params["blocks"][0]["attn"]["c_attn"]["b"]).max() > 0
+    assert not zeroed["blocks"][0]["attn"]["c_attn"]["b"].any()
