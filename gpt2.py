@@ -95,11 +95,11 @@ def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, cache=None, n_new=None, all_log
     n_new = np.full(B, T) if n_new is None else np.asarray(n_new)
     start = np.zeros(B, dtype=np.int64) if cache is None else cache["lengths"]
     positions = start[:, None] + np.arange(T)  # [B, T]: a token's position is its slot
-    S = int((start + T).max()) if cache is not None else T
+    plan = kv_cache.write_plan(start, n_new, T) if cache is not None else None
+    S = plan[1] if cache is not None else T  # keys: the cached prefix and these tokens
     # query at position t may see keys at positions <= t; this also hides stale slots
     hidden = np.arange(S)[None, None, :] > positions[:, :, None]  # [B, T, S]
     mask = np.where(hidden, np.float32(-np.inf), np.float32(0.0))[:, None]  # [B, 1, T, S]
-    plan = kv_cache.write_plan(start, n_new, T) if cache is not None else None
     x = wte[inputs] + wpe[np.minimum(positions, wpe.shape[0] - 1)]  # [B, T, n_embd]
     for layer, block in enumerate(blocks):
         x = transformer_block(x, **block, n_head=n_head, mask=mask, cache=cache, layer=layer, plan=plan)
@@ -112,6 +112,25 @@ def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, cache=None, n_new=None, all_log
     return logits if all_logits else logits[:, 0]
 
 
+def next_logits(params, hparams, cache, seqs, all_logits=False):
+    """One model pass that brings each row up to date: with a cache, only the tokens
+    it has not seen (inside the sliding window); without, the whole window again.
+    Returns (logits, n_new): [B, n_vocab], or [B, T, n_vocab] with all_logits, where
+    row b's real positions are the first n_new[b]."""
+    if cache is not None:
+        inputs, n_new = kv_cache.pending_inputs(cache, seqs, hparams["n_ctx"])  # [B, T]
+    else:
+        inputs, n_new = kv_cache.pad_right([s[-hparams["n_ctx"]:] for s in seqs])  # [B, T]
+    logits = gpt2(inputs, **params, n_head=hparams["n_head"], cache=cache, n_new=n_new, all_logits=all_logits)
+    return logits, n_new
+
+
+def new_cache(params, hparams, B, n_tokens):
+    """A static cache just big enough for n_tokens per row (never more than n_ctx)."""
+    return kv_cache.init_cache(hparams["n_layer"], hparams["n_head"], min(hparams["n_ctx"], n_tokens),
+                               hparams["n_embd"], B, dtype=params["wte"].dtype)
+
+
 def generate(prompts, params, hparams, n_tokens_to_generate, settings, rng, use_cache=True,
              eos_id=None, callback=None):
     """Autoregressive decoding: one model pass per new token, for a batch of prompts.
@@ -121,26 +140,16 @@ def generate(prompts, params, hparams, n_tokens_to_generate, settings, rng, use_
     when every row has ended. callback(row, token) sees each token as it comes.
     Returns (the new tokens of each row, stats).
     """
-    n_ctx, n_head = hparams["n_ctx"], hparams["n_head"]
     seqs = [list(p) for p in prompts]
     out = [[] for _ in prompts]
     active = list(range(len(prompts)))  # rows still generating, in cache order
     counts = sampling.token_counts(prompts if settings.penalize_prompt else [[]] * len(prompts),
                                    hparams["n_vocab"])
-    cache = None
-    if use_cache:
-        n_slots = min(n_ctx, max(map(len, seqs)) + n_tokens_to_generate)
-        cache = kv_cache.init_cache(hparams["n_layer"], n_head, n_slots, hparams["n_embd"], len(seqs),
-                                    dtype=params["wte"].dtype)
+    cache = new_cache(params, hparams, len(seqs), max(map(len, seqs)) + n_tokens_to_generate) if use_cache else None
     start = time.perf_counter()
     token_times = []
     for _ in range(n_tokens_to_generate):
-        rows = [seqs[b] for b in active]
-        if use_cache:
-            inputs, n_new = kv_cache.pending_inputs(cache, rows, n_ctx)  # [B, T]: only what the cache lacks
-        else:
-            inputs, n_new = kv_cache.pad_right([s[-n_ctx:] for s in rows])  # [B, T]: the whole window again
-        logits = gpt2(inputs, **params, n_head=n_head, cache=cache, n_new=n_new)  # [B, n_vocab]
+        logits, _ = next_logits(params, hparams, cache, [seqs[b] for b in active])  # [B, n_vocab]
         probs = sampling.probabilities(logits, counts[active], settings)  # [B, n_vocab]
         tokens = sampling.sample(probs, rng)  # [B]
         token_times.append(time.perf_counter())

@@ -43,28 +43,27 @@ def cache_nbytes(cache):
 
 
 def write_plan(lengths, n_new, T):
-    """Where this pass's new keys/values go: rows, times and slots of the valid
-    new tokens (row b has n_new[b] real tokens, the rest of its T are padding)."""
-    t = np.arange(T)
+    """Where this pass's new keys/values go, and S, the number of slots attention reads:
+    the longest row after this pass (row b has n_new[b] real tokens, then padding)."""
+    S = int((lengths + n_new).max())
     if (n_new == T).all() and (lengths == lengths[0]).all():
-        return slice(lengths[0], lengths[0] + T)  # every row appends T tokens at the same slots
-    b_idx, t_idx = np.nonzero(t[None, :] < n_new[:, None])
-    return b_idx, t_idx, lengths[b_idx] + t_idx
+        return slice(lengths[0], lengths[0] + T), S  # every row appends T tokens at the same slots
+    b_idx, t_idx = np.nonzero(np.arange(T)[None, :] < n_new[:, None])  # real tokens only
+    return (b_idx, t_idx, lengths[b_idx] + t_idx), S
 
 
 def append_kv(cache, layer, k, v, plan):
-    """Store this pass's k, v [B, n_head, T, d_head] and return all keys/values up to the
-    longest row, [B, n_head, S, d_head]."""
-    if isinstance(plan, slice):
-        cache["k"][layer, :, :, plan] = k
-        cache["v"][layer, :, :, plan] = v
-        S = plan.stop
+    """Store this pass's k, v [B, n_head, T, d_head] and return every row's keys/values
+    [B, n_head, S, d_head]; slots past a row's own length are hidden by the mask."""
+    where, S = plan
+    if isinstance(where, slice):
+        cache["k"][layer, :, :, where] = k
+        cache["v"][layer, :, :, where] = v
     else:
-        b_idx, t_idx, slots = plan
+        b_idx, t_idx, slots = where
         # indexing [b, :, slot] puts the indexed axis first: [n_valid, n_head, d_head]
         cache["k"][layer, b_idx, :, slots] = k[b_idx, :, t_idx]
         cache["v"][layer, b_idx, :, slots] = v[b_idx, :, t_idx]
-        S = int((cache["lengths"] + k.shape[2]).max())
     return cache["k"][layer, :, :, :S], cache["v"][layer, :, :, :S]  # [B, n_head, S, d_head]
 
 

@@ -1,0 +1,228 @@
+"""Speculative decoding: a cheap drafter guesses, the target model checks in one pass.
+
+Leviathan, Kalman & Matias 2023, "Fast Inference from Transformers via
+Speculative Decoding" (https://arxiv.org/abs/2211.17192); Chen et al. 2023,
+"Accelerating Large Language Model Decoding with Speculative Sampling"
+(https://arxiv.org/abs/2302.01318).
+
+Decoding one token with a large model costs a pass over all its weights, and a
+pass over K+1 tokens costs little more (the weights are read once either way).
+So each step:
+
+1. the draft proposes K tokens d_1..d_K, sampled one at a time from its own
+   distributions q_1..q_K (a small model with its KV cache; or prompt lookup,
+   which copies what followed an earlier occurrence of the last few tokens);
+2. the target scores all K+1 positions in ONE pass, giving p_1..p_{K+1};
+3. d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)), left to right;
+4. at the first rejection, position i is resampled from the residual
+   norm(max(0, p_i - q_i)); if all K pass, a bonus token comes from p_{K+1}.
+
+This is rejection sampling, so every emitted token is distributed exactly as if
+sampled from p alone: P(emit x) = q(x) min(1, p(x)/q(x)) + (1 - sum_y min(q(y),
+p(y))) * max(0, p(x) - q(x)) / sum_y max(0, p(y) - q(y)) = min(q(x), p(x)) +
+max(0, p(x) - q(x)) = p(x). Both caches are rolled back to the accepted length.
+Each step emits n+1 tokens (n accepted, 1 from the target), for one target pass.
+
+p and q come from sampling.py with the same settings, so penalties, top-k/p and
+temperature are honoured exactly; temperature 0 makes p and q one-hot and the
+output is the target's own greedy text, token for token.
+"""
+import time
+
+import numpy as np
+
+import gpt2
+import kv_cache
+import sampling
+
+
+def check_same_vocabulary(target_hparams, draft_hparams):
+    if target_hparams["n_vocab"] != draft_hparams["n_vocab"]:
+        raise ValueError(f"draft and target vocabularies differ ({draft_hparams['n_vocab']} vs "
+                         f"{target_hparams['n_vocab']} tokens): speculative decoding needs the same tokenizer")
+
+
+def counts_along_drafts(counts, drafts, n_positions):
+    """counts [B, n_vocab] -> [B, n_positions, n_vocab]: position i also counts d_1..d_i,
+    since a penalty at position i must see the drafted text before it."""
+    B, V = counts.shape
+    out = np.repeat(counts[:, None], n_positions, axis=1)  # [B, n_positions, n_vocab]
+    for i in range(min(drafts.shape[1], n_positions - 1)):
+        out[np.arange(B), i + 1:, drafts[:, i]] += 1
+    return out
+
+
+def verify(p, q, drafts, k, rng):
+    """Accept/reject K drafted tokens per row, then draw one more from the target.
+
+    p [B, K+1, n_vocab]: target distributions; p[:, i] is for the token after d_1..d_i.
+    q [B, K, n_vocab]: draft distributions the drafts were sampled from.
+    drafts [B, K], k [B]: row b drafted k[b] <= K real tokens.
+    Returns (n [B] accepted drafts, token [B] the target's own next token).
+    """
+    B, K = drafts.shape
+    rows = np.arange(B)
+    u = rng.random((B, K))  # [B, K]
+    i = np.arange(K)
+    p_d = p[rows[:, None], i, drafts]  # [B, K]: p_i(d_i)
+    q_d = q[rows[:, None], i, drafts]  # [B, K]: q_i(d_i)
+    accept = (u * q_d < p_d) & (i < k[:, None])  # u < p/q without dividing by q = 0
+    n = np.cumprod(accept, axis=1).sum(axis=1)  # [B]: accepted before the first rejection
+    p_n = p[rows, n]  # [B, n_vocab]
+    q_n = np.where((n < k)[:, None], q[rows, np.minimum(n, K - 1)] if K else 0.0, 0.0)
+    residual = np.maximum(p_n - q_n, 0.0)  # [B, n_vocab]: equals p_n where all drafts passed
+    mass = residual.sum(axis=-1, keepdims=True)
+    residual = np.where(mass > 0, residual, p_n)  # p == q up to rounding: rejection had ~0 chance
+    return n, sampling.sample(residual, rng)
+
+
+def prompt_lookup_draft(seq, K, max_ngram=3):
+    """Prompt lookup decoding (Saxena 2023): find the last n-gram of seq earlier in
+    seq (longest n first, latest match) and propose the up to K tokens after it."""
+    arr = np.asarray(seq)
+    for n in range(min(max_ngram, len(arr) - 1), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # [len-n, n]
+        hits = np.nonzero((windows == arr[-n:]).all(axis=1))[0]
+        if hits.size:
+            start = hits[-1] + n
+            return arr[start:start + K].tolist()
+    return []
+
+
+def speculative_generate(prompts, target, draft, n_tokens_to_generate, K, settings, rng, use_cache=True,
+                         eos_id=None, callback=None, drafter="model", adaptive_K=False, K_max=8):
+    """Draft-verify decoding for a batch of prompts.
+
+    target, draft: (params, hparams); draft is unused with drafter="prompt_lookup".
+    callback(row, token, accepted) sees each token as it is emitted; accepted tells
+    whether it was a draft the target accepted (True) or the target's own (False).
+    Returns (the new tokens of each row, stats).
+    """
+    t_params, t_hparams = target
+    model_drafter = drafter == "model"
+    if model_drafter:
+        d_params, d_hparams = draft
+        check_same_vocabulary(t_hparams, d_hparams)
+    if K < 1 or K >= t_hparams["n_ctx"] // 2:
+        raise ValueError(f"K must be between 1 and {t_hparams['n_ctx'] // 2 - 1}, got {K}")
+    B = len(prompts)
+    seqs = [list(p) for p in prompts]
+    out = [[] for _ in prompts]
+    active = list(range(B))  # rows still generating, in cache order
+    counts = sampling.token_counts(prompts if settings.penalize_prompt else [[]] * B, t_hparams["n_vocab"])
+    n_slots = max(map(len, seqs)) + n_tokens_to_generate + K_max + 1
+    t_cache = gpt2.new_cache(t_params, t_hparams, B, n_slots) if use_cache else None
+    d_cache = gpt2.new_cache(d_params, d_hparams, B, n_slots) if use_cache and model_drafter else None
+    stats = {"target_passes": 0, "row_passes": 0, "draft_passes": 0, "drafted": 0, "accepted": 0,
+             "draft_s": 0.0, "verify_s": 0.0, "proposed_at": np.zeros(K_max, np.int64),
+             "accepted_at": np.zeros(K_max, np.int64), "K_trace": []}
+    start = time.perf_counter()
+    token_times = []
+    while active:
+        remaining = [n_tokens_to_generate - len(out[b]) for b in active]
+        K_step = max(0, min(K, max(remaining) - 1))  # never draft past the last token needed
+        rows = [seqs[b] for b in active]
+        c = counts[active]
+
+        t0 = time.perf_counter()
+        if model_drafter:
+            drafts, q = draft_with_model(d_params, d_hparams, d_cache, rows, c, K_step, settings, rng)
+            stats["draft_passes"] += K_step
+        else:
+            drafts, q = draft_with_lookup(rows, K_step, t_hparams["n_vocab"])
+        k = np.array([len(r) for r in drafts], dtype=np.int64)  # [B]: real drafts per row
+        drafts = kv_cache.pad_right(drafts)[0][:, :K_step]  # [B, K_step]
+        t1 = time.perf_counter()
+
+        logits, n_new = gpt2.next_logits(t_params, t_hparams, t_cache,
+                                         [r + d[:kb].tolist() for r, d, kb in zip(rows, drafts, k)],
+                                         all_logits=True)  # [B, T, n_vocab]
+        positions = n_new[:, None] - 1 - k[:, None] + np.arange(K_step + 1)  # [B, K_step+1]
+        positions = np.minimum(positions, n_new[:, None] - 1)  # rows with fewer drafts: repeat the last
+        logits = logits[np.arange(len(rows))[:, None], positions]  # [B, K_step+1, n_vocab]
+        p = sampling.probabilities(logits, counts_along_drafts(c, drafts, K_step + 1)
+                                   if settings.uses_counts else None, settings)  # [B, K_step+1, n_vocab]
+        n, token = verify(p, q, drafts, k, rng)
+        stats["target_passes"] += 1
+        stats["row_passes"] += len(active)
+        stats["verify_s"] += time.perf_counter() - t1
+        stats["draft_s"] += t1 - t0
+        stats["drafted"] += int(k.sum())
+        stats["accepted"] += int(n.sum())
+        np.add.at(stats["proposed_at"], np.concatenate([np.arange(kb) for kb in k]).astype(np.int64), 1)
+        np.add.at(stats["accepted_at"], np.concatenate([np.arange(nb) for nb in n]).astype(np.int64), 1)
+        stats["K_trace"].append(K_step)
+
+        done = []
+        for i, b in enumerate(active):
+            emitted = drafts[i, :n[i]].tolist() + [int(token[i])]
+            emitted = emitted[:remaining[i]]  # max_new_tokens is exact
+            if eos_id is not None and eos_id in emitted:
+                emitted = emitted[:emitted.index(eos_id) + 1]  # EOS ends the row right there
+            for j, tok in enumerate(emitted):
+                seqs[b].append(tok)
+                out[b].append(tok)
+                counts[b, tok] += 1
+                if callback:
+                    callback(b, tok, j < n[i])
+            if len(out[b]) == n_tokens_to_generate or (eos_id is not None and emitted[-1] == eos_id):
+                done.append(i)
+        token_times.append(time.perf_counter())
+        for cache in (t_cache, d_cache):  # keep only what matches the accepted text
+            if cache is not None:
+                kv_cache.rollback(cache, np.array([len(seqs[b]) - 1 for b in active]) - cache["starts"])
+        if adaptive_K:
+            K = adapt_K(K, n, k, K_max)
+        if done:
+            keep = [i for i in range(len(active)) if i not in done]
+            active = [active[i] for i in keep]
+            for cache in (t_cache, d_cache):
+                if cache is not None:
+                    kv_cache.keep_rows(cache, keep)
+    return out, finish_stats(stats, start, token_times, sum(map(len, out)))
+
+
+def draft_with_model(params, hparams, cache, rows, counts, K, settings, rng):
+    """K tokens per row from the draft model, and the distributions q [B, K, n_vocab]
+    they were sampled from (with the same settings and history as the target)."""
+    B = len(rows)
+    drafts = np.zeros((B, K), dtype=np.int64)
+    q = np.zeros((B, K, hparams["n_vocab"]), dtype=np.float32)
+    counts = counts.copy() if settings.uses_counts else counts
+    for i in range(K):
+        logits, _ = gpt2.next_logits(params, hparams, cache, [r + drafts[b, :i].tolist() for b, r in enumerate(rows)])
+        q[:, i] = sampling.probabilities(logits, counts, settings)  # [B, n_vocab]
+        drafts[:, i] = sampling.sample(q[:, i], rng)
+        if settings.uses_counts:
+            counts[np.arange(B), drafts[:, i]] += 1
+    return [d.tolist() for d in drafts], q
+
+
+def draft_with_lookup(rows, K, n_vocab):
+    """Prompt lookup drafts; the drafter is deterministic, so q is one-hot at each draft."""
+    drafts = [prompt_lookup_draft(r, K) if K else [] for r in rows]
+    q = np.zeros((len(rows), K, n_vocab), dtype=np.float32)
+    for b, d in enumerate(drafts):
+        q[b, np.arange(len(d)), d] = 1.0
+    return drafts, q
+
+
+def adapt_K(K, n, k, K_max):
+    """Grow K after a step where every row accepted everything, shrink it when most
+    drafts were rejected: K tracks the acceptance rate the text currently allows."""
+    if (n == k).all() and (k == K).all():
+        return min(K + 1, K_max)
+    if n.sum() < k.sum() / 2:
+        return max(K - 1, 1)
+    return K
+
+
+def finish_stats(stats, start, token_times, n_tokens):
+    s = gpt2.decode_stats(start, token_times, n_tokens)
+    proposed = stats.pop("proposed_at")
+    accepted = stats.pop("accepted_at")
+    s.update(stats)
+    s["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else 0.0
+    s["tokens_per_target_pass"] = n_tokens / stats["row_passes"] if stats["row_passes"] else 0.0  # per row
+    s["acceptance_by_position"] = [round(float(a / p), 3) for a, p in zip(accepted, proposed) if p]
+    return s
