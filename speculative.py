@@ -105,6 +105,7 @@ def speculative_generate(prompts, target, draft, n_tokens_to_generate, K, settin
         check_same_vocabulary(t_hparams, d_hparams)
     if K < 1 or K >= t_hparams["n_ctx"] // 2:
         raise ValueError(f"K must be between 1 and {t_hparams['n_ctx'] // 2 - 1}, got {K}")
+    K_max = max(K, K_max)
     B = len(prompts)
     seqs = [list(p) for p in prompts]
     out = [[] for _ in prompts]

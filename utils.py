@@ -111,8 +111,18 @@ def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0):
         except (_Retry, requests.ConnectionError, requests.Timeout,
                 requests.exceptions.ChunkedEncodingError) as e:
             error = e
-    raise LoadError(f"could not download {url} after {retries} tries ({type(error).__name__}: {error}); "
-                    f"check your network, then run again to resume")
+    reason = {requests.ConnectionError: "cannot connect", requests.Timeout: "timed out",
+              requests.exceptions.ChunkedEncodingError: "connection dropped"}.get(type(error), str(error))
+    raise LoadError(f"could not download {url} after {retries} tries ({reason}); "
+                    f"check your network or --base_url, then run again to resume")
+
+
+def is_complete(model_dir):
+    """A model in either layout: weights, hparams and tokenizer, each under either naming."""
+    have = lambda *names: all(os.path.exists(os.path.join(model_dir, n)) for n in names)
+    return ((have("model.ckpt.index", "model.ckpt.data-00000-of-00001", "hparams.json")
+             or have("model.safetensors", "config.json"))
+            and (have("vocab.bpe", "encoder.json") or have("merges.txt", "vocab.json")))
 
 
 def download_model(model_size, models_dir="models", source="openai", base_url=None, **download_kw):
@@ -121,9 +131,9 @@ def download_model(model_size, models_dir="models", source="openai", base_url=No
     so a full directory never touches the network."""
     urls = file_urls(model_size, source, base_url)
     model_dir = os.path.join(models_dir, model_size)
-    missing = [f for f in urls if not os.path.exists(os.path.join(model_dir, f))]
-    if not missing:
+    if is_complete(model_dir):
         return model_dir
+    missing = [f for f in urls if not os.path.exists(os.path.join(model_dir, f))]
     try:
         os.makedirs(model_dir, exist_ok=True)
         probe = os.path.join(model_dir, ".write-test")
