@@ -93,7 +93,9 @@ def speculative_generate(prompts, target, draft, n_tokens_to_generate, K, settin
                          eos_id=None, callback=None, drafter="model", adaptive_K=False, K_max=8):
     """Draft-verify decoding for a batch of prompts.
 
-    target, draft: (params, hparams); draft is unused with drafter="prompt_lookup".
+    target, draft: (params, hparams); draft is used only with drafter="model".
+    drafter: "model", "prompt_lookup", or any function (seq, K) -> up to K proposed
+      tokens (a deterministic drafter, such as the benchmark's oracle).
     callback(row, token, accepted) sees each token as it is emitted; accepted tells
     whether it was a draft the target accepted (True) or the target's own (False).
     Returns (the new tokens of each row, stats).
@@ -130,7 +132,8 @@ def speculative_generate(prompts, target, draft, n_tokens_to_generate, K, settin
             drafts, q = draft_with_model(d_params, d_hparams, d_cache, rows, c, K_step, settings, rng)
             stats["draft_passes"] += K_step
         else:
-            drafts, q = draft_with_lookup(rows, K_step, t_hparams["n_vocab"])
+            propose = prompt_lookup_draft if drafter == "prompt_lookup" else drafter
+            drafts, q = draft_deterministic(rows, K_step, t_hparams["n_vocab"], propose)
         k = np.array([len(r) for r in drafts], dtype=np.int64)  # [B]: real drafts per row
         drafts = kv_cache.pad_right(drafts)[0][:, :K_step]  # [B, K_step]
         t1 = time.perf_counter()
@@ -199,9 +202,10 @@ def draft_with_model(params, hparams, cache, rows, counts, K, settings, rng):
     return [d.tolist() for d in drafts], q
 
 
-def draft_with_lookup(rows, K, n_vocab):
-    """Prompt lookup drafts; the drafter is deterministic, so q is one-hot at each draft."""
-    drafts = [prompt_lookup_draft(r, K) if K else [] for r in rows]
+def draft_deterministic(rows, K, n_vocab, propose):
+    """Drafts from a deterministic drafter such as prompt lookup: q is one-hot at each
+    draft, so d_i is accepted with probability p_i(d_i)."""
+    drafts = [propose(r, K)[:K] if K else [] for r in rows]
     q = np.zeros((len(rows), K, n_vocab), dtype=np.float32)
     for b, d in enumerate(drafts):
         q[b, np.arange(len(d)), d] = 1.0

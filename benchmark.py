@@ -1,0 +1,408 @@
+"""benchmark.py: every speed number in the README comes from here.
+
+    python benchmark.py                 # 124M and 355M shapes, a few minutes on 2 cores
+    python benchmark.py --quick         # tiny shapes, seconds (the test suite runs this)
+
+Speed does not depend on weight values, so models that are not in --models_dir
+run with random weights of the real shapes (the output says which). Each number
+is the median of --reps runs after a warm-up, with the spread (min-max) beside
+it, and every ratio is taken within this one run. Results go to
+<out>/results.json and <out>/results.md; with matplotlib installed, plots go
+to img/.
+"""
+import argparse
+import json
+import os
+import platform
+import resource
+import sys
+import time
+
+import numpy as np
+
+import gpt2
+import kv_cache
+import sampling
+import speculative
+import utils
+
+SHAPES = {  # n_embd, n_head, n_layer of OpenAI's releases
+    "124M": (768, 12, 12), "355M": (1024, 16, 24), "774M": (1280, 20, 36), "1558M": (1600, 25, 48),
+    "tiny": (64, 4, 2),  # --quick
+}
+GREEDY = sampling.SamplingSettings(temperature=0.0)
+
+
+def random_params(size, seed=0, n_vocab=50257, n_ctx=1024):
+    """GPT-2 params of the real shapes, random values (N(0, 0.02), like GPT-2's init)."""
+    n_embd, n_head, n_layer = SHAPES[size]
+    rng = np.random.default_rng(seed)
+
+    def r(*shape):
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+
+    def ln():
+        return {"g": np.ones(n_embd, np.float32), "b": r(n_embd)}
+
+    blocks = [{"ln_1": ln(), "ln_2": ln(),
+               "attn": {"c_attn": {"w": r(n_embd, 3 * n_embd), "b": r(3 * n_embd)},
+                        "c_proj": {"w": r(n_embd, n_embd), "b": r(n_embd)}},
+               "mlp": {"c_fc": {"w": r(n_embd, 4 * n_embd), "b": r(4 * n_embd)},
+                       "c_proj": {"w": r(4 * n_embd, n_embd), "b": r(n_embd)}}} for _ in range(n_layer)]
+    hparams = {"n_vocab": n_vocab, "n_ctx": n_ctx, "n_embd": n_embd, "n_head": n_head, "n_layer": n_layer}
+    return {"wte": r(n_vocab, n_embd), "wpe": r(n_ctx, n_embd), "blocks": blocks, "ln_f": ln()}, hparams
+
+
+def load_or_random(size, models_dir, seed):
+    """Real weights when models_dir holds them (timing the memmapped load), else random."""
+    model_dir = os.path.join(models_dir, size)
+    if size in utils.MODEL_SIZES and utils.is_complete(model_dir):
+        t = time.perf_counter()
+        _, hparams, params = utils.load_model_dir(model_dir)
+        return params, hparams, {"weights": "real", "load_s": time.perf_counter() - t}
+    params, hparams = random_params(size, seed)
+    return params, hparams, {"weights": "random", "load_s": None}
+
+
+def matmul_weight_bytes(params):
+    """Bytes a one-token decode step must stream: every matmul weight once (the head
+    reads all of wte; wpe contributes one row and is left out)."""
+    blocks = sum(w.nbytes for b in params["blocks"] for m in ("attn", "mlp") for lin in b[m].values()
+                 for w in lin.values())
+    return blocks + params["wte"].nbytes
+
+
+def timed(fn, reps, warmup=1):
+    """Run fn warmup + reps times; (median, min, max) seconds of the timed runs."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)), float(min(ts)), float(max(ts))
+
+
+def measure_bandwidth(n=8192, reps=5):
+    """GB/s of a large one-row matmul: the memory roofline of batch-1 decoding."""
+    w = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)  # [n, n]: 256 MiB
+    x = np.ones((1, n), np.float32)
+    med, _, _ = timed(lambda: x @ w, reps)
+    return w.nbytes / med / 1e9
+
+
+def prompt_ids(n, seed=1):
+    return np.random.default_rng(seed).integers(0, 50000, n).tolist()
+
+
+def bench_decode(params, hparams, args, bandwidth):
+    """Prefill, decode tokens/s at each batch size (cache on), and batch 1 without cache."""
+    rows = []
+    prompt = prompt_ids(args.prompt_len)
+    for B in args.batch_sizes:
+        prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]
+        results = []
+
+        def run():
+            results.append(gpt2.generate(prompts, params, hparams, args.n_tokens, GREEDY,
+                                         np.random.default_rng(0))[1])
+        timed(run, args.reps)
+        tps = [r["n_tokens"] / (r["seconds"] - r["ttft_s"]) for r in results[1:]]  # decode only
+        rows.append({"batch": B, "cache": True, "decode_tok_s": float(np.median(tps)),
+                     "decode_tok_s_min": min(tps), "decode_tok_s_max": max(tps),
+                     "ttft_ms": 1e3 * float(np.median([r["ttft_s"] for r in results[1:]])),
+                     "itl_ms_p50": float(np.median([r["itl_ms_median"] for r in results[1:]])),
+                     "itl_ms_p90": float(np.median([r["itl_ms_p90"] for r in results[1:]])),
+                     "kv_cache_bytes_n_ctx": 2 * hparams["n_layer"] * B * hparams["n_ctx"] * hparams["n_embd"] * 4})
+    _, stats = gpt2.generate([prompt], params, hparams, max(4, args.n_tokens // 4), GREEDY,
+                             np.random.default_rng(0), use_cache=False)
+    rows.append({"batch": 1, "cache": False, "decode_tok_s": stats["tokens_per_s"],
+                 "itl_ms_p50": stats["itl_ms_median"], "ttft_ms": stats["ttft_s"] * 1e3})
+    roofline = bandwidth * 1e9 / matmul_weight_bytes(params)
+    for r in rows:
+        r["roofline_tok_s"] = roofline * r["batch"]
+        r["fraction_of_roofline"] = r["decode_tok_s"] / r["roofline_tok_s"]
+    return rows
+
+
+def decode_step_time(params, hparams, context, T=1, reps=5):
+    """Median seconds of one cached pass over T new tokens after `context` cached tokens."""
+    cache = kv_cache.init_cache(hparams["n_layer"], hparams["n_head"], context + T, hparams["n_embd"], 1)
+    gpt2.gpt2(np.array([prompt_ids(context)]), **params, n_head=hparams["n_head"], cache=cache)
+    new = np.array([prompt_ids(T, seed=2)])
+
+    def step():
+        cache["lengths"][:] = context  # roll back, so every rep sees the same context
+        gpt2.gpt2(new, **params, n_head=hparams["n_head"], cache=cache, all_logits=T > 1)
+    return timed(step, reps)[0]
+
+
+def bench_context(params, hparams, args):
+    """Per-token cost at growing context: one cached step vs recomputing the window."""
+    rows = []
+    for L in args.contexts:
+        cached = decode_step_time(params, hparams, L, reps=args.reps)
+        ids = np.array([prompt_ids(L + 1)])
+        uncached = timed(lambda: gpt2.gpt2(ids, **params, n_head=hparams["n_head"]), max(1, args.reps // 2))[0]
+        rows.append({"context": L, "cached_ms": cached * 1e3, "uncached_ms": uncached * 1e3,
+                     "speedup": uncached / cached})
+    return rows
+
+
+def bench_speculative_costs(draft, target, args):
+    """The three costs that decide speculative speed, and the speedup they predict."""
+    (d_params, d_hparams), (t_params, t_hparams) = draft, target
+    L = args.prompt_len
+    t_draft = decode_step_time(d_params, d_hparams, L, reps=args.reps)
+    t_step = decode_step_time(t_params, t_hparams, L, reps=args.reps)
+    verify, verify_unpadded = {}, {}
+    for K in args.Ks:
+        verify[K] = decode_step_time(t_params, t_hparams, L, T=K + 1, reps=args.reps)
+        if 1 < K + 1 < gpt2.PAD_ROWS_TO:
+            pad, gpt2.PAD_ROWS_TO = gpt2.PAD_ROWS_TO, 1
+            verify_unpadded[K] = decode_step_time(t_params, t_hparams, L, T=K + 1, reps=args.reps)
+            gpt2.PAD_ROWS_TO = pad
+    rows = []
+    for K in args.Ks:
+        row = {"K": K, "verify_ms": verify[K] * 1e3, "verify_over_step": verify[K] / t_step,
+               "verify_unpadded_ms": verify_unpadded[K] * 1e3 if K in verify_unpadded else None,
+               "oracle_ceiling": (K + 1) * t_step / verify[K]}
+        for alpha in args.alphas:
+            tokens = K + 1 if alpha == 1 else (1 - alpha ** (K + 1)) / (1 - alpha)  # E[tokens per pass]
+            row[f"predicted_a{alpha}"] = tokens * t_step / (K * t_draft + verify[K])
+        rows.append(row)
+    return {"draft_step_ms": t_draft * 1e3, "target_step_ms": t_step * 1e3,
+            "draft_over_target": t_draft / t_step, "by_K": rows}
+
+
+def bench_speculative_end_to_end(draft, target, args):
+    """Measured tokens/s: plain greedy vs speculative with an oracle drafter (proposes the
+    target's own greedy continuation: acceptance 1, drafting free), prompt lookup on an
+    input-grounded prompt, and the draft model."""
+    (t_params, t_hparams) = target
+    n = args.n_tokens * 2
+    prompt = prompt_ids(args.prompt_len)
+    ar_runs = []
+    timed(lambda: ar_runs.append(gpt2.generate([prompt], t_params, t_hparams, n, GREEDY,
+                                               np.random.default_rng(0))), args.reps)
+    truth = prompt + ar_runs[0][0][0]
+    ar_tok_s = float(np.median([s["tokens_per_s"] for _, s in ar_runs[1:]]))
+    rows = [{"decoder": "autoregressive", "K": 0, "tok_s": ar_tok_s, "speedup": 1.0, "acceptance": None}]
+
+    def oracle(seq, K):
+        return truth[len(seq):len(seq) + K]
+
+    # an input-grounded prompt: the continuation to come is quoted earlier in it, as in
+    # summarising, editing code or answering from a document
+    grounded = prompt + ar_runs[0][0][0] + prompt
+    _, g_stats = gpt2.generate([grounded], t_params, t_hparams, n, GREEDY, np.random.default_rng(0))
+    cases = [("oracle", oracle, prompt, K) for K in args.e2e_Ks]
+    cases += [("prompt_lookup (grounded prompt)", "prompt_lookup", grounded, K) for K in args.e2e_Ks]
+    cases += [("draft model", "model", prompt, K) for K in args.e2e_Ks]
+    for name, drafter, p, K in cases:
+        runs = []
+        timed(lambda: runs.append(speculative.speculative_generate(
+            [p], target, draft, n, K, GREEDY, np.random.default_rng(0), drafter=drafter)), args.reps)
+        out, s = runs[-1]
+        base = g_stats["tokens_per_s"] if p is grounded else ar_tok_s
+        tok_s = float(np.median([r[1]["tokens_per_s"] for r in runs[1:]]))
+        rows.append({"decoder": name, "K": K, "tok_s": tok_s, "speedup": tok_s / base,
+                     "acceptance": s["acceptance_rate"], "tokens_per_target_pass": s["tokens_per_target_pass"],
+                     "draft_s": s["draft_s"], "verify_s": s["verify_s"]})
+    return rows
+
+
+def bench_transformers(size, args):
+    """Hugging Face transformers' generate() on the same shapes, if it is installed."""
+    try:
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        return None
+    n_embd, n_head, n_layer = SHAPES[size]
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=n_embd, n_head=n_head, n_layer=n_layer)).eval()
+    rows = []
+    for B in args.batch_sizes:
+        ids = torch.tensor([prompt_ids(args.prompt_len, seed=b) for b in range(B)])
+        with torch.no_grad():
+            def run():
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.n_tokens,
+                               min_new_tokens=args.n_tokens, do_sample=False, pad_token_id=0)
+            med, lo, hi = timed(run, args.reps)
+        rows.append({"batch": B, "tok_s": B * args.n_tokens / med, "torch": torch.__version__,
+                     "threads": torch.get_num_threads()})
+    return rows
+
+
+def peak_rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def markdown(results):
+    """The tables the README quotes."""
+    m = results["machine"]
+    lines = [f"Machine: {m['cpu_count']} cores, {m['platform']}, NumPy {m['numpy']}; "
+             f"one-row matmul bandwidth {m['bandwidth_GBs']:.1f} GB/s.", f"Command: `{results['command']}`", ""]
+    for size, r in results["models"].items():
+        load = f"{r['load_s']:.3f} s (memmap)" if r["load_s"] is not None else "n/a"
+        lines += [f"### GPT-2 {size} ({r['weights']} weights; load {load})", "",
+                  "| batch | KV cache | decode tok/s (min-max) | roofline tok/s | of roofline | TTFT ms | ITL p50 / p90 ms |",
+                  "|---|---|---|---|---|---|---|"]
+        for d in r["decode"]:
+            spread = f" ({d['decode_tok_s_min']:.1f}-{d['decode_tok_s_max']:.1f})" if d["cache"] else ""
+            p90 = f" / {d['itl_ms_p90']:.1f}" if d["cache"] else ""
+            lines.append(f"| {d['batch']} | {'on' if d['cache'] else 'off'} | {d['decode_tok_s']:.1f}{spread} | "
+                         f"{d['roofline_tok_s']:.1f} | {d['fraction_of_roofline']:.0%} | {d['ttft_ms']:.0f} | "
+                         f"{d['itl_ms_p50']:.1f}{p90} |")
+        if r.get("transformers"):
+            hf = ", ".join(f"batch {t['batch']}: {t['tok_s']:.1f} tok/s" for t in r["transformers"])
+            lines.append(f"\ntransformers generate() on the same shapes (torch {r['transformers'][0]['torch']}, "
+                         f"{r['transformers'][0]['threads']} threads): {hf}")
+        lines += ["", "| context | cached step ms | uncached pass ms | cache speedup |", "|---|---|---|---|"]
+        lines += [f"| {c['context']} | {c['cached_ms']:.1f} | {c['uncached_ms']:.1f} | {c['speedup']:.1f}x |"
+                  for c in r["context"]]
+        lines.append("")
+    if "speculative" in results:
+        s = results["speculative"]
+        c = s["costs"]
+        lines += [f"### Speculative decoding: draft {s['draft']} -> target {s['target']}", "",
+                  f"draft step {c['draft_step_ms']:.1f} ms, target step {c['target_step_ms']:.1f} ms "
+                  f"(c = draft/target = {c['draft_over_target']:.2f})", "",
+                  "| K | verify K+1 ms | verify / step | unpadded verify ms | oracle ceiling | "
+                  + " | ".join(f"predicted a={a}" for a in s["alphas"]) + " |",
+                  "|---|---|---|---|---|" + "---|" * len(s["alphas"])]
+        for k in c["by_K"]:
+            unp = f"{k['verify_unpadded_ms']:.1f}" if k["verify_unpadded_ms"] else "-"
+            lines.append(f"| {k['K']} | {k['verify_ms']:.1f} | {k['verify_over_step']:.2f} | {unp} | "
+                         f"{k['oracle_ceiling']:.2f}x | " + " | ".join(f"{k[f'predicted_a{a}']:.2f}x"
+                                                                      for a in s["alphas"]) + " |")
+        lines += ["", "| decoder | K | tok/s | speedup | acceptance | tokens/target pass |", "|---|---|---|---|---|---|"]
+        for e in s["end_to_end"]:
+            acc = f"{e['acceptance']:.0%}" if e["acceptance"] is not None else "-"
+            tpp = f"{e['tokens_per_target_pass']:.2f}" if "tokens_per_target_pass" in e else "1"
+            lines.append(f"| {e['decoder']} | {e['K'] or '-'} | {e['tok_s']:.1f} | {e['speedup']:.2f}x | {acc} | {tpp} |")
+    lines.append(f"\nPeak RSS {results['peak_rss_mib']:.0f} MiB.")
+    return "\n".join(lines)
+
+
+def plots(results, img_dir):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: plots skipped (pip install matplotlib)"
+    os.makedirs(img_dir, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for size, r in results["models"].items():
+        d = [x for x in r["decode"] if x["cache"]]
+        ax.plot([x["batch"] for x in d], [x["decode_tok_s"] for x in d], "o-", label=f"{size} (NumPy)")
+        if r.get("transformers"):
+            ax.plot([t["batch"] for t in r["transformers"]], [t["tok_s"] for t in r["transformers"]], "x--",
+                    label=f"{size} (transformers)")
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s", title="Throughput vs batch")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(img_dir, "tokens_per_s_vs_batch.png"), dpi=120)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for size, r in results["models"].items():
+        ax.plot([c["context"] for c in r["context"]], [c["cached_ms"] for c in r["context"]], "o-", label=f"{size} cache")
+        ax.plot([c["context"] for c in r["context"]], [c["uncached_ms"] for c in r["context"]], "x--",
+                label=f"{size} no cache")
+    ax.set(yscale="log", xlabel="context length", ylabel="ms per token", title="KV cache vs recomputation")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(img_dir, "cache_vs_context.png"), dpi=120)
+    if "speculative" in results:
+        s = results["speculative"]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
+        Ks = [k["K"] for k in s["costs"]["by_K"]]
+        a1.plot(Ks, [k["oracle_ceiling"] for k in s["costs"]["by_K"]], "k--", label="oracle ceiling")
+        for a in s["alphas"]:
+            a1.plot(Ks, [k[f"predicted_a{a}"] for k in s["costs"]["by_K"]], "o-", label=f"acceptance {a}")
+        a1.axhline(1, color="grey", lw=0.5)
+        a1.set(xlabel="K", ylabel="predicted speedup", title=f"{s['draft']} -> {s['target']} on this CPU")
+        a1.legend(fontsize=7)
+        a2.bar([str(k) for k in Ks], [k["verify_over_step"] for k in s["costs"]["by_K"]])
+        a2.axhline(1, color="grey", lw=0.5)
+        a2.set(xlabel="K", ylabel="verify(K+1) / one decode step", title="Cost of verifying K+1 tokens")
+        fig.tight_layout()
+        fig.savefig(os.path.join(img_dir, "speculative_speedup_vs_K.png"), dpi=120)
+    plt.close("all")
+    return f"plots written to {img_dir}/"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", nargs="+", default=["124M", "355M"], choices=list(SHAPES))
+    ap.add_argument("--batch_sizes", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--prompt_len", type=int, default=32)
+    ap.add_argument("--n_tokens", type=int, default=32)
+    ap.add_argument("--contexts", nargs="+", type=int, default=[128, 512, 1000])
+    ap.add_argument("--draft", default="124M", choices=list(SHAPES))
+    ap.add_argument("--target", default="355M", choices=list(SHAPES))
+    ap.add_argument("--Ks", nargs="+", type=int, default=list(range(1, 9)))
+    ap.add_argument("--e2e_Ks", nargs="+", type=int, default=[2, 4, 7])
+    ap.add_argument("--alphas", nargs="+", type=float, default=[0.6, 0.8, 0.9, 1.0])
+    ap.add_argument("--no_speculative", action="store_true")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--models_dir", default="models")
+    ap.add_argument("--out", default="benchmark_results")
+    ap.add_argument("--img_dir", default="img")
+    ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes and few tokens: a smoke test")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.draft, args.target = ["tiny"], "tiny", "tiny"
+        args.batch_sizes, args.n_tokens, args.prompt_len = [1, 2], 4, 8
+        args.contexts, args.Ks, args.e2e_Ks, args.reps = [16], [1, 2], [2], 1
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.backend != "numpy":
+        print("error: --backend cupy is not available yet", file=sys.stderr)
+        return 2
+    command = "python benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    bandwidth = measure_bandwidth(1024 if args.quick else 8192)
+    results = {"command": command.strip(), "machine": {
+        "cpu_count": os.cpu_count(), "platform": platform.platform(), "numpy": np.__version__,
+        "bandwidth_GBs": bandwidth}, "models": {}}
+    print(f"one-row matmul bandwidth: {bandwidth:.1f} GB/s", flush=True)
+    loaded = {}
+    for size in dict.fromkeys(args.sizes + ([] if args.no_speculative else [args.draft, args.target])):
+        params, hparams, info = load_or_random(size, args.models_dir, seed=len(loaded))
+        loaded[size] = (params, hparams)
+        print(f"GPT-2 {size}: {info['weights']} weights", flush=True)
+        if size not in args.sizes:
+            continue
+        r = dict(info)
+        r["decode"] = bench_decode(params, hparams, args, bandwidth)
+        r["context"] = bench_context(params, hparams, args)
+        r["transformers"] = bench_transformers(size, args) if not args.quick else None
+        results["models"][size] = r
+        print(f"  batch-1 decode {r['decode'][0]['decode_tok_s']:.1f} tok/s "
+              f"({r['decode'][0]['fraction_of_roofline']:.0%} of roofline)", flush=True)
+    if not args.no_speculative:
+        draft, target = loaded[args.draft], loaded[args.target]
+        results["speculative"] = {"draft": args.draft, "target": args.target, "alphas": args.alphas,
+                                  "costs": bench_speculative_costs(draft, target, args),
+                                  "end_to_end": bench_speculative_end_to_end(draft, target, args)}
+    results["peak_rss_mib"] = peak_rss_mib()
+    table = markdown(results)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(table + "\n")
+    print("\n" + table)
+    print("\n" + (plots(results, args.img_dir) if not args.quick else "plots skipped in --quick mode"))
+    print(f"results: {args.out}/results.json, {args.out}/results.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
