@@ -146,6 +146,7 @@ def generate(prompts, params, hparams, n_tokens_to_generate, settings, rng, use_
     counts = sampling.token_counts(prompts if settings.penalize_prompt else [[]] * len(prompts),
                                    hparams["n_vocab"])
     cache = new_cache(params, hparams, len(seqs), max(map(len, seqs)) + n_tokens_to_generate) if use_cache else None
+    cache_bytes = kv_cache.cache_nbytes(cache) if use_cache else 0  # as allocated, before rows finish
     start = time.perf_counter()
     token_times = []
     for _ in range(n_tokens_to_generate):
@@ -167,7 +168,9 @@ def generate(prompts, params, hparams, n_tokens_to_generate, settings, rng, use_
                 kv_cache.keep_rows(cache, keep)
         if not active:
             break
-    return out, decode_stats(start, token_times, sum(map(len, out)))
+    stats = decode_stats(start, token_times, sum(map(len, out)))
+    stats["kv_cache_bytes"] = cache_bytes
+    return out, stats
 
 
 def decode_stats(start, token_times, n_tokens):

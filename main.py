@@ -32,7 +32,7 @@ def parse_args(argv=None):
     ap.add_argument("--mode", choices=["autoregressive", "speculative", "both"], default="both")
     ap.add_argument("--K", type=int, default=4, help="draft tokens per target pass")
     ap.add_argument("--adaptive_K", action="store_true", help="grow/shrink K with the acceptance (up to --K_max)")
-    ap.add_argument("--K_max", type=int, help="the bound for --adaptive_K (default: max(K, 8))")
+    ap.add_argument("--K_max", type=int, help="the bound for --adaptive_K (default: max(K, 7))")
     ap.add_argument("--drafter", choices=["model", "prompt_lookup"], default="model")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (deterministic)")
     ap.add_argument("--top_k", type=float, default=0, help="0 = off")
@@ -162,7 +162,7 @@ def run(args):
         out, stats = speculative.speculative_generate(
             ids, (t_params, t_hparams), draft, args.n_tokens_to_generate, args.K, settings,
             np.random.default_rng(args.seed), callback=cb, drafter=args.drafter,
-            adaptive_K=args.adaptive_K, K_max=args.K_max or max(args.K, 8), **common)
+            adaptive_K=args.adaptive_K, K_max=args.K_max or max(args.K, 7), **common)
         results["speculative"] = report(encoder, prompts, out, stats, args.stream)
         print(f"acceptance rate {stats['acceptance_rate']:.1%} "
               f"(by draft position: {stats['acceptance_by_position']}), "
@@ -185,7 +185,7 @@ def report(encoder, prompts, out, stats, streamed):
         for p, t in zip(prompts, texts):
             print(f"{p}{t}" if len(prompts) == 1 else f"--- {p!r}\n{p}{t}")
     print(f"{stats['n_tokens']} tokens in {stats['seconds']:.2f}s = {stats['tokens_per_s']:.1f} tokens/s "
-          f"(first token after {stats['ttft_s'] * 1e3:.0f} ms)")
+          f"(first token after {stats['ttft_s'] * 1e3:.0f} ms; KV cache {stats['kv_cache_bytes'] / 2**20:.1f} MiB)")
     return dict(stats, texts=texts)
 
 

@@ -117,3 +117,12 @@ def test_window_restart_keeps_the_last_half(tiny):
     seq.append(999)
     inputs, n_new = kv_cache.pending_inputs(cache, [seq], 64)
     assert inputs[0].tolist() == seq[-32:] and cache["lengths"][0] == 0 and cache["starts"][0] == 65 - 32
+
+
+def test_generate_reports_the_cache_it_allocated(tiny):
+    _, h, params = tiny
+    _, stats = gpt2.generate(PROMPTS, params, h, 5, GREEDY, np.random.default_rng(0))
+    slots = max(map(len, PROMPTS)) + 5  # sized to the longest row, not to n_ctx
+    assert stats["kv_cache_bytes"] == 2 * h["n_layer"] * len(PROMPTS) * slots * h["n_embd"] * 4
+    assert gpt2.generate(PROMPTS, params, h, 5, GREEDY, np.random.default_rng(0),
+                         use_cache=False)[1]["kv_cache_bytes"] == 0
