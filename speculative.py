@@ -129,7 +129,7 @@ def speculative_generate(prompts, target, draft, n_tokens_to_generate, K, settin
         c = counts[active]
 
         t0 = time.perf_counter()
-        if model_drafter:
+        if model_drafter:  # 1. the draft proposes d_1..d_K, sampled from q_1..q_K
             drafts, q = draft_with_model(d_params, d_hparams, d_cache, rows, c, K_step, settings, rng)
             stats["draft_passes"] += K_step
         else:
@@ -138,40 +138,11 @@ def speculative_generate(prompts, target, draft, n_tokens_to_generate, K, settin
         k = np.array([len(r) for r in drafts], dtype=np.int64)  # [B]: real drafts per row
         drafts = kv_cache.pad_right(drafts)[0][:, :K_step]  # [B, K_step]
         t1 = time.perf_counter()
-
-        logits, n_new = gpt2.next_logits(t_params, t_hparams, t_cache,
-                                         [r + d[:kb].tolist() for r, d, kb in zip(rows, drafts, k)],
-                                         all_logits=True)  # [B, T, n_vocab]
-        positions = n_new[:, None] - 1 - k[:, None] + np.arange(K_step + 1)  # [B, K_step+1]
-        positions = np.minimum(positions, n_new[:, None] - 1)  # rows with fewer drafts: repeat the last
-        logits = logits[np.arange(len(rows))[:, None], positions]  # [B, K_step+1, n_vocab]
-        p = sampling.probabilities(logits, counts_along_drafts(c, drafts, K_step + 1)
-                                   if settings.uses_counts else None, settings)  # [B, K_step+1, n_vocab]
-        n, token = verify(p, q, drafts, k, rng)
-        stats["target_passes"] += 1
-        stats["row_passes"] += len(active)
-        stats["verify_s"] += time.perf_counter() - t1
-        stats["draft_s"] += t1 - t0
-        stats["drafted"] += int(k.sum())
-        stats["accepted"] += int(n.sum())
-        np.add.at(stats["proposed_at"], np.concatenate([np.arange(kb) for kb in k]).astype(np.int64), 1)
-        np.add.at(stats["accepted_at"], np.concatenate([np.arange(nb) for nb in n]).astype(np.int64), 1)
-        stats["K_trace"].append(K_step)
-
-        done = []
-        for i, b in enumerate(active):
-            emitted = drafts[i, :n[i]].tolist() + [int(token[i])]
-            emitted = emitted[:remaining[i]]  # max_new_tokens is exact
-            if eos_id is not None and eos_id in emitted:
-                emitted = emitted[:emitted.index(eos_id) + 1]  # EOS ends the row right there
-            for j, tok in enumerate(emitted):
-                seqs[b].append(tok)
-                out[b].append(tok)
-                counts[b, tok] += 1
-                if callback:
-                    callback(b, tok, j < n[i])
-            if len(out[b]) == n_tokens_to_generate or (eos_id is not None and emitted[-1] == eos_id):
-                done.append(i)
+        p = score_with_target(t_params, t_hparams, t_cache, rows, drafts, k, c, settings)  # 2. one pass
+        n, token = verify(p, q, drafts, k, rng)  # 3-4. accept n drafts, then one token from the target
+        t2 = time.perf_counter()
+        done = emit(active, seqs, out, counts, drafts, n, token, remaining, n_tokens_to_generate, eos_id, callback)
+        record(stats, k, n, K_step, len(active), t1 - t0, t2 - t1)
         token_times.append(time.perf_counter())
         for cache in (t_cache, d_cache):  # keep only what matches the accepted text
             if cache is not None:
@@ -185,6 +156,51 @@ def speculative_generate(prompts, target, draft, n_tokens_to_generate, K, settin
                 if cache is not None:
                     kv_cache.keep_rows(cache, keep)
     return out, finish_stats(stats, start, token_times, sum(map(len, out)))
+
+
+def score_with_target(params, hparams, cache, rows, drafts, k, counts, settings):
+    """The target's distributions p [B, K+1, n_vocab] after each prefix of the drafts,
+    all from ONE forward pass over (pending tokens + drafts)."""
+    K = drafts.shape[1]
+    logits, n_new = gpt2.next_logits(params, hparams, cache, [r + d[:kb].tolist() for r, d, kb in zip(rows, drafts, k)],
+                                     all_logits=True)  # [B, T, n_vocab]
+    positions = n_new[:, None] - 1 - k[:, None] + np.arange(K + 1)  # [B, K+1]: the last k[b]+1 real tokens
+    positions = np.minimum(positions, n_new[:, None] - 1)  # rows with fewer drafts: repeat the last
+    logits = logits[np.arange(len(rows))[:, None], positions]  # [B, K+1, n_vocab]
+    counts = counts_along_drafts(counts, drafts, K + 1) if settings.uses_counts else None
+    return sampling.probabilities(logits, counts, settings)  # [B, K+1, n_vocab]
+
+
+def emit(active, seqs, out, counts, drafts, n, token, remaining, n_tokens_to_generate, eos_id, callback):
+    """Append each row's accepted drafts and the target's token, honouring
+    max_new_tokens and EOS; returns the indices (into active) of rows that ended."""
+    done = []
+    for i, b in enumerate(active):
+        emitted = drafts[i, :n[i]].tolist() + [int(token[i])]
+        emitted = emitted[:remaining[i]]  # max_new_tokens is exact
+        if eos_id is not None and eos_id in emitted:
+            emitted = emitted[:emitted.index(eos_id) + 1]  # EOS ends the row right there
+        for j, tok in enumerate(emitted):
+            seqs[b].append(tok)
+            out[b].append(tok)
+            counts[b, tok] += 1
+            if callback:
+                callback(b, tok, j < n[i])
+        if len(out[b]) == n_tokens_to_generate or (eos_id is not None and emitted[-1] == eos_id):
+            done.append(i)
+    return done
+
+
+def record(stats, k, n, K_step, n_rows, draft_s, verify_s):
+    stats["target_passes"] += 1
+    stats["row_passes"] += n_rows
+    stats["draft_s"] += draft_s
+    stats["verify_s"] += verify_s
+    stats["drafted"] += int(k.sum())
+    stats["accepted"] += int(n.sum())
+    np.add.at(stats["proposed_at"], np.concatenate([np.arange(kb) for kb in k]).astype(np.int64), 1)
+    np.add.at(stats["accepted_at"], np.concatenate([np.arange(nb) for nb in n]).astype(np.int64), 1)
+    stats["K_trace"].append(K_step)
 
 
 def draft_with_model(params, hparams, cache, rows, counts, K, settings, rng):
