@@ -31,7 +31,8 @@ def parse_args(argv=None):
     ap.add_argument("--draft_model_size", default="124M", help=f"one of {', '.join(utils.MODEL_SIZES)}")
     ap.add_argument("--mode", choices=["autoregressive", "speculative", "both"], default="both")
     ap.add_argument("--K", type=int, default=4, help="draft tokens per target pass")
-    ap.add_argument("--adaptive_K", action="store_true", help="grow/shrink K with the acceptance (up to --K_max)")
+    ap.add_argument("--adaptive_K", action="store_true",
+                    help="choose K each step from the measured acceptance and costs (up to --K_max)")
     ap.add_argument("--K_max", type=int, help="the bound for --adaptive_K (default: max(K, 7))")
     ap.add_argument("--drafter", choices=["model", "prompt_lookup"], default="model")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (deterministic)")

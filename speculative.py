@@ -117,6 +117,7 @@ def speculative_generate(prompts, target, draft, n_tokens_to_generate, K, settin
     t_cache = gpt2.new_cache(t_params, t_hparams, B, n_slots) if use_cache else None
     d_cache = gpt2.new_cache(d_params, d_hparams, B, n_slots) if use_cache and model_drafter else None
     stats = {"target_passes": 0, "row_passes": 0, "draft_passes": 0, "drafted": 0, "accepted": 0,
+             "drafted_steps": 0, "fully_accepted_steps": 0,
              "draft_s": 0.0, "verify_s": 0.0, "proposed_at": np.zeros(K_max, np.int64),
              "accepted_at": np.zeros(K_max, np.int64), "K_trace": []}
     stats["kv_cache_bytes"] = sum(kv_cache.cache_nbytes(c) for c in (t_cache, d_cache) if c is not None)
@@ -148,7 +149,7 @@ def speculative_generate(prompts, target, draft, n_tokens_to_generate, K, settin
             if cache is not None:
                 kv_cache.rollback(cache, np.array([len(seqs[b]) - 1 for b in active]) - cache["starts"])
         if adaptive_K:
-            K = adapt_K(K, n, k, K_max)
+            K = adapt_K(stats, K_max)
         if done:
             keep = [i for i in range(len(active)) if i not in done]
             active = [active[i] for i in keep]
@@ -193,6 +194,8 @@ def emit(active, seqs, out, counts, drafts, n, token, remaining, n_tokens_to_gen
 
 def record(stats, k, n, K_step, n_rows, draft_s, verify_s):
     stats["target_passes"] += 1
+    stats["drafted_steps"] += int((k > 0).sum())
+    stats["fully_accepted_steps"] += int(((n == k) & (k > 0)).sum())
     stats["row_passes"] += n_rows
     stats["draft_s"] += draft_s
     stats["verify_s"] += verify_s
@@ -229,17 +232,28 @@ def draft_deterministic(rows, K, n_vocab, propose):
     return drafts, q
 
 
-def adapt_K(K, n, k, K_max):
-    """Grow K after a step where every row accepted everything, shrink it when most
-    drafts were rejected: K tracks the acceptance rate the text currently allows.
-    The bound comes from measured costs: on a CPU, verifying K+1 <= 8 tokens costs
-    about the same (matmuls are padded to 8 rows) and 9 cost a third more, so K_max
-    defaults to 7 (benchmark.py, "verify / step")."""
-    if (n == k).all() and (k == K).all():
-        return min(K + 1, K_max)
-    if n.sum() < k.sum() / 2:
-        return max(K - 1, 1)
-    return K
+def expected_tokens(alpha, K):
+    """E[tokens per target pass] = (1 - alpha^(K+1)) / (1 - alpha) (Leviathan et al. eq. 1):
+    drafts are accepted left to right with probability alpha each, plus one target token."""
+    return K + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (K + 1)) / (1.0 - alpha)
+
+
+def best_K(alpha, t_draft, t_verify, K_max):
+    """The K with the most expected tokens per second, from the acceptance rate and this
+    run's own measured costs: one draft pass t_draft, one verification pass t_verify.
+    Verification is taken as the same for every K <= K_max: a pass over K+1 <= 8 tokens
+    costs about the same on a CPU (matmuls are padded to 8 rows) and on a GPU."""
+    return max(range(1, K_max + 1), key=lambda K: expected_tokens(alpha, K) / (K * t_draft + t_verify))
+
+
+def adapt_K(stats, K_max):
+    """Adaptive K: estimate alpha from the drafts so far (each accepted draft is a success,
+    each first rejection a failure: the geometric MLE) and pick best_K on measured costs."""
+    rejections = stats["drafted_steps"] - stats["fully_accepted_steps"]
+    alpha = (stats["accepted"] + 1) / (stats["accepted"] + rejections + 1)  # +1: start optimistic
+    t_draft = stats["draft_s"] / max(stats["draft_passes"], 1)  # 0 for prompt lookup: drafting is free
+    t_verify = stats["verify_s"] / stats["target_passes"]
+    return best_K(alpha, t_draft, t_verify, K_max)
 
 
 def finish_stats(stats, start, token_times, n_tokens):

@@ -57,11 +57,31 @@ def test_prompt_lookup_greedy_equals_greedy(models, greedy_reference, use_cache)
     assert out == greedy_reference and stats["draft_passes"] == 0 and stats["drafted"] > 0
 
 
-def test_adaptive_K_stays_exact_and_moves(models, greedy_reference):
-    target, draft = models
+def test_expected_tokens_and_best_K_follow_the_paper():
+    assert speculative.expected_tokens(0.8, 4) == pytest.approx((1 - 0.8 ** 5) / 0.2)
+    assert speculative.expected_tokens(1.0, 4) == 5
+    # c = 0.36 and a verification pass of 2 steps (this CPU, 124M -> 355M): K=4 is best at alpha 0.8
+    assert speculative.best_K(0.8, 0.36, 2.0, 7) == 4
+    assert speculative.best_K(0.95, 0.36, 2.0, 7) == 7
+    assert speculative.best_K(0.1, 0.36, 2.0, 7) == 1
+    assert speculative.best_K(0.3, 0.0, 2.0, 7) == 7  # free drafts never hurt when verification is flat
+
+
+def test_adaptive_K_grows_for_a_perfect_draft_and_shrinks_for_a_useless_one(models, greedy_reference):
+    target, _ = models
+    params, hparams = target
     out, stats = speculative.speculative_generate(PROMPTS[:1], target, target, 30, 2, GREEDY,
                                                   np.random.default_rng(0), adaptive_K=True, K_max=6)
-    assert out[0] == greedy_reference[0] and max(stats["K_trace"]) > 2
+    assert out[0] == greedy_reference[0] and stats["K_trace"][-2] == 6  # the last step drafts only what is left
+    contrary = (dict(params, ln_f=dict(params["ln_f"], g=-params["ln_f"]["g"])), hparams)  # drafts the argmin
+    out, stats = speculative.speculative_generate(PROMPTS, target, contrary, 30, 4, GREEDY,
+                                                  np.random.default_rng(0), adaptive_K=True)
+    assert out == greedy_reference and stats["acceptance_rate"] < 0.1
+    assert stats["K_trace"][0] == 4 and set(stats["K_trace"][3:-1]) == {1}  # the last step has 1 token left
+
+
+def test_adaptive_K_is_exact_with_a_real_draft(models, greedy_reference):
+    target, draft = models
     out, stats = speculative.speculative_generate(PROMPTS, target, draft, 30, 6, GREEDY, np.random.default_rng(0),
                                                   adaptive_K=True)
     assert out == greedy_reference
