@@ -5,7 +5,6 @@ import pytest
 import gpt2
 import sampling
 import speculative
-from test_sampling import REF
 
 GREEDY = sampling.SamplingSettings(temperature=0.0)
 PROMPTS = [[464, 2068, 7586, 21831], [15496, 11, 995, 0, 383, 2068, 7586, 21831, 18045, 625, 262], [36235]]
