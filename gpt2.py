@@ -151,7 +151,8 @@ def generate(prompts, params, hparams, n_tokens_to_generate, settings, rng, use_
     token_times = []
     for _ in range(n_tokens_to_generate):
         logits, _ = next_logits(params, hparams, cache, [seqs[b] for b in active])  # [B, n_vocab]
-        probs = sampling.probabilities(logits, counts[active], settings)  # [B, n_vocab]
+        row_counts = counts[active] if settings.uses_counts else None  # only penalties read them
+        probs = sampling.probabilities(logits, row_counts, settings)  # [B, n_vocab]
         tokens = sampling.sample(probs, rng)  # [B]
         token_times.append(time.perf_counter())
         for b, token in zip(active, tokens.tolist()):

@@ -29,10 +29,10 @@ up to the edge and differ slightly after it.
 import numpy as np
 
 
-def init_cache(n_layer, n_head, n_ctx, n_embd, B, dtype=np.float32, xp=np):
+def init_cache(n_layer, n_head, n_ctx, n_embd, B, dtype=np.float32):
     """An empty static cache for B rows."""
     shape = (n_layer, B, n_head, n_ctx, n_embd // n_head)  # [n_layer, B, n_head, n_ctx, d_head]
-    return {"k": xp.zeros(shape, dtype=dtype), "v": xp.zeros(shape, dtype=dtype),
+    return {"k": np.zeros(shape, dtype=dtype), "v": np.zeros(shape, dtype=dtype),
             "lengths": np.zeros(B, dtype=np.int64),  # tokens held by each row (host side: tiny)
             "starts": np.zeros(B, dtype=np.int64)}   # sequence index of each row's slot 0
 
@@ -73,16 +73,13 @@ def rollback(cache, lengths):
     cache["lengths"] = np.minimum(cache["lengths"], lengths)
 
 
-def pending_inputs(cache, seqs, n_ctx, room=0):
+def pending_inputs(cache, seqs, n_ctx):
     """The tokens of each sequence the cache has not seen yet, as a right-padded
-    [B, T] batch with n_new[b] real tokens per row. `room` reserves slots for
-    tokens the caller will append to this pass (speculative drafts). A row whose
-    window would overflow is restarted from its last n_ctx // 2 tokens."""
+    [B, T] batch with n_new[b] real tokens per row. A row whose window would
+    overflow is restarted from its last n_ctx // 2 tokens."""
     keep = max(n_ctx // 2, 1)
-    if room >= keep:
-        raise ValueError(f"{room} lookahead tokens do not fit a window of {n_ctx} positions")
     for b, seq in enumerate(seqs):
-        if len(seq) - cache["starts"][b] + room > n_ctx:
+        if len(seq) - cache["starts"][b] > n_ctx:
             cache["starts"][b], cache["lengths"][b] = len(seq) - keep, 0
     pending = [seq[cache["starts"][b] + cache["lengths"][b]:] for b, seq in enumerate(seqs)]
     return pad_right(pending)

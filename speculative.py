@@ -127,7 +127,7 @@ def speculative_generate(prompts, target, draft, n_tokens_to_generate, K, settin
         remaining = [n_tokens_to_generate - len(out[b]) for b in active]
         K_step = max(0, min(K, max(remaining) - 1))  # never draft past the last token needed
         rows = [seqs[b] for b in active]
-        c = counts[active]
+        c = counts[active] if settings.uses_counts else None  # only penalties read them
 
         t0 = time.perf_counter()
         if model_drafter:  # 1. the draft proposes d_1..d_K, sampled from q_1..q_K
