@@ -14,6 +14,8 @@ little-endian floats, plus an index that says where each named tensor starts.
 
 Either way the tensors are `np.memmap` views into the file: zero copies, loaded
 in milliseconds, paged in by the OS on first use. Nothing is ever unpickled.
+Two kinds of tensor are then copied once, into the memory order that decoding
+reads fastest (`decode_layout`).
 """
 import hashlib
 import json
@@ -429,6 +431,25 @@ def check_params(params, hparams):
             raise LoadError(f"tensor {'/'.join(map(str, path))} has shape {tuple(node.shape)}, expected {shape}")
 
 
+def decode_layout(params):
+    """params with the tied embedding wte and every MLP down-projection copied into
+    column-major (Fortran) order; every other tensor stays memory-mapped.
+
+    Shapes and values do not change, so gpt2.py reads the same; only the byte order
+    does, and it decides which OpenBLAS kernel a matmul runs. Measured on the 2-core
+    dev machine with 124M shapes: the head x @ wte.T took 4.3 ms instead of 5.0 for
+    one row and 9 ms instead of 14 for eight (speculative verification), the twelve
+    [3072, 768] down-projections 3.2 ms instead of 4.4 for one row, and a whole decode
+    step 10% less. The other weights run as fast either way (or faster at 8-32 rows),
+    so they are not copied. The price: a copy of wte and the down-projections at load
+    (270 MB for 124M, 2.3 GB for 1558M).
+    """
+    def mlp(m):
+        return {**m, "c_proj": {**m["c_proj"], "w": np.asfortranarray(m["c_proj"]["w"])}}  # [4*n_embd, n_embd]
+    blocks = [{**block, "mlp": mlp(block["mlp"])} for block in params["blocks"]]
+    return {**params, "wte": np.asfortranarray(params["wte"]), "blocks": blocks}  # wte: [n_vocab, n_embd]
+
+
 def load_encoder_hparams_and_params(model_size, models_dir="models", source="openai", base_url=None,
                                     verify_crc=False, **download_kw):
     """picoGPT's entry point: download what is missing, then (encoder, hparams, params)."""
@@ -448,4 +469,4 @@ def load_model_dir(model_dir, verify_crc=False):
     except (OSError, ValueError, KeyError, IndexError) as e:
         raise LoadError(f"cannot read the checkpoint in {model_dir} ({type(e).__name__}: {e})")
     check_params(params, hparams)
-    return encoder, hparams, params
+    return encoder, hparams, decode_layout(params)

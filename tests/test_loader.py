@@ -71,9 +71,22 @@ def test_tiny_checkpoint_crc32c_verifies(tmp_path):
         utils.load_tf_checkpoint(d, verify_crc=True)
 
 
-def test_params_are_memory_mapped_not_copied(tiny):
-    wte = tiny[2]["wte"]
-    assert isinstance(wte, np.memmap) or isinstance(wte.base, np.memmap)
+def test_params_are_memory_mapped_except_the_decode_layout_copies(tiny):
+    params = tiny[2]
+    c_attn = params["blocks"][0]["attn"]["c_attn"]["w"]
+    assert isinstance(c_attn, np.memmap) or isinstance(c_attn.base, np.memmap)
+    # copied once into column-major order, same shape and values (utils.decode_layout)
+    for w in (params["wte"], params["blocks"][1]["mlp"]["c_proj"]["w"]):
+        assert w.flags.f_contiguous and not w.flags.c_contiguous and not isinstance(w, np.memmap)
+
+
+def test_decode_layout_keeps_shapes_and_values(models_dir):
+    raw = utils.load_params(os.path.join(models_dir, "124M"), 2)
+    fast = utils.decode_layout(raw)
+    np.testing.assert_array_equal(fast["wte"], raw["wte"])
+    np.testing.assert_array_equal(fast["blocks"][1]["mlp"]["c_proj"]["w"], raw["blocks"][1]["mlp"]["c_proj"]["w"])
+    assert fast["blocks"][1]["mlp"]["c_fc"] is raw["blocks"][1]["mlp"]["c_fc"]  # untouched, still the memmap
+    assert raw["wte"].flags.c_contiguous  # the input is not modified
 
 
 def test_corrupt_index_is_a_clear_error(tmp_path):
