@@ -64,7 +64,7 @@ def load_or_random(size, models_dir, seed):
         _, hparams, params = utils.load_model_dir(model_dir)
         return params, hparams, {"weights": "real", "load_s": time.perf_counter() - t}
     params, hparams = random_params(size, seed)
-    return params, hparams, {"weights": "random", "load_s": time_memmap_load(params, hparams)}
+    return params, hparams, {"weights": "random", "load_s": None}  # timed by main() after the decoding runs
 
 
 def time_memmap_load(params, hparams):
@@ -117,48 +117,60 @@ def timed(fn, reps, warmup=1):
     return float(np.median(ts)), float(min(ts)), float(max(ts))
 
 
-def measure_bandwidth(n=8192, reps=5):
+def bandwidth_probe(n=8192):
+    return np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)  # [n, n]: 256 MiB
+
+
+def measure_bandwidth(probe, reps=5):
     """GB/s of a large one-row matmul: the memory roofline of batch-1 decoding."""
-    w = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)  # [n, n]: 256 MiB
-    x = np.ones((1, n), np.float32)
-    med, _, _ = timed(lambda: x @ w, reps)
-    return w.nbytes / med / 1e9
+    x = np.ones((1, probe.shape[0]), np.float32)
+    med, _, _ = timed(lambda: x @ probe, reps)
+    return probe.nbytes / med / 1e9
 
 
 def prompt_ids(n, seed=1):
     return np.random.default_rng(seed).integers(0, 50000, n).tolist()
 
 
-def bench_decode(params, hparams, args, bandwidth):
-    """Prefill, decode tokens/s at each batch size (cache on), and batch 1 without cache."""
+def bench_decode(params, hparams, args, probe):
+    """Prefill, decode tokens/s at each batch size (cache on), and batch 1 without cache,
+    each run next to its roofline. The machine's bandwidth drifts by 20% over minutes
+    (other tenants), so it is measured right before every timed run, and the fraction
+    of the roofline is the median of those paired ratios."""
     rows = []
+    weight_bytes = matmul_weight_bytes(params)
     prompt = prompt_ids(args.prompt_len)
     for B in args.batch_sizes:
         prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]
-        results = []
+        results, bandwidths = [], []
 
         def run():
+            bandwidths.append(measure_bandwidth(probe))
             results.append(gpt2.generate(prompts, params, hparams, args.n_tokens, GREEDY,
                                          np.random.default_rng(0))[1])
         timed(run, args.reps)
+        results, bandwidths = results[1:], bandwidths[1:]  # drop the warm-up
         # after the first token (prefill), each row decodes n_tokens - 1 more in seconds - ttft
-        tps = [B * (args.n_tokens - 1) / (r["seconds"] - r["ttft_s"]) for r in results[1:]]
+        tps = [B * (args.n_tokens - 1) / (r["seconds"] - r["ttft_s"]) for r in results]
+        rooflines = [B * bw * 1e9 / weight_bytes for bw in bandwidths]
         rows.append({"batch": B, "cache": True, "decode_tok_s": float(np.median(tps)),
                      # prefill included, as transformers' generate() is timed below
-                     "end_to_end_tok_s": float(np.median([r["n_tokens"] / r["seconds"] for r in results[1:]])),
+                     "end_to_end_tok_s": float(np.median([r["n_tokens"] / r["seconds"] for r in results])),
                      "decode_tok_s_min": min(tps), "decode_tok_s_max": max(tps),
-                     "ttft_ms": 1e3 * float(np.median([r["ttft_s"] for r in results[1:]])),
-                     "itl_ms_p50": float(np.median([r["itl_ms_median"] for r in results[1:]])),
-                     "itl_ms_p90": float(np.median([r["itl_ms_p90"] for r in results[1:]])),
+                     "bandwidth_GBs": float(np.median(bandwidths)),
+                     "roofline_tok_s": float(np.median(rooflines)),
+                     "fraction_of_roofline": float(np.median(np.divide(tps, rooflines))),
+                     "ttft_ms": 1e3 * float(np.median([r["ttft_s"] for r in results])),
+                     "itl_ms_p50": float(np.median([r["itl_ms_median"] for r in results])),
+                     "itl_ms_p90": float(np.median([r["itl_ms_p90"] for r in results])),
                      "kv_cache_bytes_n_ctx": 2 * hparams["n_layer"] * B * hparams["n_ctx"] * hparams["n_embd"] * 4})
+    bandwidth = measure_bandwidth(probe)
     _, stats = gpt2.generate([prompt], params, hparams, max(4, args.n_tokens // 4), GREEDY,
                              np.random.default_rng(0), use_cache=False)
-    rows.append({"batch": 1, "cache": False, "decode_tok_s": stats["tokens_per_s"],
+    roofline = bandwidth * 1e9 / weight_bytes
+    rows.append({"batch": 1, "cache": False, "decode_tok_s": stats["tokens_per_s"], "bandwidth_GBs": bandwidth,
+                 "roofline_tok_s": roofline, "fraction_of_roofline": stats["tokens_per_s"] / roofline,
                  "itl_ms_p50": stats["itl_ms_median"], "ttft_ms": stats["ttft_s"] * 1e3})
-    roofline = bandwidth * 1e9 / matmul_weight_bytes(params)
-    for r in rows:
-        r["roofline_tok_s"] = roofline * r["batch"]
-        r["fraction_of_roofline"] = r["decode_tok_s"] / r["roofline_tok_s"]
     return rows
 
 
@@ -280,19 +292,21 @@ def markdown(results):
     """The tables the README quotes."""
     m = results["machine"]
     lines = [f"Machine: {m['cpu_count']} cores, {m['platform']}, NumPy {m['numpy']}; "
-             f"one-row matmul bandwidth {m['bandwidth_GBs']:.1f} GB/s.", f"Command: `{results['command']}`", ""]
+             f"one-row matmul bandwidth {m['bandwidth_GBs']:.1f} GB/s at the start (each decode row below "
+             "measures its own, right before each of its runs).", f"Command: `{results['command']}`", ""]
     for size, r in results["models"].items():
         what = "their checkpoint" if r["weights"] == "real" else "as a real-size model.safetensors"
         load = f"{r['load_s'] * 1e3:.0f} ms to memmap {what} and copy wte + MLP c_proj to column-major"
         lines += [f"### GPT-2 {size} ({r['weights']} weights; load {load})", "",
-                  "| batch | KV cache | decode tok/s (min-max) | roofline tok/s | of roofline | TTFT ms | "
-                  "ITL p50 / p90 ms | KV cache at n_ctx |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| batch | KV cache | decode tok/s (min-max) | bandwidth GB/s | roofline tok/s | of roofline | "
+                  "TTFT ms | ITL p50 / p90 ms | KV cache at n_ctx |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for d in r["decode"]:
             spread = f" ({d['decode_tok_s_min']:.1f}-{d['decode_tok_s_max']:.1f})" if d["cache"] else ""
             p90 = f" / {d['itl_ms_p90']:.1f}" if d["cache"] else ""
             lines.append(f"| {d['batch']} | {'on' if d['cache'] else 'off'} | {d['decode_tok_s']:.1f}{spread} | "
-                         f"{d['roofline_tok_s']:.1f} | {d['fraction_of_roofline']:.0%} | {d['ttft_ms']:.0f} | "
+                         f"{d['bandwidth_GBs']:.1f} | {d['roofline_tok_s']:.1f} | {d['fraction_of_roofline']:.0%} | "
+                         f"{d['ttft_ms']:.0f} | "
                          f"{d['itl_ms_p50']:.1f}{p90} | "
                          + (f"{d['kv_cache_bytes_n_ctx'] / 2**20:.0f} MiB |" if d["cache"] else "- |"))
         if r.get("transformers"):
@@ -415,7 +429,8 @@ def main(argv=None):
         print("error: --backend cupy is not available yet", file=sys.stderr)
         return 2
     command = "python benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    bandwidth = measure_bandwidth(1024 if args.quick else 8192)
+    probe = bandwidth_probe(1024 if args.quick else 8192)
+    bandwidth = measure_bandwidth(probe)
     results = {"command": command.strip(), "prompt_len": args.prompt_len, "n_tokens": args.n_tokens, "machine": {
         "cpu_count": os.cpu_count(), "platform": platform.platform(), "numpy": np.__version__,
         "bandwidth_GBs": bandwidth}, "models": {}}
@@ -428,7 +443,7 @@ def main(argv=None):
         if size not in args.sizes:
             continue
         r = dict(info)
-        r["decode"] = bench_decode(params, hparams, args, bandwidth)
+        r["decode"] = bench_decode(params, hparams, args, probe)
         r["context"] = bench_context(params, hparams, args)
         r["transformers"] = bench_transformers(size, args) if not args.quick else None
         results["models"][size] = r
@@ -439,6 +454,11 @@ def main(argv=None):
         results["speculative"] = {"draft": args.draft, "target": args.target, "alphas": args.alphas,
                                   "costs": bench_speculative_costs(draft, target, args),
                                   "end_to_end": bench_speculative_end_to_end(draft, target, args)}
+    for size, r in results["models"].items():
+        if r["load_s"] is None:
+            # last: writing a GB-sized temp file leaves the OS flushing and reclaiming for
+            # seconds afterwards, which measurably slowed the decode runs that followed it
+            r["load_s"] = time_memmap_load(*loaded[size])
     results["peak_rss_mib"] = peak_rss_mib()
     table = markdown(results)
     os.makedirs(args.out, exist_ok=True)

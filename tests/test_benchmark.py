@@ -13,7 +13,7 @@ def test_quick_benchmark_writes_every_measurement(tmp_path, capsys):
     tiny = r["models"]["tiny"]
     assert tiny["weights"] == "random"
     assert [d["batch"] for d in tiny["decode"]] == [1, 2, 1]
-    assert all(d["decode_tok_s"] > 0 and d["roofline_tok_s"] > 0 for d in tiny["decode"])
+    assert all(d["decode_tok_s"] > 0 and d["roofline_tok_s"] > 0 and d["bandwidth_GBs"] > 0 for d in tiny["decode"])
     assert tiny["context"][0]["cached_ms"] > 0
     spec = r["speculative"]
     assert [k["K"] for k in spec["costs"]["by_K"]] == [1, 2]
