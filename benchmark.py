@@ -198,6 +198,31 @@ def bench_context(params, hparams, args):
     return rows
 
 
+def checkpoint_layout(params):
+    """The params as the checkpoint stores them (every matrix row-major): what
+    utils.decode_layout changed, undone, to measure what it buys."""
+    def mlp(m):
+        return {**m, "c_proj": {**m["c_proj"], "w": np.ascontiguousarray(m["c_proj"]["w"])}}
+    blocks = [{**block, "mlp": mlp(block["mlp"])} for block in params["blocks"]]
+    return {**params, "wte": np.ascontiguousarray(params["wte"]), "blocks": blocks}
+
+
+def bench_layout(params, hparams, args):
+    """A cached pass over 1 token (decoding) and 8 tokens (verifying K = 7 drafts)
+    with the checkpoint's row-major weights and with utils.decode_layout's, taken
+    in turns so that both see the same machine."""
+    layouts = {"checkpoint": checkpoint_layout(params), "decode": params}
+    rows = []
+    for T in (1, 8):
+        ms = {name: [] for name in layouts}
+        for _ in range(args.reps):
+            for name, p in layouts.items():
+                ms[name].append(1e3 * decode_step_time(p, hparams, args.prompt_len, T=T, reps=args.reps))
+        checkpoint, decode = float(np.median(ms["checkpoint"])), float(np.median(ms["decode"]))
+        rows.append({"tokens": T, "checkpoint_ms": checkpoint, "decode_ms": decode, "speedup": checkpoint / decode})
+    return rows
+
+
 def bench_speculative_costs(draft, target, args):
     """The three costs that decide speculative speed, and the speedup they predict."""
     (d_params, d_hparams), (t_params, t_hparams) = draft, target
@@ -320,6 +345,10 @@ def markdown(results):
         lines += ["", "| context | cached step ms | uncached pass ms | cache speedup |", "|---|---|---|---|"]
         lines += [f"| {c['context']} | {c['cached_ms']:.1f} | {c['uncached_ms']:.1f} | {c['speedup']:.1f}x |"
                   for c in r["context"]]
+        lines += ["", "| weight layout: cached pass over | checkpoint (row-major) ms | decode_layout ms | speedup |",
+                  "|---|---|---|---|"]
+        lines += [f"| {x['tokens']} token{'s' if x['tokens'] > 1 else ''} | {x['checkpoint_ms']:.1f} | "
+                  f"{x['decode_ms']:.1f} | {x['speedup']:.2f}x |" for x in r["layout"]]
         lines.append("")
     if "speculative" in results:
         s = results["speculative"]
@@ -445,6 +474,7 @@ def main(argv=None):
         r = dict(info)
         r["decode"] = bench_decode(params, hparams, args, probe)
         r["context"] = bench_context(params, hparams, args)
+        r["layout"] = bench_layout(params, hparams, args)
         r["transformers"] = bench_transformers(size, args) if not args.quick else None
         results["models"][size] = r
         print(f"  batch-1 decode {r['decode'][0]['decode_tok_s']:.1f} tok/s "

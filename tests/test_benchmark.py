@@ -15,6 +15,7 @@ def test_quick_benchmark_writes_every_measurement(tmp_path, capsys):
     assert [d["batch"] for d in tiny["decode"]] == [1, 2, 1]
     assert all(d["decode_tok_s"] > 0 and d["roofline_tok_s"] > 0 and d["bandwidth_GBs"] > 0 for d in tiny["decode"])
     assert tiny["context"][0]["cached_ms"] > 0
+    assert [x["tokens"] for x in tiny["layout"]] == [1, 8] and all(x["speedup"] > 0 for x in tiny["layout"])
     spec = r["speculative"]
     assert [k["K"] for k in spec["costs"]["by_K"]] == [1, 2]
     assert {e["decoder"] for e in spec["end_to_end"]} == {"autoregressive", "oracle",
