@@ -2,6 +2,7 @@
 
     python benchmark.py                 # 124M and 355M shapes, a few minutes on 2 cores
     python benchmark.py --quick         # tiny shapes, seconds (the test suite runs this)
+    python benchmark.py --backend cupy  # on an NVIDIA GPU: all four sizes, next to transformers there
 
 Speed does not depend on weight values, so models that are not in --models_dir
 run with random weights of the real shapes (the output says which). Each number
@@ -23,7 +24,6 @@ import time
 import numpy as np
 
 import gpt2
-import kv_cache
 import sampling
 import speculative
 import utils
@@ -105,6 +105,11 @@ def matmul_weight_bytes(params):
     return blocks + params["wte"].nbytes
 
 
+def wait(x):
+    """Block until x is computed: CuPy runs asynchronously, so a timer must wait for the GPU."""
+    x[(0,) * x.ndim].tolist()
+
+
 def timed(fn, reps, warmup=1):
     """Run fn warmup + reps times; (median, min, max) seconds of the timed runs."""
     for _ in range(warmup):
@@ -176,13 +181,13 @@ def bench_decode(params, hparams, args, probe):
 
 def decode_step_time(params, hparams, context, T=1, reps=5):
     """Median seconds of one cached pass over T new tokens after `context` cached tokens."""
-    cache = kv_cache.init_cache(hparams["n_layer"], hparams["n_head"], context + T, hparams["n_embd"], 1)
+    cache = gpt2.new_cache(params, hparams, 1, context + T)
     gpt2.gpt2(np.array([prompt_ids(context)]), **params, n_head=hparams["n_head"], cache=cache)
     new = np.array([prompt_ids(T, seed=2)])
 
     def step():
         cache["lengths"][:] = context  # roll back, so every rep sees the same context
-        gpt2.gpt2(new, **params, n_head=hparams["n_head"], cache=cache, all_logits=T > 1)
+        wait(gpt2.gpt2(new, **params, n_head=hparams["n_head"], cache=cache, all_logits=T > 1))
     return timed(step, reps)[0]
 
 
@@ -232,7 +237,7 @@ def bench_speculative_costs(draft, target, args):
     verify, verify_unpadded = {}, {}
     for K in args.Ks:
         verify[K] = decode_step_time(t_params, t_hparams, L, T=K + 1, reps=args.reps)
-        if 1 < K + 1 < gpt2.PAD_ROWS_TO:
+        if 1 < K + 1 < gpt2.PAD_ROWS_TO and args.backend == "numpy":  # padding is for OpenBLAS only
             pad, gpt2.PAD_ROWS_TO = gpt2.PAD_ROWS_TO, 1
             verify_unpadded[K] = decode_step_time(t_params, t_hparams, L, T=K + 1, reps=args.reps)
             gpt2.PAD_ROWS_TO = pad
@@ -286,7 +291,7 @@ def bench_speculative_end_to_end(draft, target, args):
     return rows
 
 
-def bench_transformers(size, args):
+def bench_transformers(size, args, device="cpu"):
     """Hugging Face transformers' generate() on the same shapes, if it is installed."""
     try:
         import torch
@@ -296,17 +301,105 @@ def bench_transformers(size, args):
     n_embd, n_head, n_layer = SHAPES[size]
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_embd=n_embd, n_head=n_head, n_layer=n_layer)).eval()
+    model = model.to(device, dtype=getattr(torch, args.dtype))
     rows = []
     for B in args.batch_sizes:
-        ids = torch.tensor([prompt_ids(args.prompt_len, seed=b) for b in range(B)])
+        ids = torch.tensor([prompt_ids(args.prompt_len, seed=b) for b in range(B)], device=device)
         with torch.no_grad():
             def run():
                 model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.n_tokens,
                                min_new_tokens=args.n_tokens, do_sample=False, pad_token_id=0)
+                if device == "cuda":
+                    torch.cuda.synchronize()
             med, lo, hi = timed(run, args.reps)
         rows.append({"batch": B, "tok_s": B * args.n_tokens / med, "torch": torch.__version__,
                      "threads": torch.get_num_threads()})
     return rows
+
+
+def gpu_benchmark(args, command):
+    """--backend cupy: decode speed at each size and batch next to transformers on the
+    same GPU, what one CuPy call costs the host, and the speculative costs."""
+    utils.to_backend({}, "cupy")  # CuPy and a GPU are there, or one clear line says what is missing
+    import cupy
+    x = cupy.ones(1024, np.float32)
+
+    def thousand_ops():
+        for _ in range(1000):
+            y = x + 1.0
+        wait(y)
+    launch_s = timed(thousand_ops, args.reps)[0] / 1000
+    probe = cupy.ones((16384, 16384), np.float32)  # 1 GiB: long enough to hide the launch
+    row = cupy.ones((1, probe.shape[0]), np.float32)
+    bandwidth = probe.nbytes / timed(lambda: wait(row @ probe), args.reps)[0] / 1e9
+    results = {"command": command, "backend": "cupy", "dtype": args.dtype, "prompt_len": args.prompt_len,
+               "n_tokens": args.n_tokens, "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+               "cupy": cupy.__version__, "launch_us": launch_s * 1e6, "bandwidth_GBs": bandwidth, "models": {}}
+    print(f"{results['gpu']}: one-row matmul {bandwidth:.0f} GB/s, one CuPy op {launch_s * 1e6:.1f} us of host time",
+          flush=True)
+    loaded = {}
+    for size in dict.fromkeys(args.sizes + ([] if args.no_speculative else [args.draft, args.target])):
+        params, hparams = random_params(size, seed=len(loaded))
+        params = utils.to_backend(params, "cupy", args.dtype)
+        loaded[size] = (params, hparams)
+        if size not in args.sizes:
+            continue
+        rows = []
+        for B in args.batch_sizes:
+            prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]
+            runs = []
+            timed(lambda: runs.append(gpt2.generate(prompts, params, hparams, args.n_tokens, GREEDY,
+                                                    np.random.default_rng(0))[1]), args.reps)
+            runs = runs[1:]
+            rows.append({"batch": B, "end_to_end_tok_s": float(np.median([r["tokens_per_s"] for r in runs])),
+                         "decode_tok_s": float(np.median([B * (args.n_tokens - 1) / (r["seconds"] - r["ttft_s"])
+                                                          for r in runs])),
+                         "itl_ms_p50": float(np.median([r["itl_ms_median"] for r in runs]))})
+        hbm_ms = 1e3 * matmul_weight_bytes(params) / (bandwidth * 1e9)
+        results["models"][size] = {"decode": rows, "weights_at_bandwidth_ms": hbm_ms,
+                                   "transformers": bench_transformers(size, args, device="cuda")}
+        print(f"  GPT-2 {size}: batch-1 {rows[0]['end_to_end_tok_s']:.0f} tok/s, a step {rows[0]['itl_ms_p50']:.2f} ms "
+              f"(its weights at full bandwidth: {hbm_ms:.2f} ms)", flush=True)
+    if not args.no_speculative:
+        results["speculative"] = {"draft": args.draft, "target": args.target, "alphas": args.alphas,
+                                  "costs": bench_speculative_costs(loaded[args.draft], loaded[args.target], args)}
+    return results
+
+
+def gpu_markdown(results):
+    lines = [f"GPU: {results['gpu']}, CuPy {results['cupy']}, {results['dtype']}, random weights; one-row matmul "
+             f"{results['bandwidth_GBs']:.0f} GB/s; one CuPy elementwise op costs {results['launch_us']:.1f} us "
+             "of host time.", f"Command: `{results['command']}`", "",
+             f"End to end ({args_prompt(results)}, prefill included), greedy, against transformers' generate() "
+             "on the same GPU, shapes and dtype:", "",
+             "| model | batch | this project tok/s | transformers tok/s | ratio | step ms (p50) | weights at full bandwidth ms |",
+             "|---|---|---|---|---|---|---|"]
+    for size, r in results["models"].items():
+        theirs = {t["batch"]: t["tok_s"] for t in r["transformers"] or []}
+        for d in r["decode"]:
+            t = theirs.get(d["batch"])
+            lines.append(f"| {size} | {d['batch']} | {d['end_to_end_tok_s']:.1f} | "
+                         + (f"{t:.1f} | {d['end_to_end_tok_s'] / t:.2f}x |" if t else "- | - |")
+                         + f" {d['itl_ms_p50']:.2f} | {r['weights_at_bandwidth_ms']:.2f} |")
+    if "speculative" in results:
+        lines += [""] + speculative_costs_table(results["speculative"])
+    return "\n".join(lines)
+
+
+def speculative_costs_table(s):
+    c = s["costs"]
+    lines = [f"### Speculative decoding: draft {s['draft']} -> target {s['target']}", "",
+             f"draft step {c['draft_step_ms']:.1f} ms, target step {c['target_step_ms']:.1f} ms "
+             f"(c = draft/target = {c['draft_over_target']:.2f})", "",
+             "| K | verify K+1 ms | verify / step | unpadded verify ms | oracle ceiling | "
+             + " | ".join(f"predicted a={a}" for a in s["alphas"]) + " |",
+             "|---|---|---|---|---|" + "---|" * len(s["alphas"])]
+    for k in c["by_K"]:
+        unp = f"{k['verify_unpadded_ms']:.1f}" if k["verify_unpadded_ms"] else "-"
+        lines.append(f"| {k['K']} | {k['verify_ms']:.1f} | {k['verify_over_step']:.2f} | {unp} | "
+                     f"{k['oracle_ceiling']:.2f}x | " + " | ".join(f"{k[f'predicted_a{a}']:.2f}x"
+                                                                  for a in s["alphas"]) + " |")
+    return lines
 
 
 def peak_rss_mib():
@@ -352,18 +445,7 @@ def markdown(results):
         lines.append("")
     if "speculative" in results:
         s = results["speculative"]
-        c = s["costs"]
-        lines += [f"### Speculative decoding: draft {s['draft']} -> target {s['target']}", "",
-                  f"draft step {c['draft_step_ms']:.1f} ms, target step {c['target_step_ms']:.1f} ms "
-                  f"(c = draft/target = {c['draft_over_target']:.2f})", "",
-                  "| K | verify K+1 ms | verify / step | unpadded verify ms | oracle ceiling | "
-                  + " | ".join(f"predicted a={a}" for a in s["alphas"]) + " |",
-                  "|---|---|---|---|---|" + "---|" * len(s["alphas"])]
-        for k in c["by_K"]:
-            unp = f"{k['verify_unpadded_ms']:.1f}" if k["verify_unpadded_ms"] else "-"
-            lines.append(f"| {k['K']} | {k['verify_ms']:.1f} | {k['verify_over_step']:.2f} | {unp} | "
-                         f"{k['oracle_ceiling']:.2f}x | " + " | ".join(f"{k[f'predicted_a{a}']:.2f}x"
-                                                                      for a in s["alphas"]) + " |")
+        lines += speculative_costs_table(s)
         lines += ["", "| decoder | K | tok/s | speedup | acceptance | tokens/target pass |", "|---|---|---|---|---|---|"]
         for e in s["end_to_end"]:
             acc = f"{e['acceptance']:.0%}" if e["acceptance"] is not None else "-"
@@ -427,13 +509,13 @@ def plots(results, img_dir):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", nargs="+", default=["124M", "355M"], choices=list(SHAPES))
-    ap.add_argument("--batch_sizes", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--sizes", nargs="+", choices=list(SHAPES), help="default: 124M 355M (cupy: all four)")
+    ap.add_argument("--batch_sizes", nargs="+", type=int, help="default: 1 8 32 (cupy: 1 8)")
     ap.add_argument("--prompt_len", type=int, default=32)
-    ap.add_argument("--n_tokens", type=int, default=32)
+    ap.add_argument("--n_tokens", type=int, help="default: 32 (cupy: 128)")
     ap.add_argument("--contexts", nargs="+", type=int, default=[128, 512, 1000])
     ap.add_argument("--draft", default="124M", choices=list(SHAPES))
-    ap.add_argument("--target", default="355M", choices=list(SHAPES))
+    ap.add_argument("--target", choices=list(SHAPES), help="default: 355M (cupy: 1558M)")
     ap.add_argument("--Ks", nargs="+", type=int, default=list(range(1, 9)))
     ap.add_argument("--e2e_Ks", nargs="+", type=int, default=[2, 4, 7])
     ap.add_argument("--alphas", nargs="+", type=float, default=[0.6, 0.8, 0.9, 1.0])
@@ -443,8 +525,17 @@ def parse_args(argv=None):
     ap.add_argument("--out", default="benchmark_results")
     ap.add_argument("--img_dir", default="img")
     ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy")
+    ap.add_argument("--dtype", choices=["float32", "float16"], default="float32", help="float16: cupy only")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few tokens: a smoke test")
     args = ap.parse_args(argv)
+    gpu = args.backend == "cupy"
+    defaults = {"sizes": list(SHAPES)[:4] if gpu else ["124M", "355M"], "batch_sizes": [1, 8] if gpu else [1, 8, 32],
+                "n_tokens": 128 if gpu else 32, "target": "1558M" if gpu else "355M"}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.dtype != "float32" and not gpu:
+        ap.error(f"--dtype {args.dtype} needs --backend cupy")
     if args.quick:
         args.sizes, args.draft, args.target = ["tiny"], "tiny", "tiny"
         args.batch_sizes, args.n_tokens, args.prompt_len = [1, 2], 4, 8
@@ -454,10 +545,14 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.backend != "numpy":
-        print("error: --backend cupy is not available yet", file=sys.stderr)
-        return 2
     command = "python benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.backend == "cupy":
+        try:
+            results = gpu_benchmark(args, command.strip())
+        except utils.LoadError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return write_results(results, gpu_markdown(results), args)
     probe = bandwidth_probe(1024 if args.quick else 8192)
     bandwidth = measure_bandwidth(probe)
     results = {"command": command.strip(), "prompt_len": args.prompt_len, "n_tokens": args.n_tokens, "machine": {
@@ -490,14 +585,18 @@ def main(argv=None):
             # seconds afterwards, which measurably slowed the decode runs that followed it
             r["load_s"] = time_memmap_load(*loaded[size])
     results["peak_rss_mib"] = peak_rss_mib()
-    table = markdown(results)
+    code = write_results(results, markdown(results), args)
+    print("\n" + (plots(results, args.img_dir) if not args.quick else "plots skipped in --quick mode"))
+    return code
+
+
+def write_results(results, table, args):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table + "\n")
     print("\n" + table)
-    print("\n" + (plots(results, args.img_dir) if not args.quick else "plots skipped in --quick mode"))
     print(f"results: {args.out}/results.json, {args.out}/results.md")
     return 0
 

@@ -11,6 +11,12 @@ batch [B, T], a KV cache (kv_cache.py) and logits only where they are needed.
 Everything stays float32: a float64 scalar such as np.sqrt(d) would silently
 promote activations to float64 and halve the speed, so constants are Python
 floats, which NumPy keeps at the array's precision.
+
+The same code runs on a GPU with CuPy (utils.to_backend): NumPy's functions hand
+CuPy arrays to CuPy (the __array_ufunc__ / __array_function__ protocols, NEP 13
+and 18), and arrays made from nothing take `like=` an array that exists (NEP 35).
+So the weights' location decides where every step runs. Host and device meet
+only at small index arrays and the chosen token ids.
 """
 
 import time
@@ -36,9 +42,10 @@ def softmax(x):
 
 def layer_norm(x, g, b, eps=1e-5):
     n = x.shape[-1]
-    x = x - x.sum(axis=-1, keepdims=True) / n  # x - mean
-    variance = (x * x).sum(axis=-1, keepdims=True) / n
-    return g * (x / np.sqrt(variance + eps)) + b
+    h = x.astype(np.float32, copy=False)  # float16 activations: statistics in float32 (float32: no copy)
+    h = h - h.sum(axis=-1, keepdims=True) / n  # x - mean
+    variance = (h * h).sum(axis=-1, keepdims=True) / n
+    return (g * (h / np.sqrt(variance + eps)) + b).astype(x.dtype, copy=False)
 
 
 # OpenBLAS runs a matmul of 2-7 rows 2-3x slower than of one row, and 8 rows
@@ -51,7 +58,7 @@ def linear(x, w, b):
     """x @ w + b over the last axis, with the rows of the batch flattened into one matmul."""
     rows = x.reshape(-1, x.shape[-1])  # [B*T, n_in]
     n = rows.shape[0]
-    if 1 < n < PAD_ROWS_TO:
+    if 1 < n < PAD_ROWS_TO and isinstance(rows, np.ndarray):  # OpenBLAS only; a GPU gains nothing
         rows = np.concatenate([rows, np.zeros((PAD_ROWS_TO - n, rows.shape[1]), rows.dtype)])
     return (rows @ w + b)[:n].reshape(*x.shape[:-1], w.shape[-1])  # [B, T, n_out]
 
@@ -63,8 +70,8 @@ def ffn(x, c_fc, c_proj):
 def attention(q, k, v, mask):
     """softmax(q k^T / sqrt(d_head) + mask) v, with mask 0 (see) or -inf (hide)."""
     scale = 1.0 / float(np.sqrt(q.shape[-1]))
-    scores = (q @ k.swapaxes(-1, -2)) * scale + mask  # [B, n_head, T, S]
-    return softmax(scores) @ v  # [B, n_head, T, d_head]
+    scores = (q @ k.swapaxes(-1, -2)) * scale + mask  # [B, n_head, T, S]; the float32 mask makes float16 float32
+    return softmax(scores).astype(v.dtype, copy=False) @ v  # [B, n_head, T, d_head]
 
 
 def mha(x, c_attn, c_proj, n_head, mask, cache=None, layer=0, plan=None):
@@ -104,6 +111,7 @@ def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, cache=None, n_new=None, all_log
     # query at position t may see keys at positions <= t; this also hides stale slots
     hidden = np.arange(S)[None, None, :] > positions[:, :, None]  # [B, T, S]
     mask = np.where(hidden, np.float32(-np.inf), np.float32(0.0))[:, None]  # [B, 1, T, S]
+    mask = np.asarray(mask, like=wte)  # built on the host, used where the weights are (NumPy: no copy)
     x = wte[inputs] + wpe[np.minimum(positions, wpe.shape[0] - 1)]  # [B, T, n_embd]
     for layer, block in enumerate(blocks):
         x = transformer_block(x, **block, n_head=n_head, mask=mask, cache=cache, layer=layer, plan=plan)
@@ -112,7 +120,7 @@ def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, cache=None, n_new=None, all_log
     if not all_logits:
         x = x[np.arange(B), n_new - 1][:, None]  # [B, 1, n_embd]: each row's last real token
     x = layer_norm(x, **ln_f)
-    logits = linear(x, wte.T, np.float32(0.0))  # [B, T or 1, n_vocab]
+    logits = linear(x, wte.T, 0.0)  # [B, T or 1, n_vocab]
     return logits if all_logits else logits[:, 0]
 
 
@@ -132,7 +140,7 @@ def next_logits(params, hparams, cache, seqs, all_logits=False):
 def new_cache(params, hparams, B, n_tokens):
     """A static cache just big enough for n_tokens per row (never more than n_ctx)."""
     return kv_cache.init_cache(hparams["n_layer"], hparams["n_head"], min(hparams["n_ctx"], n_tokens),
-                               hparams["n_embd"], B, dtype=params["wte"].dtype)
+                               hparams["n_embd"], B, dtype=params["wte"].dtype, like=params["wte"])
 
 
 def generate(prompts, params, hparams, n_tokens_to_generate, settings, rng, use_cache=True,

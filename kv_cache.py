@@ -29,10 +29,10 @@ up to the edge and differ slightly after it.
 import numpy as np
 
 
-def init_cache(n_layer, n_head, n_ctx, n_embd, B, dtype=np.float32):
-    """An empty static cache for B rows."""
+def init_cache(n_layer, n_head, n_ctx, n_embd, B, dtype=np.float32, like=None):
+    """An empty static cache for B rows, on the device of `like` (the model's weights)."""
     shape = (n_layer, B, n_head, n_ctx, n_embd // n_head)  # [n_layer, B, n_head, n_ctx, d_head]
-    return {"k": np.zeros(shape, dtype=dtype), "v": np.zeros(shape, dtype=dtype),
+    return {"k": np.zeros(shape, dtype=dtype, like=like), "v": np.zeros(shape, dtype=dtype, like=like),
             "lengths": np.zeros(B, dtype=np.int64),  # tokens held by each row (host side: tiny)
             "starts": np.zeros(B, dtype=np.int64)}   # sequence index of each row's slot 0
 

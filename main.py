@@ -47,8 +47,10 @@ def parse_args(argv=None):
     ap.add_argument("--ignore_eos", action="store_true", help="keep going past <|endoftext|>")
     ap.add_argument("--no_kv_cache", action="store_true", help="recompute the whole window every token")
     ap.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt)")
-    ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy")
-    ap.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy",
+                    help="cupy: the same code on an NVIDIA GPU (pip install cupy-cuda12x)")
+    ap.add_argument("--dtype", choices=["float32", "float16"], default="float32",
+                    help="float16 halves the weights read per token (GPU only)")
     ap.add_argument("--models_dir", default="models")
     ap.add_argument("--source", choices=list(utils.SOURCES), default="openai",
                     help="openai: OpenAI's TensorFlow checkpoints; hf: the Hugging Face safetensors")
@@ -85,15 +87,15 @@ def check_args(args):
         raise ValueError(f"--K_max must be >= --K, got {args.K_max} < {args.K}")
     if args.n_tokens_to_generate < 1:
         raise ValueError(f"--n_tokens_to_generate must be >= 1, got {args.n_tokens_to_generate}")
-    if args.backend != "numpy":
-        raise ValueError("--backend cupy is not available yet; use --backend numpy")
-    if args.dtype != "float32":
-        raise ValueError("--dtype float16 needs a GPU backend (NumPy has no fast float16 matmul); "
+    if args.dtype != "float32" and args.backend == "numpy":
+        raise ValueError(f"--dtype {args.dtype} needs --backend cupy (NumPy has no fast {args.dtype} matmul); "
                          "use --dtype float32")
 
 
 def load(size, args):
-    return utils.load_encoder_hparams_and_params(size, args.models_dir, args.source, args.base_url)
+    encoder, hparams, params = utils.load_encoder_hparams_and_params(size, args.models_dir, args.source,
+                                                                     args.base_url)
+    return encoder, hparams, utils.to_backend(params, args.backend, args.dtype)
 
 
 def streamer(encoder, colour):

@@ -132,10 +132,13 @@ def process_logits(logits, counts, s):
 
 
 def probabilities(logits, counts, s):
-    """The distribution [..., n_vocab] that decoding draws from (float32)."""
+    """The distribution [..., n_vocab] that decoding draws from (float32), computed
+    where the logits are (NumPy, or CuPy on a GPU)."""
+    if counts is not None:
+        counts = np.asarray(counts, like=logits)  # the host's counts go to the logits' device
     logits = process_logits(logits.astype(np.float32, copy=False), counts, s)
     if s.temperature == 0:
-        greedy = np.zeros(logits.shape, dtype=np.float32)
+        greedy = np.zeros(logits.shape, dtype=np.float32, like=logits)
         np.put_along_axis(greedy, np.argmax(logits, axis=-1)[..., None], 1.0, axis=-1)
         return greedy
     return softmax(logits)
@@ -144,5 +147,7 @@ def probabilities(logits, counts, s):
 def sample(probs, rng):
     """One token per row of probs [B, n_vocab], by inverting the CDF at u ~ U(0, 1]."""
     cdf = np.cumsum(probs, axis=-1, dtype=np.float64)  # [B, n_vocab]
-    u = (1.0 - rng.random(cdf.shape[0])) * cdf[:, -1]  # [B]; u > 0, so a zero-probability token never wins
+    # u is drawn on the host, so one seed gives one text on either backend; u > 0, so a
+    # zero-probability token never wins
+    u = np.asarray(1.0 - rng.random(cdf.shape[0]), like=cdf) * cdf[:, -1]  # [B]
     return np.minimum((cdf < u[:, None]).sum(axis=-1), probs.shape[-1] - 1)  # [B]

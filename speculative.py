@@ -61,9 +61,10 @@ def verify(p, q, drafts, k, rng):
     Returns (n [B] accepted drafts, token [B] the target's own next token).
     """
     B, K = drafts.shape
-    rows = np.arange(B)
-    u = rng.random((B, K))  # [B, K]
-    i = np.arange(K)
+    q, drafts, k = (np.asarray(a, like=p) for a in (q, drafts, k))  # to p's device (NumPy: no copy)
+    rows = np.arange(B, like=p)
+    u = np.asarray(rng.random((B, K)), like=p)  # [B, K]
+    i = np.arange(K, like=p)
     p_d = p[rows[:, None], i, drafts]  # [B, K]: p_i(d_i)
     q_d = q[rows[:, None], i, drafts]  # [B, K]: q_i(d_i)
     accept = (u * q_d < p_d) & (i < k[:, None])  # u < p/q without dividing by q = 0
@@ -141,6 +142,7 @@ def speculative_generate(prompts, target, draft, n_tokens_to_generate, K, settin
         t1 = time.perf_counter()
         p = score_with_target(t_params, t_hparams, t_cache, rows, drafts, k, c, settings)  # 2. one pass
         n, token = verify(p, q, drafts, k, rng)  # 3-4. accept n drafts, then one token from the target
+        n, token = np.array(n.tolist()), np.array(token.tolist())  # [B] each: only these leave a GPU
         t2 = time.perf_counter()
         done = emit(active, seqs, out, counts, drafts, n, token, remaining, n_tokens_to_generate, eos_id, callback)
         record(stats, k, n, K_step, len(active), t1 - t0, t2 - t1)
@@ -211,12 +213,12 @@ def draft_with_model(params, hparams, cache, rows, counts, K, settings, rng):
     they were sampled from (with the same settings and history as the target)."""
     B = len(rows)
     drafts = np.zeros((B, K), dtype=np.int64)
-    q = np.zeros((B, K, hparams["n_vocab"]), dtype=np.float32)
+    q = np.zeros((B, K, hparams["n_vocab"]), dtype=np.float32, like=params["wte"])
     counts = counts.copy() if settings.uses_counts else counts
     for i in range(K):
         logits, _ = gpt2.next_logits(params, hparams, cache, [r + drafts[b, :i].tolist() for b, r in enumerate(rows)])
         q[:, i] = sampling.probabilities(logits, counts, settings)  # [B, n_vocab]
-        drafts[:, i] = sampling.sample(q[:, i], rng)
+        drafts[:, i] = sampling.sample(q[:, i], rng).tolist()  # token ids to the host
         if settings.uses_counts:
             counts[np.arange(B), drafts[:, i]] += 1
     return [d.tolist() for d in drafts], q

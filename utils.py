@@ -15,7 +15,7 @@ little-endian floats, plus an index that says where each named tensor starts.
 Either way the tensors are `np.memmap` views into the file: zero copies, loaded
 in milliseconds, paged in by the OS on first use. Nothing is ever unpickled.
 Two kinds of tensor are then copied once, into the memory order that decoding
-reads fastest (`decode_layout`).
+reads fastest (`decode_layout`). `to_backend` moves the params to a GPU (CuPy).
 """
 import hashlib
 import json
@@ -458,6 +458,33 @@ def column_major(w, rows=256):
     for i in range(0, w.shape[0], rows):
         out[i:i + rows] = w[i:i + rows]
     return out
+
+
+def to_backend(params, backend="numpy", dtype="float32"):
+    """The params on the array library that runs them. NumPy keeps them as they are
+    (memory-mapped); CuPy copies every tensor to the GPU once, as `dtype`. From then
+    on the model runs wherever its weights are (gpt2.py says how). CuPy is imported
+    only here, so the NumPy path never needs it."""
+    if backend == "numpy":
+        if dtype != "float32":
+            raise LoadError(f"--dtype {dtype} needs --backend cupy (NumPy has no fast {dtype} matmul)")
+        return params
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no CuPy, or no CUDA driver or GPU
+        raise LoadError(f"--backend cupy needs CuPy and an NVIDIA GPU ({type(e).__name__}: {e}): "
+                        "pip install cupy-cuda12x (or cupy-cuda13x), or use --backend numpy")
+    return tree_map(lambda w: cupy.asarray(w.astype(dtype, copy=False)), params)
+
+
+def tree_map(f, tree):
+    """f applied to every array of a nested dict/list of params."""
+    if isinstance(tree, dict):
+        return {k: tree_map(f, v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [tree_map(f, v) for v in tree]
+    return f(tree)
 
 
 def load_encoder_hparams_and_params(model_size, models_dir="models", source="openai", base_url=None,

@@ -137,8 +137,7 @@ def odd_vocab_models(tmp_path_factory):
     (["--prompt", ""], "a prompt is empty"),
     (["--prompts_file", "/nonexistent/prompts.txt"], "cannot read --prompts_file"),
     (["--prompt", "a", "--prompt", "b", "--stream"], "--stream shows one prompt at a time"),
-    (["--backend", "cupy"], "--backend cupy is not available yet"),
-    (["--dtype", "float16"], "--dtype float16 needs a GPU backend"),
+    (["--dtype", "float16"], "--dtype float16 needs --backend cupy"),
 ])
 def test_bad_input_is_one_clear_line(capsys, models_dir, argv, message):
     rc, out, err = run_main(capsys, "--models_dir", models_dir, "--target_model_size", "124M", *argv)
@@ -175,3 +174,10 @@ def test_corrupt_checkpoint_from_the_command_line_has_no_traceback(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith("error: ") and "truncated" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_cupy_backend_without_cupy_is_one_clear_line(capsys, models_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # as on a machine without CuPy: import cupy fails
+    rc, out, err = run_main(capsys, "--models_dir", models_dir, "--target_model_size", "124M", "--backend", "cupy")
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith("error: --backend cupy needs CuPy and an NVIDIA GPU") and "pip install cupy" in err
