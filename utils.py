@@ -475,7 +475,11 @@ def to_backend(params, backend="numpy", dtype="float32"):
     except Exception as e:  # no CuPy, or no CUDA driver or GPU
         raise LoadError(f"--backend cupy needs CuPy and an NVIDIA GPU ({type(e).__name__}: {e}): "
                         "pip install cupy-cuda12x (or cupy-cuda13x), or use --backend numpy")
-    return tree_map(lambda w: cupy.asarray(w.astype(dtype, copy=False)), params)
+    try:
+        return tree_map(lambda w: cupy.asarray(w.astype(dtype, copy=False)), params)
+    except cupy.cuda.memory.OutOfMemoryError as e:
+        raise LoadError(f"the GPU has too little free memory for these weights ({e}): "
+                        "try --dtype float16, a smaller model, or --backend numpy")
 
 
 def tree_map(f, tree):

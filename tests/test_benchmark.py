@@ -1,5 +1,6 @@
 """benchmark.py --quick runs end to end in seconds, so the benchmark cannot rot."""
 import json
+import sys
 
 import benchmark
 
@@ -30,3 +31,11 @@ def test_random_params_have_the_real_shapes():
     assert hparams["n_layer"] == 12 and len(params["blocks"]) == 12
     # GPT-2 small's 124,439,808 parameters, less wpe and the layer norms' gains and biases
     assert benchmark.matmul_weight_bytes(params) == 4 * (124_439_808 - 1024 * 768 - 12 * 4 * 768 - 2 * 768)
+
+
+def test_gpu_benchmark_without_cupy_is_one_clear_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # as on a machine without CuPy: import cupy fails
+    assert benchmark.main(["--backend", "cupy", "--quick", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --backend cupy needs CuPy and an NVIDIA GPU") and err.count("\n") == 1
+    assert not (tmp_path / "results.json").exists()

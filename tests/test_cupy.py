@@ -122,3 +122,11 @@ def test_main_runs_on_the_gpu_and_greedy_texts_agree(capsys, models_dir):
                     "--temperature", "0", "--n_tokens_to_generate", "20", "--backend", "cupy"])
     out = capsys.readouterr().out
     assert rc == 0 and "greedy texts identical: yes" in out
+
+
+def test_too_little_gpu_memory_is_one_clear_error(both, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise cupy.cuda.memory.OutOfMemoryError(1 << 40, 0)
+    monkeypatch.setattr(cupy, "asarray", out_of_memory)
+    with pytest.raises(utils.LoadError, match="too little free memory .* try --dtype float16"):
+        utils.to_backend(both[1], "cupy")

@@ -147,3 +147,10 @@ def test_tokenizer_from_hf_file_names(tmp_path):
     shutil.copy(os.path.join(src, "encoder.json"), tmp_path / "vocab.json")
     shutil.copy(os.path.join(src, "vocab.bpe"), tmp_path / "merges.txt")
     assert utils.load_encoder(str(tmp_path)).encode("Hello, world!") == [15496, 11, 995, 0]
+
+
+def test_to_backend_numpy_keeps_the_params_and_refuses_float16(tiny):
+    params = tiny[2]
+    assert utils.to_backend(params) is params  # still memory-mapped: no copy on the CPU
+    with pytest.raises(utils.LoadError, match="--dtype float16 needs --backend cupy"):
+        utils.to_backend(params, "numpy", "float16")
