@@ -440,8 +440,9 @@ def decode_layout(params):
     dev machine with 124M shapes: the head x @ wte.T took 4.3 ms instead of 5.0 for
     one row and 9 ms instead of 14 for eight (speculative verification), the twelve
     [3072, 768] down-projections 3.2 ms instead of 4.4 for one row, and a whole decode
-    step 10% less. The other weights run as fast either way (or faster at 8-32 rows),
-    so they are not copied. The price: a copy of wte and the down-projections at load
+    step 8-27% less across benchmark runs (benchmark.py's "weight layout" rows). The
+    attention weights gain at most 3% of a step at one row and lose at eight rows, so
+    they are not copied. The price: a copy of wte and the down-projections at load
     (270 MB for 124M, 2.3 GB for 1558M).
     """
     def mlp(m):
