@@ -76,6 +76,18 @@ def test_greedy_text_equals_numpy_batched(both, use_cache):
                                        if use_cache else 0)
 
 
+def test_rows_that_finish_and_the_sliding_window_match_numpy(both):
+    """EOS drops rows from the GPU cache (keep_rows), and 100 tokens on the tiny
+    model (n_ctx 64) restart the cached window: both as on the CPU."""
+    hparams, params, gpu = both
+    eos = gpt2.generate(PROMPTS[:1], params, hparams, 3, GREEDY, np.random.default_rng(0))[0][0][2]
+    for n, eos_id in ((12, eos), (100, None)):
+        want, _ = gpt2.generate(PROMPTS, params, hparams, n, GREEDY, np.random.default_rng(0), eos_id=eos_id)
+        got, _ = gpt2.generate(PROMPTS, gpu, hparams, n, GREEDY, np.random.default_rng(0), eos_id=eos_id)
+        assert got == want
+        assert (min(map(len, got)) < n) == (eos_id is not None)  # rows did end early, or ran past n_ctx
+
+
 def test_sampled_text_equals_numpy_with_the_same_seed(both):
     """u is drawn on the host, so penalties, top-k/p and the draw agree across backends."""
     hparams, params, gpu = both
@@ -130,3 +142,11 @@ def test_too_little_gpu_memory_is_one_clear_error(both, monkeypatch):
     monkeypatch.setattr(cupy, "asarray", out_of_memory)
     with pytest.raises(utils.LoadError, match="too little free memory .* try --dtype float16"):
         utils.to_backend(both[1], "cupy")
+
+
+def test_main_runs_in_float16(capsys, models_dir):
+    import main
+    rc = main.main(["--models_dir", models_dir, "--target_model_size", "124M", "--draft_model_size", "355M",
+                    "--n_tokens_to_generate", "10", "--backend", "cupy", "--dtype", "float16"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.count("tokens/s") == 2
