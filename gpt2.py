@@ -70,7 +70,8 @@ def ffn(x, c_fc, c_proj):
 def attention(q, k, v, mask):
     """softmax(q k^T / sqrt(d_head) + mask) v, with mask 0 (see) or -inf (hide)."""
     scale = 1.0 / float(np.sqrt(q.shape[-1]))
-    scores = (q @ k.swapaxes(-1, -2)) * scale + mask  # [B, n_head, T, S]; the float32 mask makes float16 float32
+    # the mask is float32, so a float16 model's scores (and its softmax) become float32 here
+    scores = (q @ k.swapaxes(-1, -2)) * scale + mask  # [B, n_head, T, S]
     return softmax(scores).astype(v.dtype, copy=False) @ v  # [B, n_head, T, d_head]
 
 
