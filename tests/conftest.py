@@ -45,18 +45,3 @@ def tiny(models_dir):
 @pytest.fixture(scope="session")
 def reference():
     return dict(np.load(fixture_path("tiny-reference.npz")))
-
-
-def without_c_attn_bias(params):
-    """The tiny reference was made by transformers with every `h.N.attn.c_attn.bias`
-    left at its zero init, most likely because its loader dropped the keys ending in
-    `attn.bias` (the name of HF's causal-mask buffer), which `c_attn.bias` also ends
-    in. The reference logits pin the zeroed bias down exactly (see test_gpt2.py)."""
-    blocks = [dict(b, attn=dict(b["attn"], c_attn=dict(b["attn"]["c_attn"], b=np.zeros_like(b["attn"]["c_attn"]["b"]))))
-              for b in params["blocks"]]
-    return dict(params, blocks=blocks)
-
-
-@pytest.fixture(scope="session")
-def reference_params(tiny):
-    return without_c_attn_bias(tiny[2])
