@@ -23,7 +23,9 @@ import time
 
 import numpy as np
 
+import batching
 import gpt2
+import kv_cache
 import sampling
 import speculative
 import utils
@@ -105,6 +107,20 @@ def matmul_weight_bytes(params):
     return blocks + params["wte"].nbytes
 
 
+def summary(stats):
+    """The numbers of a batching.Stats that the tables below read."""
+    return {"seconds": stats.seconds, "ttft_s": stats.ttft_s, "n_tokens": stats.n_tokens,
+            "tokens_per_s": stats.tokens_per_s, "itl_ms_median": stats.itl_ms(50), "itl_ms_p90": stats.itl_ms(90),
+            "acceptance_rate": stats.acceptance_rate, "tokens_per_target_pass": stats.tokens_per_target_pass,
+            "draft_s": stats.draft_s, "verify_s": stats.verify_s}
+
+
+def greedy(prompts, model, n, use_cache=True):
+    """Plain greedy decoding: (new tokens, summary of its stats)."""
+    out, stats = gpt2.generate(batching.requests(prompts, n, GREEDY), model, use_cache)
+    return out, summary(stats)
+
+
 def wait(x):
     """Block until x is computed: CuPy runs asynchronously, so a timer must wait for the GPU."""
     x[(0,) * x.ndim].tolist()
@@ -151,8 +167,7 @@ def bench_decode(params, hparams, args, probe):
 
         def run():
             bandwidths.append(measure_bandwidth(probe))
-            results.append(gpt2.generate(prompts, params, hparams, args.n_tokens, GREEDY,
-                                         np.random.default_rng(0))[1])
+            results.append(greedy(prompts, (params, hparams), args.n_tokens)[1])
         timed(run, args.reps)
         results, bandwidths = results[1:], bandwidths[1:]  # drop the warm-up
         # after the first token (prefill), each row decodes n_tokens - 1 more in seconds - ttft
@@ -170,8 +185,7 @@ def bench_decode(params, hparams, args, probe):
                      "itl_ms_p90": float(np.median([r["itl_ms_p90"] for r in results])),
                      "kv_cache_bytes_n_ctx": 2 * hparams["n_layer"] * B * hparams["n_ctx"] * hparams["n_embd"] * 4})
     bandwidth = measure_bandwidth(probe)
-    _, stats = gpt2.generate([prompt], params, hparams, max(4, args.n_tokens // 4), GREEDY,
-                             np.random.default_rng(0), use_cache=False)
+    _, stats = greedy([prompt], (params, hparams), max(4, args.n_tokens // 4), use_cache=False)
     roofline = bandwidth * 1e9 / weight_bytes
     rows.append({"batch": 1, "cache": False, "decode_tok_s": stats["tokens_per_s"], "bandwidth_GBs": bandwidth,
                  "roofline_tok_s": roofline, "fraction_of_roofline": stats["tokens_per_s"] / roofline,
@@ -181,13 +195,15 @@ def bench_decode(params, hparams, args, probe):
 
 def decode_step_time(params, hparams, context, T=1, reps=5):
     """Median seconds of one cached pass over T new tokens after `context` cached tokens."""
-    cache = gpt2.new_cache(params, hparams, 1, context + T)
-    gpt2.gpt2(np.array([prompt_ids(context)]), **params, n_head=hparams["n_head"], cache=cache)
-    new = np.array([prompt_ids(T, seed=2)])
+    model = (params, hparams)
+    cache = kv_cache.init_cache(hparams, 1, context + T, like=params["wte"])
+    text = prompt_ids(context)
+    gpt2.next_logits(model, cache, [text])
+    text += prompt_ids(T, seed=2)
 
     def step():
         cache["lengths"][:] = context  # roll back, so every rep sees the same context
-        wait(gpt2.gpt2(new, **params, n_head=hparams["n_head"], cache=cache, all_logits=T > 1))
+        wait(gpt2.next_logits(model, cache, [text], n_logits=T))
     return timed(step, reps)[0]
 
 
@@ -262,8 +278,7 @@ def bench_speculative_end_to_end(draft, target, args):
     n = args.n_tokens * 2
     prompt = prompt_ids(args.prompt_len)
     ar_runs = []
-    timed(lambda: ar_runs.append(gpt2.generate([prompt], t_params, t_hparams, n, GREEDY,
-                                               np.random.default_rng(0))), args.reps)
+    timed(lambda: ar_runs.append(greedy([prompt], target, n)), args.reps)
     truth = prompt + ar_runs[0][0][0]
     ar_tok_s = float(np.median([s["tokens_per_s"] for _, s in ar_runs[1:]]))
     rows = [{"decoder": "autoregressive", "K": 0, "tok_s": ar_tok_s, "speedup": 1.0, "acceptance": None}]
@@ -274,14 +289,17 @@ def bench_speculative_end_to_end(draft, target, args):
     # an input-grounded prompt: the continuation to come is quoted earlier in it, as in
     # summarising, editing code or answering from a document
     grounded = prompt + ar_runs[0][0][0] + prompt
-    _, g_stats = gpt2.generate([grounded], t_params, t_hparams, n, GREEDY, np.random.default_rng(0))
+    _, g_stats = greedy([grounded], target, n)
     cases = [("oracle", oracle, prompt, K) for K in args.e2e_Ks]
     cases += [("prompt_lookup (grounded prompt)", "prompt_lookup", grounded, K) for K in args.e2e_Ks]
     cases += [("draft model", "model", prompt, K) for K in args.e2e_Ks]
     for name, drafter, p, K in cases:
         runs = []
+        config = speculative.SpeculativeConfig(K=K)
+        drafter = draft if drafter == "model" else drafter
         timed(lambda: runs.append(speculative.speculative_generate(
-            [p], target, draft, n, K, GREEDY, np.random.default_rng(0), drafter=drafter)), args.reps)
+            batching.requests([p], n, GREEDY), target, drafter, config)), args.reps)
+        runs = [(o, summary(st)) for o, st in runs]
         out, s = runs[-1]
         base = g_stats["tokens_per_s"] if p is grounded else ar_tok_s
         tok_s = float(np.median([r[1]["tokens_per_s"] for r in runs[1:]]))
@@ -348,8 +366,7 @@ def gpu_benchmark(args, command):
         for B in args.batch_sizes:
             prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]
             runs = []
-            timed(lambda: runs.append(gpt2.generate(prompts, params, hparams, args.n_tokens, GREEDY,
-                                                    np.random.default_rng(0))[1]), args.reps)
+            timed(lambda: runs.append(greedy(prompts, (params, hparams), args.n_tokens)[1]), args.reps)
             runs = runs[1:]
             rows.append({"batch": B, "end_to_end_tok_s": float(np.median([r["tokens_per_s"] for r in runs])),
                          "decode_tok_s": float(np.median([B * (args.n_tokens - 1) / (r["seconds"] - r["ttft_s"])

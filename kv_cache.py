@@ -2,87 +2,82 @@
 
 In causal attention the keys and values of a token never change once computed,
 because a token only attends to tokens before it. So we keep them: prefill the
-prompt once, then each step computes k, v for the new token only and appends
-them. Per token the model now reads its weights once and the cache once,
-instead of recomputing all T earlier positions.
+prompt once, then each step computes k, v for the new tokens only and appends
+them. Per token the model then reads its weights once and the cache once,
+instead of recomputing every earlier position.
 
-Layout: two preallocated arrays `[n_layer, B, n_head, n_ctx, d_head]` (static
-cache: no reallocation, no concatenation of the history). Every row sits
-left-aligned at slot 0 with its own `lengths[b]`, so a token's position id is
-simply its slot index. Rows of different lengths (a batch of prompts, or
-speculative decoding where each row accepts a different number of drafts) need
-nothing more than one causal mask per row: query at slot t sees keys at slots
-<= t, which hides both the future and any stale slots past the row's length.
-This plays the role of left-padding with position ids and an attention mask,
-and also lets every row advance or roll back by its own amount.
+Layout: every layer owns a preallocated pair `k`, `v` of shape
+[B, n_head, n_slots, d_head] (a static cache: no reallocation, no concatenation
+of the history). Every row sits left-aligned at slot 0 with its own
+`lengths[b]`, so a token's position id is simply its slot index. Rows of
+different lengths (a batch of prompts, or speculative decoding where each row
+accepts a different number of drafts) then need nothing more than one causal
+mask per row: the query at slot t sees keys at slots <= t, which hides both the
+future and any stale slots past the row's length. This plays the role of left
+padding with position ids and an attention mask, and it also lets every row
+advance or roll back by its own amount. This file owns every index calculation:
+which tokens a pass runs, where their keys go, what attention reads, rollback,
+and moving rows.
 
-Context overflow: GPT-2 has learned absolute position embeddings for n_ctx
-positions only. Past that we slide a window over the most recent tokens. A
-shifted window changes every cached key's position, so the cache must be
-rebuilt; doing that every step would cost a full prefill per token. Instead,
-when a row's window is full we restart it from its last n_ctx // 2 tokens and
-keep appending. Each token then sees between n_ctx/2 and n_ctx tokens of
-context: exact up to the window edge, approximate (but cheap) after it. The
-uncached path slides the window one token at a time, so the two agree exactly
-up to the edge and differ slightly after it.
+The sliding window: GPT-2 learned position embeddings for n_ctx positions only.
+A window that slides one token at a time would shift every cached key's
+position, so each new token would cost a full prefill. Instead the window
+restarts: once a text outgrows it, the model sees only the last n_ctx // 2
+tokens, and the window grows again from there until it is full. `window_start`
+says where the window begins for a text of n tokens. It depends on n alone, so
+the cached and uncached passes, plain and speculative decoding, and every row
+of a batch see exactly the same tokens: they agree at any length. Speculative
+decoding verifies drafts only up to the next restart (`room`), so one target
+pass never straddles two windows.
 """
+import itertools
+
 import numpy as np
 
 
-def init_cache(n_layer, n_head, n_ctx, n_embd, B, dtype=np.float32, like=None):
-    """An empty static cache for B rows, on the device of `like` (the model's weights)."""
-    shape = (n_layer, B, n_head, n_ctx, n_embd // n_head)  # [n_layer, B, n_head, n_ctx, d_head]
-    return {"k": np.zeros(shape, dtype=dtype, like=like), "v": np.zeros(shape, dtype=dtype, like=like),
-            "lengths": np.zeros(B, dtype=np.int64),  # tokens held by each row (host side: tiny)
-            "starts": np.zeros(B, dtype=np.int64)}   # sequence index of each row's slot 0
+def init_cache(hparams, B, n_slots, like):
+    """An empty static cache for B rows of n_slots tokens, with like's dtype and device."""
+    n_head = hparams["n_head"]
+    shape = (B, n_head, n_slots, hparams["n_embd"] // n_head)  # [B, n_head, n_slots, d_head]
+    return {"layers": [{"k": np.zeros(shape, like.dtype, like=like), "v": np.zeros(shape, like.dtype, like=like)}
+                       for _ in range(hparams["n_layer"])],
+            "lengths": np.zeros(B, dtype=np.int64),  # tokens cached per row (on the host: tiny)
+            "starts": np.zeros(B, dtype=np.int64)}   # index in the text of each row's slot 0
 
 
 def cache_nbytes(cache):
-    """2 * n_layer * B * n_ctx * n_embd * itemsize."""
-    return cache["k"].nbytes + cache["v"].nbytes
+    """2 * n_layer * B * n_slots * n_embd * itemsize."""
+    return sum(layer["k"].nbytes + layer["v"].nbytes for layer in cache["layers"])
 
 
-def write_plan(lengths, n_new, T):
-    """Where this pass's new keys/values go, and S, the number of slots attention reads:
-    the longest row after this pass (row b has n_new[b] real tokens, then padding)."""
-    S = int((lengths + n_new).max())
-    if (n_new == T).all() and (lengths == lengths[0]).all():
-        return slice(lengths[0], lengths[0] + T), S  # every row appends T tokens at the same slots
-    b_idx, t_idx = np.nonzero(np.arange(T)[None, :] < n_new[:, None])  # real tokens only
-    return (b_idx, t_idx, lengths[b_idx] + t_idx), S
+def window_start(n, n_ctx):
+    """Index of the first token the model sees of a text of n tokens.
 
-
-def append_kv(cache, layer, k, v, plan):
-    """Store this pass's k, v [B, n_head, T, d_head] and return every row's keys/values
-    [B, n_head, S, d_head]; slots past a row's own length are hidden by the mask."""
-    where, S = plan
-    if isinstance(where, slice):
-        cache["k"][layer, :, :, where] = k
-        cache["v"][layer, :, :, where] = v
-    else:
-        b_idx, t_idx, slots = where
-        # indexing [b, :, slot] puts the indexed axis first: [n_valid, n_head, d_head]
-        cache["k"][layer, b_idx, :, slots] = k[b_idx, :, t_idx]
-        cache["v"][layer, b_idx, :, slots] = v[b_idx, :, t_idx]
-    return cache["k"][layer, :, :, :S], cache["v"][layer, :, :, :S]  # [B, n_head, S, d_head]
-
-
-def rollback(cache, lengths):
-    """Forget everything past `lengths` (per row): rejected draft tokens are simply
-    overwritten by the next pass, so nothing is erased."""
-    cache["lengths"] = np.minimum(cache["lengths"], lengths)
-
-
-def pending_inputs(cache, seqs, n_ctx):
-    """The tokens of each sequence the cache has not seen yet, as a right-padded
-    [B, T] batch with n_new[b] real tokens per row. A row whose window would
-    overflow is restarted from its last n_ctx // 2 tokens."""
+    Up to n_ctx tokens it sees them all. Past that the window restarts from the last
+    keep = n_ctx // 2 tokens and grows one token per token, up to n_ctx, then restarts
+    again: restarts fall every n_ctx + 1 - keep tokens, the first at n = n_ctx + 1."""
     keep = max(n_ctx // 2, 1)
-    for b, seq in enumerate(seqs):
-        if len(seq) - cache["starts"][b] > n_ctx:
-            cache["starts"][b], cache["lengths"][b] = len(seq) - keep, 0
-    pending = [seq[cache["starts"][b] + cache["lengths"][b]:] for b, seq in enumerate(seqs)]
-    return pad_right(pending)
+    if n <= n_ctx:
+        return 0
+    return n - keep - (n - n_ctx - 1) % (n_ctx + 1 - keep)
+
+
+def room(n, n_ctx):
+    """How many tokens can follow a text of n tokens before its window restarts."""
+    return n_ctx - (n - window_start(n, n_ctx))
+
+
+def pending_inputs(cache, texts, n_ctx):
+    """The tokens of each text that this pass must run, as a right-padded [B, T] batch
+    with n_new[b] real tokens per row: without a cache, the whole window; with one, only
+    what the cache has not seen, after restarting any row whose window has moved."""
+    if cache is None:
+        return pad_right([t[window_start(len(t), n_ctx):] for t in texts])
+    for b, text in enumerate(texts):
+        start = window_start(len(text), n_ctx)
+        if start != cache["starts"][b]:  # the window restarted, or a rollback went back across a restart
+            cache["starts"][b], cache["lengths"][b] = start, 0
+    return pad_right([t[cache["starts"][b] + cache["lengths"][b]:] for b, t in enumerate(texts)])
 
 
 def pad_right(rows, pad=0):
@@ -94,10 +89,80 @@ def pad_right(rows, pad=0):
     return inputs, n_new
 
 
-def keep_rows(cache, rows):
-    """Drop finished rows from the batch (a copy of the rows kept, once per finish)."""
-    rows = np.asarray(rows, dtype=np.int64)
-    for key in ("k", "v"):
-        cache[key] = cache[key][:, rows]
-    for key in ("lengths", "starts"):
-        cache[key] = cache[key][rows]
+def begin_pass(cache, n_new, T, n_logits, like):
+    """What one model pass over inputs [B, T] (row b: n_new[b] real tokens) needs to know:
+    each token's position, the causal mask, where each layer stores its keys and values
+    (with a cache), and which positions need logits: row b's last n_logits[b] real
+    tokens, the rest of its n_logits.max() entries repeating its last token."""
+    B = len(n_new)
+    start = cache["lengths"] if cache is not None else np.zeros(B, dtype=np.int64)
+    positions = start[:, None] + np.arange(T)  # [B, T]: a token's position is its slot
+    S = int((start + n_new).max()) if cache is not None else T  # slots attention reads
+    hidden = np.arange(S)[None, None, :] > positions[:, :, None]  # [B, T, S]: keys after the query
+    mask = np.where(hidden, np.float32(-np.inf), np.float32(0.0))[:, None]  # [B, 1, T, S]
+    mask = np.asarray(mask, like=like)  # built on the host, used where the weights are
+    n_logits = np.broadcast_to(n_logits, (B,))
+    at = n_new[:, None] - n_logits[:, None] + np.arange(n_logits.max())  # [B, n_logits.max()]
+    kv = {"positions": positions, "cache": cache, "n_new": n_new,
+          "logits_at": np.clip(at, 0, (n_new - 1).clip(0)[:, None]),
+          "layers": itertools.repeat({"mask": mask})}  # every layer: the same mask, nothing to store
+    if cache is not None:
+        where = write_slots(start, n_new, T)
+        kv["layers"] = [dict(layer, where=where, S=S, mask=mask) for layer in cache["layers"]]
+    return kv
+
+
+def write_slots(lengths, n_new, T):
+    """Where this pass's real tokens go: a slice when every row appends T tokens at the
+    same slots (the common case: views, no index arrays), else (row, token, slot) triples."""
+    if (n_new == T).all() and (lengths == lengths[0]).all():
+        return slice(int(lengths[0]), int(lengths[0]) + T)
+    b_idx, t_idx = np.nonzero(np.arange(T)[None, :] < n_new[:, None])  # real tokens only
+    return b_idx, t_idx, lengths[b_idx] + t_idx
+
+
+def append(layer, k, v):
+    """Store this pass's k, v [B, n_head, T, d_head] in one layer's cache and return every
+    row's keys and values [B, n_head, S, d_head]; the mask hides slots past a row's length."""
+    where, S = layer["where"], layer["S"]
+    if isinstance(where, slice):
+        layer["k"][:, :, where] = k
+        layer["v"][:, :, where] = v
+    else:
+        b_idx, t_idx, slots = where
+        # indexing [b, :, slot] puts the indexed axis first: [n_real, n_head, d_head]
+        layer["k"][b_idx, :, slots] = k[b_idx, :, t_idx]
+        layer["v"][b_idx, :, slots] = v[b_idx, :, t_idx]
+    return layer["k"][:, :, :S], layer["v"][:, :, :S]  # [B, n_head, S, d_head]
+
+
+def advance(kv):
+    """After a pass: each row now holds its n_new more tokens."""
+    kv["cache"]["lengths"] += kv["n_new"]
+
+
+def rollback(cache, n_valid):
+    """Keep only the first n_valid[b] tokens of each row's text: rejected drafts are
+    simply overwritten by the next pass, so nothing is erased."""
+    keep = np.maximum(np.asarray(n_valid) - cache["starts"], 0)
+    np.minimum(cache["lengths"], keep, out=cache["lengths"])
+
+
+def rows(cache, n):
+    """The first n rows as a cache of its own (views: what a pass writes lands here too)."""
+    return {"layers": [{"k": layer["k"][:n], "v": layer["v"][:n]} for layer in cache["layers"]],
+            "lengths": cache["lengths"][:n], "starts": cache["starts"][:n]}
+
+
+def clear_row(cache, b):
+    """Row b starts a new text: nothing cached (old keys are hidden by the mask)."""
+    cache["lengths"][b] = cache["starts"][b] = 0
+
+
+def move_row(cache, src, dst):
+    """Copy row src into row dst (one row's keys and values), so the rows stay packed."""
+    for layer in cache["layers"]:
+        n = int(cache["lengths"][src])
+        layer["k"][dst, :, :n] = layer["k"][src, :, :n]
+        layer["v"][dst, :, :n] = layer["v"][src, :, :n]
+    cache["lengths"][dst], cache["starts"][dst] = cache["lengths"][src], cache["starts"][src]

@@ -6,7 +6,7 @@ in two separate steps:
 1. `probabilities(logits, counts, settings)`: penalties, temperature, top-k,
    top-p (nucleus) and min-p turn logits into a distribution, in the order
    Hugging Face transformers applies its logits processors.
-2. `sample(probs, rng)`: draw one token per row.
+2. `sample(probs, u)`: one token per row, by inverting the CDF at u ~ U(0, 1].
 
 Speculative decoding (speculative.py) needs step 1 on its own: it compares the
 target's processed distribution p with the draft's q, so both must come from
@@ -14,24 +14,47 @@ exactly these functions with the same settings. Temperature 0 is greedy: the
 distribution puts all its mass on the argmax, and speculative sampling then
 reduces to "accept while the draft's token is the target's argmax".
 
-Penalties look at `counts` [B, n_vocab], how often each token occurs in the text
-so far (the generated tokens, and the prompt too if asked).
+Which tokens the penalties count (`counts` [B, n_vocab]: occurrences of each
+token in the text so far, prompt included; `prompt_counts`: in the prompt):
+- repetition_penalty (transformers, CTRL): every token of the text, prompt included;
+- presence_penalty and frequency_penalty (the OpenAI API's formula): the
+  generated tokens only, unless penalize_prompt counts the prompt's too.
 """
 from dataclasses import dataclass
 
 import numpy as np
 
+# Below this temperature decoding is greedy, as in vLLM: dividing logits by a smaller
+# number overflows float32, and the distribution is one-hot to float32 precision unless
+# the top two logits tie within a few ulps.
+GREEDY_BELOW = 1e-5
+
+
+class BadSetting(ValueError):
+    """A setting out of its range: `name` is the setting, the message says what is allowed."""
+
+    def __init__(self, name, problem):
+        super().__init__(f"{name} {problem}")
+        self.name, self.problem = name, problem
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW) means greedy
     top_k: int = 0  # 0 means off
     top_p: float = 1.0
     min_p: float = 0.0
-    presence_penalty: float = 0.0  # OpenAI API: logit -= presence * (count > 0)
-    frequency_penalty: float = 0.0  # OpenAI API: logit -= frequency * count
-    repetition_penalty: float = 1.0  # transformers: divide positive logits, multiply negative ones
-    penalize_prompt: bool = False  # count the prompt's tokens in the penalties too
+    presence_penalty: float = 0.0  # OpenAI API, in [-2, 2]: logit -= presence * (count > 0)
+    frequency_penalty: float = 0.0  # OpenAI API, in [-2, 2]: logit -= frequency * count
+    repetition_penalty: float = 1.0  # transformers, in [0.01, 100]: divide positive logits, multiply negative
+    penalize_prompt: bool = False  # presence/frequency count the prompt's tokens too
+
+    def __post_init__(self):
+        validate(self)
+
+    @property
+    def greedy(self):
+        return self.temperature < GREEDY_BELOW
 
     @property
     def uses_counts(self):
@@ -39,24 +62,23 @@ class SamplingSettings:
 
 
 def validate(s):
-    """One clear message naming the flag, for every setting out of range."""
-    finite = {"--temperature": s.temperature, "--top_p": s.top_p, "--min_p": s.min_p,
-              "--presence_penalty": s.presence_penalty, "--frequency_penalty": s.frequency_penalty,
-              "--repetition_penalty": s.repetition_penalty}
-    for flag, value in finite.items():
-        if not np.isfinite(value):
-            raise ValueError(f"{flag} must be a finite number, got {value}")
+    """Every setting in its range, so the arithmetic below stays finite."""
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if not np.isfinite(getattr(s, name)):
+            raise BadSetting(name, f"must be a finite number, got {getattr(s, name)}")
     if s.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {s.temperature}")
+        raise BadSetting("temperature", f"must be >= 0 (0 = greedy), got {s.temperature}")
     if not float(s.top_k).is_integer() or s.top_k < 0:
-        raise ValueError(f"--top_k must be an integer >= 0 (0 = off), got {s.top_k}")
+        raise BadSetting("top_k", f"must be an integer >= 0 (0 = off), got {s.top_k}")
     if not 0 < s.top_p <= 1:
-        raise ValueError(f"--top_p must be in (0, 1], got {s.top_p}")
+        raise BadSetting("top_p", f"must be in (0, 1], got {s.top_p}")
     if not 0 <= s.min_p < 1:
-        raise ValueError(f"--min_p must be in [0, 1), got {s.min_p}")
-    if s.repetition_penalty <= 0:
-        raise ValueError(f"--repetition_penalty must be > 0 (1 = off), got {s.repetition_penalty}")
-    return s
+        raise BadSetting("min_p", f"must be in [0, 1), got {s.min_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(s, name) <= 2:
+            raise BadSetting(name, f"must be in [-2, 2] (the OpenAI API's range; 0 = off), got {getattr(s, name)}")
+    if not 0.01 <= s.repetition_penalty <= 100:
+        raise BadSetting("repetition_penalty", f"must be in [0.01, 100] (1 = off), got {s.repetition_penalty}")
 
 
 def token_counts(histories, n_vocab):
@@ -117,37 +139,42 @@ def softmax(x):
     return exp_x / np.sum(exp_x, axis=-1, keepdims=True)
 
 
-def process_logits(logits, counts, s):
+def process_logits(logits, counts, s, prompt_counts=None):
     """Logits [..., n_vocab] after every processor: -inf marks a removed token."""
     if s.repetition_penalty != 1.0:
         logits = apply_repetition_penalty(logits, counts, s.repetition_penalty)
     if s.presence_penalty or s.frequency_penalty:
-        logits = apply_presence_frequency_penalty(logits, counts, s.presence_penalty, s.frequency_penalty)
-    if s.temperature == 0:
-        return logits  # greedy: only the argmax matters, the warpers cannot change it
+        generated = counts if s.penalize_prompt or prompt_counts is None else counts - prompt_counts
+        logits = apply_presence_frequency_penalty(logits, generated, s.presence_penalty, s.frequency_penalty)
+    if s.greedy:
+        return logits  # only the argmax matters, the warpers cannot change it
     logits = apply_temperature(logits, s.temperature)
     logits = apply_top_k(logits, int(s.top_k))
     logits = apply_top_p(logits, s.top_p)
     return apply_min_p(logits, s.min_p)
 
 
-def probabilities(logits, counts, s):
+def probabilities(logits, counts, s, prompt_counts=None):
     """The distribution [..., n_vocab] that decoding draws from (float32), computed
     where the logits are (NumPy, or CuPy on a GPU)."""
-    if counts is not None:
-        counts = np.asarray(counts, like=logits)  # the host's counts go to the logits' device
-    logits = process_logits(logits.astype(np.float32, copy=False), counts, s)
-    if s.temperature == 0:
+    if s.uses_counts:  # the host's counts go to the logits' device
+        counts = np.asarray(counts, like=logits)
+        prompt_counts = None if prompt_counts is None else np.asarray(prompt_counts, like=logits)
+    logits = process_logits(logits.astype(np.float32, copy=False), counts, s, prompt_counts)
+    if s.greedy:
         greedy = np.zeros(logits.shape, dtype=np.float32, like=logits)
         np.put_along_axis(greedy, np.argmax(logits, axis=-1)[..., None], 1.0, axis=-1)
         return greedy
     return softmax(logits)
 
 
-def sample(probs, rng):
-    """One token per row of probs [B, n_vocab], by inverting the CDF at u ~ U(0, 1]."""
+def sample(probs, u):
+    """One token per row of probs [B, n_vocab]: the first whose cumulative probability
+    reaches u [B] in (0, 1] times the row's total; u > 0, so a zero-probability token
+    never wins. A row that is not a distribution (NaN, inf, negative, no mass) is refused."""
     cdf = np.cumsum(probs, axis=-1, dtype=np.float64)  # [B, n_vocab]
-    # u is drawn on the host, so one seed gives one text on either backend; u > 0, so a
-    # zero-probability token never wins
-    u = np.asarray(1.0 - rng.random(cdf.shape[0]), like=cdf) * cdf[:, -1]  # [B]
+    total = cdf[:, -1]  # [B]: NaN or inf anywhere in a row shows here
+    if not (bool(np.isfinite(total).all()) and bool((total > 0).all()) and bool(probs.min() >= 0)):
+        raise ValueError("cannot sample: a distribution holds NaN, inf or negative values, or no mass at all")
+    u = np.asarray(u, like=cdf) * total  # [B]
     return np.minimum((cdf < u[:, None]).sum(axis=-1), probs.shape[-1] - 1)  # [B]

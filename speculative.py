@@ -23,47 +23,181 @@ p(y))) * max(0, p(x) - q(x)) / sum_y max(0, p(y) - q(y)) = min(q(x), p(x)) +
 max(0, p(x) - q(x)) = p(x). Both caches are rolled back to the accepted length.
 Each step emits n+1 tokens (n accepted, 1 from the target), for one target pass.
 
+Near the end of GPT-2's window (kv_cache.py) a row drafts only as many tokens as
+fit before its window restarts (`kv_cache.room`), so every p_i is computed on
+exactly the tokens plain decoding would see: the two decoders agree at any length.
+
 p and q come from sampling.py with the same settings, so penalties, top-k/p and
 temperature are honoured exactly; temperature 0 makes p and q one-hot and the
 output is the target's own greedy text, token for token.
 """
 import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+import batching
 import gpt2
 import kv_cache
 import sampling
 
 
-def check_same_vocabulary(target_hparams, draft_hparams):
-    if target_hparams["n_vocab"] != draft_hparams["n_vocab"]:
-        raise ValueError(f"draft and target vocabularies differ ({draft_hparams['n_vocab']} vs "
-                         f"{target_hparams['n_vocab']} tokens): speculative decoding needs the same tokenizer")
+@dataclass(frozen=True)
+class Costs:
+    """What a step costs, in target decode steps: `draft` is one draft-model token (the
+    papers' c), `verify[K]` one target pass over K+1 tokens. Fixed numbers rather than
+    this run's clock, so that adaptive K, and with it the text, is the same every run."""
+    draft: float
+    verify: tuple
+
+
+# verify(K+1) / one decode step for K = 0..8, from `python benchmark.py` (355M target, 2-core CPU)
+CPU_VERIFY = (1.0, 2.06, 1.93, 1.94, 2.04, 2.05, 2.08, 2.33, 2.70)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    K: int = 4  # drafts per target pass (the papers' gamma)
+    adaptive: bool = False  # before each step, each row picks its K from its own acceptance so far
+    K_max: int = None  # the largest K adaptive K picks; None: max(K, 7)
+    costs: Costs = None  # for adaptive K; None: estimated from the models' sizes (default_costs)
+
+
+def check(config, target_hparams=None, draft_hparams=None):
+    """K, K_max and the draft's vocabulary, or a sampling.BadSetting naming the one that is wrong."""
+    if config.K < 1:
+        raise sampling.BadSetting("K", f"must be >= 1, got {config.K}")
+    if config.adaptive and config.K_max is not None and config.K_max < config.K:
+        raise sampling.BadSetting("K_max", f"must be >= K, got {config.K_max} < {config.K}")
+    if draft_hparams is not None and draft_hparams["n_vocab"] != target_hparams["n_vocab"]:
+        raise sampling.BadSetting("draft", f"vocabulary ({draft_hparams['n_vocab']} tokens) differs from the "
+                                  f"target's ({target_hparams['n_vocab']}): speculative decoding needs one tokenizer")
+
+
+def speculative_generate(requests, target, drafter, config=SpeculativeConfig(), use_cache=True, callback=None):
+    """Draft-verify decoding for a batch of requests (batching.requests).
+
+    target: (params, hparams). drafter: a draft model (params, hparams); "prompt_lookup";
+      or a function (text, K) -> up to K proposed tokens (deterministic, like the
+      benchmark's oracle). callback(seq, token, accepted) sees each token as it comes.
+    Returns (each request's new tokens, batching.Stats).
+    """
+    draft = drafter if isinstance(drafter, tuple) else None
+    check(config, target[1], draft and draft[1])
+    for r in requests:
+        batching.check_request(r, target[1]["n_vocab"])
+    config = replace(config, K_max=config.K_max or max(config.K, 7), costs=config.costs or default_costs(target, draft))
+    models = {"target": target, "draft": draft} if draft else {"target": target}
+    batch = batching.new_batch(models, len(requests), batching.cache_slots(requests), use_cache, callback)
+    for i, r in enumerate(requests):
+        batching.join(batch, r, i)
+    batch.stats.start = time.perf_counter()
+    while batch.seqs:
+        speculative_step(batch, target, drafter, config)
+        batching.leave(batch)
+    return batching.results(batch), batch.stats
+
+
+def speculative_step(batch, target, drafter, config):
+    """One round of the papers' loop for every row of the batch."""
+    k = [n_drafts(seq, config, target[1]["n_ctx"]) for seq in batch.seqs]  # drafts each row may verify
+    t0 = time.perf_counter()
+    drafts, q = propose(batch, drafter, k)  # 1. d_1..d_k, sampled from q_1..q_k
+    k = np.array([len(d) for d in drafts])  # [B]
+    t1 = time.perf_counter()
+    p = score_with_target(batch, target, drafts)  # 2. p_1..p_{k+1}, from ONE target pass
+    n, token = verify(p, q, kv_cache.pad_right(drafts)[0][:, :q.shape[1]], k,  # 3-4. accept n drafts,
+                      batching.uniforms(batch, k)[:, :q.shape[1]], batching.uniforms(batch, 1)[:, 0])  # then 1 token
+    n, token = n.tolist(), token.tolist()  # only these leave a GPU
+    t2 = time.perf_counter()
+    for b, seq in enumerate(batch.seqs):  # 5. emit; each row remembers how its drafts fared
+        batching.emit(batch, b, drafts[b][:n[b]] + [token[b]], n[b])
+        seq.accepted, seq.rejected = seq.accepted + n[b], seq.rejected + (n[b] < k[b])
+    for name in batch.caches:  # 6. every cache forgets the rejected drafts
+        kv_cache.rollback(batching.cache(batch, name), [len(seq.tokens) - 1 for seq in batch.seqs])
+    record(batch.stats, k, n, t1 - t0, t2 - t1)
+
+
+def n_drafts(seq, config, n_ctx):
+    """How many drafts a row verifies this step: its K, but never past its last token
+    (max_new_tokens - 1 drafts + 1 target token) nor across its window's restart."""
+    K = adaptive_K(seq, config) if config.adaptive else config.K
+    left = seq.request.max_new_tokens - seq.n_generated - 1
+    return max(0, min(K, left, kv_cache.room(len(seq.tokens), n_ctx)))
+
+
+def propose(batch, drafter, k):
+    """Up to k[b] drafts per row, and the distributions q [B, max k, n_vocab] they came from."""
+    if isinstance(drafter, tuple):
+        return draft_with_model(batch, drafter, k)
+    propose_fn = prompt_lookup_draft if drafter == "prompt_lookup" else drafter
+    return draft_deterministic(batch, propose_fn, k)
+
+
+def draft_with_model(batch, model, k):
+    """k[b] tokens for row b from the draft model, one pass per token (rows that have
+    drafted enough ride along, and their outputs are ignored), sampled from q with
+    each row's own settings and history."""
+    B, K = len(batch.seqs), max(k)
+    drafts = [[] for _ in range(B)]
+    q = np.zeros((B, K, model[1]["n_vocab"]), dtype=np.float32, like=model[0]["wte"])
+    counts = batch.counts[:B].copy() if batching.penalized(batch) else None  # penalties see the drafts too
+    for i in range(K):
+        logits = gpt2.next_logits(model, batching.cache(batch, "draft"), batching.texts(batch, drafts))[:, 0]
+        q[:, i] = batching.probabilities(batch, logits, counts)  # [B, n_vocab]
+        drafting = [int(kb > i) for kb in k]
+        tokens = sampling.sample(q[:, i], batching.uniforms(batch, drafting)[:, 0]).tolist()  # [B]
+        for b in np.nonzero(drafting)[0]:
+            drafts[b].append(tokens[b])
+            if counts is not None:
+                counts[b, tokens[b]] += 1
+    batch.stats.draft_passes += K
+    return drafts, q
+
+
+def draft_deterministic(batch, propose_fn, k):
+    """Drafts from a deterministic drafter such as prompt lookup: q is one-hot at each
+    draft, so d_i is accepted with probability p_i(d_i)."""
+    drafts = [propose_fn(seq.tokens, kb)[:kb] if kb else [] for seq, kb in zip(batch.seqs, k)]
+    q = np.zeros((len(drafts), max(map(len, drafts)), batch.counts.shape[1]), dtype=np.float32)
+    for b, d in enumerate(drafts):
+        q[b, np.arange(len(d)), d] = 1.0
+    return drafts, q
+
+
+def score_with_target(batch, model, drafts):
+    """The target's distributions p [B, K+1, n_vocab] after each prefix of every row's
+    drafts (row b: its first k[b]+1 entries), all from ONE forward pass."""
+    n_logits = np.array([len(d) + 1 for d in drafts])
+    logits = gpt2.next_logits(model, batching.cache(batch, "target"), batching.texts(batch, drafts), n_logits)
+    counts = None
+    if batching.penalized(batch):
+        counts = counts_along_drafts(batch.counts[:len(drafts)], drafts, logits.shape[1])  # [B, K+1, n_vocab]
+    return batching.probabilities(batch, logits, counts)  # [B, K+1, n_vocab]
 
 
 def counts_along_drafts(counts, drafts, n_positions):
     """counts [B, n_vocab] -> [B, n_positions, n_vocab]: position i also counts d_1..d_i,
     since a penalty at position i must see the drafted text before it."""
-    B, V = counts.shape
     out = np.repeat(counts[:, None], n_positions, axis=1)  # [B, n_positions, n_vocab]
-    for i in range(min(drafts.shape[1], n_positions - 1)):
-        out[np.arange(B), i + 1:, drafts[:, i]] += 1
+    for b, d in enumerate(drafts):
+        for i, token in enumerate(d[:n_positions - 1]):
+            out[b, i + 1:, token] += 1
     return out
 
 
-def verify(p, q, drafts, k, rng):
+def verify(p, q, drafts, k, u, v):
     """Accept/reject K drafted tokens per row, then draw one more from the target.
 
     p [B, K+1, n_vocab]: target distributions; p[:, i] is for the token after d_1..d_i.
     q [B, K, n_vocab]: draft distributions the drafts were sampled from.
     drafts [B, K], k [B]: row b drafted k[b] <= K real tokens.
+    u [B, K], v [B]: uniform draws in (0, 1] for the acceptance tests and the last token.
     Returns (n [B] accepted drafts, token [B] the target's own next token).
     """
     B, K = drafts.shape
-    q, drafts, k = (np.asarray(a, like=p) for a in (q, drafts, k))  # to p's device (NumPy: no copy)
+    q, drafts, k, u = (np.asarray(a, like=p) for a in (q, drafts, k, u))  # to p's device (NumPy: no copy)
     rows = np.arange(B, like=p)
-    u = np.asarray(rng.random((B, K)), like=p)  # [B, K]
     i = np.arange(K, like=p)
     p_d = p[rows[:, None], i, drafts]  # [B, K]: p_i(d_i)
     q_d = q[rows[:, None], i, drafts]  # [B, K]: q_i(d_i)
@@ -74,7 +208,7 @@ def verify(p, q, drafts, k, rng):
     residual = np.maximum(p_n - q_n, 0.0)  # [B, n_vocab]: equals p_n where all drafts passed
     mass = residual.sum(axis=-1, keepdims=True)
     residual = np.where(mass > 0, residual, p_n)  # p == q up to rounding: rejection had ~0 chance
-    return n, sampling.sample(residual, rng)
+    return n, sampling.sample(residual, v)
 
 
 def prompt_lookup_draft(seq, K, max_ngram=3):
@@ -90,148 +224,21 @@ def prompt_lookup_draft(seq, K, max_ngram=3):
     return []
 
 
-def speculative_generate(prompts, target, draft, n_tokens_to_generate, K, settings, rng, use_cache=True,
-                         eos_id=None, callback=None, drafter="model", adaptive_K=False, K_max=7):
-    """Draft-verify decoding for a batch of prompts.
-
-    target, draft: (params, hparams); draft is used only with drafter="model".
-    drafter: "model", "prompt_lookup", or any function (seq, K) -> up to K proposed
-      tokens (a deterministic drafter, such as the benchmark's oracle).
-    callback(row, token, accepted) sees each token as it is emitted; accepted tells
-    whether it was a draft the target accepted (True) or the target's own (False).
-    Returns (the new tokens of each row, stats).
-    """
-    t_params, t_hparams = target
-    model_drafter = drafter == "model"
-    if model_drafter:
-        d_params, d_hparams = draft
-        check_same_vocabulary(t_hparams, d_hparams)
-    if K < 1 or K >= t_hparams["n_ctx"] // 2:
-        raise ValueError(f"K must be between 1 and {t_hparams['n_ctx'] // 2 - 1}, got {K}")
-    K_max = max(K, K_max)
-    B = len(prompts)
-    seqs = [list(p) for p in prompts]
-    out = [[] for _ in prompts]
-    active = list(range(B))  # rows still generating, in cache order
-    counts = sampling.token_counts(prompts if settings.penalize_prompt else [[]] * B, t_hparams["n_vocab"])
-    n_slots = max(map(len, seqs)) + n_tokens_to_generate + K_max + 1
-    t_cache = gpt2.new_cache(t_params, t_hparams, B, n_slots) if use_cache else None
-    d_cache = gpt2.new_cache(d_params, d_hparams, B, n_slots) if use_cache and model_drafter else None
-    stats = {"target_passes": 0, "row_passes": 0, "draft_passes": 0, "drafted": 0, "accepted": 0,
-             "drafted_steps": 0, "fully_accepted_steps": 0,
-             "draft_s": 0.0, "verify_s": 0.0, "proposed_at": np.zeros(K_max, np.int64),
-             "accepted_at": np.zeros(K_max, np.int64), "K_trace": []}
-    stats["kv_cache_bytes"] = sum(kv_cache.cache_nbytes(c) for c in (t_cache, d_cache) if c is not None)
-    start = time.perf_counter()
-    token_times = []
-    while active:
-        remaining = [n_tokens_to_generate - len(out[b]) for b in active]
-        K_step = max(0, min(K, max(remaining) - 1))  # never draft past the last token needed
-        rows = [seqs[b] for b in active]
-        c = counts[active] if settings.uses_counts else None  # only penalties read them
-
-        t0 = time.perf_counter()
-        if model_drafter:  # 1. the draft proposes d_1..d_K, sampled from q_1..q_K
-            drafts, q = draft_with_model(d_params, d_hparams, d_cache, rows, c, K_step, settings, rng)
-            stats["draft_passes"] += K_step
-        else:
-            propose = prompt_lookup_draft if drafter == "prompt_lookup" else drafter
-            drafts, q = draft_deterministic(rows, K_step, t_hparams["n_vocab"], propose)
-        k = np.array([len(r) for r in drafts], dtype=np.int64)  # [B]: real drafts per row
-        drafts = kv_cache.pad_right(drafts)[0][:, :K_step]  # [B, K_step]
-        t1 = time.perf_counter()
-        p = score_with_target(t_params, t_hparams, t_cache, rows, drafts, k, c, settings)  # 2. one pass
-        n, token = verify(p, q, drafts, k, rng)  # 3-4. accept n drafts, then one token from the target
-        n, token = np.array(n.tolist()), np.array(token.tolist())  # [B] each: only these leave a GPU
-        t2 = time.perf_counter()
-        done = emit(active, seqs, out, counts, drafts, n, token, remaining, n_tokens_to_generate, eos_id, callback)
-        record(stats, k, n, K_step, len(active), t1 - t0, t2 - t1)
-        token_times.append(time.perf_counter())
-        for cache in (t_cache, d_cache):  # keep only what matches the accepted text
-            if cache is not None:
-                kv_cache.rollback(cache, np.array([len(seqs[b]) - 1 for b in active]) - cache["starts"])
-        if adaptive_K:
-            K = adapt_K(stats, K_max)
-        if done:
-            keep = [i for i in range(len(active)) if i not in done]
-            active = [active[i] for i in keep]
-            for cache in (t_cache, d_cache):
-                if cache is not None:
-                    kv_cache.keep_rows(cache, keep)
-    return out, finish_stats(stats, start, token_times, sum(map(len, out)))
-
-
-def score_with_target(params, hparams, cache, rows, drafts, k, counts, settings):
-    """The target's distributions p [B, K+1, n_vocab] after each prefix of the drafts,
-    all from ONE forward pass over (pending tokens + drafts)."""
-    K = drafts.shape[1]
-    logits, n_new = gpt2.next_logits(params, hparams, cache, [r + d[:kb].tolist() for r, d, kb in zip(rows, drafts, k)],
-                                     all_logits=True)  # [B, T, n_vocab]
-    positions = n_new[:, None] - 1 - k[:, None] + np.arange(K + 1)  # [B, K+1]: the last k[b]+1 real tokens
-    positions = np.minimum(positions, n_new[:, None] - 1)  # rows with fewer drafts: repeat the last
-    logits = logits[np.arange(len(rows))[:, None], positions]  # [B, K+1, n_vocab]
-    counts = counts_along_drafts(counts, drafts, K + 1) if settings.uses_counts else None
-    return sampling.probabilities(logits, counts, settings)  # [B, K+1, n_vocab]
-
-
-def emit(active, seqs, out, counts, drafts, n, token, remaining, n_tokens_to_generate, eos_id, callback):
-    """Append each row's accepted drafts and the target's token, honouring
-    max_new_tokens and EOS; returns the indices (into active) of rows that ended."""
-    done = []
-    for i, b in enumerate(active):
-        emitted = drafts[i, :n[i]].tolist() + [int(token[i])]
-        emitted = emitted[:remaining[i]]  # max_new_tokens is exact
-        if eos_id is not None and eos_id in emitted:
-            emitted = emitted[:emitted.index(eos_id) + 1]  # EOS ends the row right there
-        for j, tok in enumerate(emitted):
-            seqs[b].append(tok)
-            out[b].append(tok)
-            counts[b, tok] += 1
-            if callback:
-                callback(b, tok, j < n[i])
-        if len(out[b]) == n_tokens_to_generate or (eos_id is not None and emitted[-1] == eos_id):
-            done.append(i)
-    return done
-
-
-def record(stats, k, n, K_step, n_rows, draft_s, verify_s):
-    stats["target_passes"] += 1
-    stats["drafted_steps"] += int((k > 0).sum())
-    stats["fully_accepted_steps"] += int(((n == k) & (k > 0)).sum())
-    stats["row_passes"] += n_rows
-    stats["draft_s"] += draft_s
-    stats["verify_s"] += verify_s
-    stats["drafted"] += int(k.sum())
-    stats["accepted"] += int(n.sum())
-    np.add.at(stats["proposed_at"], np.concatenate([np.arange(kb) for kb in k]).astype(np.int64), 1)
-    np.add.at(stats["accepted_at"], np.concatenate([np.arange(nb) for nb in n]).astype(np.int64), 1)
-    stats["K_trace"].append(K_step)
-
-
-def draft_with_model(params, hparams, cache, rows, counts, K, settings, rng):
-    """K tokens per row from the draft model, and the distributions q [B, K, n_vocab]
-    they were sampled from (with the same settings and history as the target)."""
-    B = len(rows)
-    drafts = np.zeros((B, K), dtype=np.int64)
-    q = np.zeros((B, K, hparams["n_vocab"]), dtype=np.float32, like=params["wte"])
-    counts = counts.copy() if settings.uses_counts else counts
-    for i in range(K):
-        logits, _ = gpt2.next_logits(params, hparams, cache, [r + drafts[b, :i].tolist() for b, r in enumerate(rows)])
-        q[:, i] = sampling.probabilities(logits, counts, settings)  # [B, n_vocab]
-        drafts[:, i] = sampling.sample(q[:, i], rng).tolist()  # token ids to the host
-        if settings.uses_counts:
-            counts[np.arange(B), drafts[:, i]] += 1
-    return [d.tolist() for d in drafts], q
-
-
-def draft_deterministic(rows, K, n_vocab, propose):
-    """Drafts from a deterministic drafter such as prompt lookup: q is one-hot at each
-    draft, so d_i is accepted with probability p_i(d_i)."""
-    drafts = [propose(r, K)[:K] if K else [] for r in rows]
-    q = np.zeros((len(rows), K, n_vocab), dtype=np.float32)
-    for b, d in enumerate(drafts):
-        q[b, np.arange(len(d)), d] = 1.0
-    return drafts, q
+def record(stats, k, n, draft_s, verify_s):
+    stats.step_times.append(time.perf_counter())
+    stats.target_passes += 1
+    stats.row_passes += len(k)
+    stats.draft_s += draft_s
+    stats.verify_s += verify_s
+    stats.drafted += int(k.sum())
+    stats.accepted += sum(n)
+    stats.K_trace.append(int(k.max()))
+    for kb, nb in zip(k, n):
+        stats.proposed_at += [0] * (kb - len(stats.proposed_at))
+        stats.accepted_at += [0] * (kb - len(stats.accepted_at))
+        for i in range(kb):
+            stats.proposed_at[i] += 1
+            stats.accepted_at[i] += i < nb
 
 
 def expected_tokens(alpha, K):
@@ -240,30 +247,37 @@ def expected_tokens(alpha, K):
     return K + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (K + 1)) / (1.0 - alpha)
 
 
-def best_K(alpha, t_draft, t_verify, K_max):
-    """The K with the most expected tokens per second, from the acceptance rate and this
-    run's own measured costs: one draft pass t_draft, one verification pass t_verify.
-    Verification is taken as the same for every K <= K_max: a pass over K+1 <= 8 tokens
-    costs about the same on a CPU (matmuls are padded to 8 rows) and on a GPU."""
-    return max(range(1, K_max + 1), key=lambda K: expected_tokens(alpha, K) / (K * t_draft + t_verify))
+def verify_cost(costs, K):
+    """verify(K+1) in target steps; past the table, growing with the rows like a compute-bound pass."""
+    table = costs.verify
+    return table[K] if K < len(table) else table[-1] * (K + 1) / len(table)
 
 
-def adapt_K(stats, K_max):
-    """Adaptive K: estimate alpha from the drafts so far (each accepted draft is a success,
-    each first rejection a failure: the geometric MLE) and pick best_K on measured costs."""
-    rejections = stats["drafted_steps"] - stats["fully_accepted_steps"]
-    alpha = (stats["accepted"] + 1) / (stats["accepted"] + rejections + 1)  # +1: start optimistic
-    t_draft = stats["draft_s"] / max(stats["draft_passes"], 1)  # 0 for prompt lookup: drafting is free
-    t_verify = stats["verify_s"] / stats["target_passes"]
-    return best_K(alpha, t_draft, t_verify, K_max)
+def best_K(alpha, costs, K_max):
+    """The K with the most expected tokens per unit of time: E[tokens](alpha, K) over the
+    cost of K draft tokens and one verification of K+1 tokens."""
+    return max(range(1, K_max + 1),
+               key=lambda K: expected_tokens(alpha, K) / (K * costs.draft + verify_cost(costs, K)))
 
 
-def finish_stats(stats, start, token_times, n_tokens):
-    s = gpt2.decode_stats(start, token_times, n_tokens)
-    proposed = stats.pop("proposed_at")
-    accepted = stats.pop("accepted_at")
-    s.update(stats)
-    s["acceptance_rate"] = stats["accepted"] / stats["drafted"] if stats["drafted"] else 0.0
-    s["tokens_per_target_pass"] = n_tokens / stats["row_passes"] if stats["row_passes"] else 0.0  # per row
-    s["acceptance_by_position"] = [round(float(a / p), 3) for a, p in zip(accepted, proposed) if p]
-    return s
+def adaptive_K(seq, config):
+    """A row's K from its own history: alpha estimated from its drafts so far (each
+    accepted draft a success, each step that rejected one a failure: the geometric MLE,
+    with one optimistic success to start), then best_K on the fixed costs."""
+    if seq.accepted + seq.rejected == 0:
+        return config.K  # no history yet
+    alpha = (seq.accepted + 1) / (seq.accepted + seq.rejected + 1)
+    return best_K(alpha, config.costs, config.K_max)
+
+
+def step_parameters(hparams):
+    """Weights one decode step streams: 12 n_embd^2 per layer (attention 4, MLP 8) plus the head."""
+    return 12 * hparams["n_layer"] * hparams["n_embd"] ** 2 + hparams["n_vocab"] * hparams["n_embd"]
+
+
+def default_costs(target, draft):
+    """Costs estimated from sizes: decoding is bound by reading the weights, so a draft
+    token costs its model's share of the bytes (0 for a drafter without a model), and
+    verification follows the CPU table CPU_VERIFY."""
+    c = step_parameters(draft[1]) / step_parameters(target[1]) if draft else 0.0
+    return Costs(draft=c, verify=CPU_VERIFY)

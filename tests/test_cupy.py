@@ -3,6 +3,7 @@ speculative decisions. Skipped where CuPy or a GPU is missing (CI has neither)."
 import numpy as np
 import pytest
 
+import batching
 import gpt2
 import sampling
 import speculative
@@ -31,7 +32,16 @@ def layer_skip(params, hparams):
 
 
 def all_logits(params, hparams, ids):
-    return gpt2.gpt2(np.array([ids]), **params, n_head=hparams["n_head"], all_logits=True)[0]  # [T, n_vocab]
+    return gpt2.gpt2(np.array([ids]), **params, n_head=hparams["n_head"])[0]  # [T, n_vocab]
+
+
+def generate(params, hparams, n, settings=GREEDY, seed=0, use_cache=True, eos_id=None, prompts=PROMPTS):
+    return gpt2.generate(batching.requests(prompts, n, settings, seed, eos_id), (params, hparams), use_cache)
+
+
+def spec(params, hparams, n, K, settings=GREEDY, seed=0):
+    return speculative.speculative_generate(batching.requests(PROMPTS, n, settings, seed), (params, hparams),
+                                            layer_skip(params, hparams), speculative.SpeculativeConfig(K=K))
 
 
 def test_weights_live_on_the_gpu(both):
@@ -47,7 +57,7 @@ def test_float32_logits_match_numpy_and_the_reference(both, reference):
     on_gpu = all_logits(gpu, hparams, ids)
     assert isinstance(on_gpu, cupy.ndarray) and on_gpu.dtype == np.float32
     np.testing.assert_allclose(cupy.asnumpy(on_gpu), all_logits(params, hparams, ids), atol=1e-4, rtol=0)
-    got = gpt2.gpt2(reference["input_ids"][None], **gpu, n_head=hparams["n_head"], all_logits=True)[0]
+    got = gpt2.gpt2(reference["input_ids"][None], **gpu, n_head=hparams["n_head"])[0]
     np.testing.assert_allclose(cupy.asnumpy(got), reference["logits"], atol=1e-4, rtol=0)
 
 
@@ -67,21 +77,21 @@ def test_float16_logits_stay_close(both):
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_greedy_text_equals_numpy_batched(both, use_cache):
     hparams, params, gpu = both
-    want, _ = gpt2.generate(PROMPTS, params, hparams, 30, GREEDY, np.random.default_rng(0), use_cache=use_cache)
-    got, stats = gpt2.generate(PROMPTS, gpu, hparams, 30, GREEDY, np.random.default_rng(0), use_cache=use_cache)
+    want, _ = generate(params, hparams, 30, use_cache=use_cache)
+    got, stats = generate(gpu, hparams, 30, use_cache=use_cache)
     assert got == want
-    assert stats["kv_cache_bytes"] == (2 * hparams["n_layer"] * len(PROMPTS) * (11 + 30) * hparams["n_embd"] * 4
-                                       if use_cache else 0)
+    assert stats.kv_cache_bytes == (2 * hparams["n_layer"] * len(PROMPTS) * (11 + 30) * hparams["n_embd"] * 4
+                                    if use_cache else 0)
 
 
 def test_rows_that_finish_and_the_sliding_window_match_numpy(both):
-    """EOS drops rows from the GPU cache (keep_rows), and 100 tokens on the tiny
-    model (n_ctx 64) restart the cached window: both as on the CPU."""
+    """EOS moves rows within the GPU cache (kv_cache.move_row), and 100 tokens on the
+    tiny model (n_ctx 64) restart the cached window: both as on the CPU."""
     hparams, params, gpu = both
-    eos = gpt2.generate(PROMPTS[:1], params, hparams, 3, GREEDY, np.random.default_rng(0))[0][0][2]
+    eos = generate(params, hparams, 3, prompts=PROMPTS[:1])[0][0][2]
     for n, eos_id in ((12, eos), (100, None)):
-        want, _ = gpt2.generate(PROMPTS, params, hparams, n, GREEDY, np.random.default_rng(0), eos_id=eos_id)
-        got, _ = gpt2.generate(PROMPTS, gpu, hparams, n, GREEDY, np.random.default_rng(0), eos_id=eos_id)
+        want, _ = generate(params, hparams, n, eos_id=eos_id)
+        got, _ = generate(gpu, hparams, n, eos_id=eos_id)
         assert got == want
         assert (min(map(len, got)) < n) == (eos_id is not None)  # rows did end early, or ran past n_ctx
 
@@ -89,27 +99,24 @@ def test_rows_that_finish_and_the_sliding_window_match_numpy(both):
 def test_sampled_text_equals_numpy_with_the_same_seed(both):
     """u is drawn on the host, so penalties, top-k/p and the draw agree across backends."""
     hparams, params, gpu = both
-    want, _ = gpt2.generate(PROMPTS, params, hparams, 30, SAMPLED, np.random.default_rng(7))
-    got, _ = gpt2.generate(PROMPTS, gpu, hparams, 30, SAMPLED, np.random.default_rng(7))
+    want, _ = generate(params, hparams, 30, SAMPLED, seed=7)
+    got, _ = generate(gpu, hparams, 30, SAMPLED, seed=7)
     assert got == want
 
 
 @pytest.mark.parametrize("K", [1, 4, 7])
 def test_speculative_greedy_equals_plain_greedy_on_the_gpu(both, K):
     hparams, _, gpu = both
-    want, _ = gpt2.generate(PROMPTS, gpu, hparams, 30, GREEDY, np.random.default_rng(0))
-    got, stats = speculative.speculative_generate(PROMPTS, (gpu, hparams), layer_skip(gpu, hparams), 30, K,
-                                                  GREEDY, np.random.default_rng(0))
-    assert got == want and 0 < stats["acceptance_rate"] < 1
+    want, _ = generate(gpu, hparams, 30)
+    got, stats = spec(gpu, hparams, 30, K)
+    assert got == want and 0 < stats.acceptance_rate < 1
 
 
 def test_speculative_sampling_decides_as_numpy_does(both):
     """Same seed, same accept/reject decisions and residual draws, on either backend."""
     hparams, params, gpu = both
-    runs = [speculative.speculative_generate(PROMPTS, (p, hparams), layer_skip(p, hparams), 30, 4, SAMPLED,
-                                             np.random.default_rng(3)) for p in (params, gpu)]
-    (want, s_cpu), (got, s_gpu) = runs
-    assert got == want and s_gpu["accepted"] == s_cpu["accepted"]
+    (want, s_cpu), (got, s_gpu) = (spec(p, hparams, 30, 4, SAMPLED, seed=3) for p in (params, gpu))
+    assert got == want and s_gpu.accepted == s_cpu.accepted
 
 
 def test_verify_on_device_arrays_matches_numpy():
@@ -119,8 +126,9 @@ def test_verify_on_device_arrays_matches_numpy():
     q = rng.dirichlet(np.ones(V), (B, K)).astype(np.float32)
     drafts = rng.integers(0, V, (B, K))
     k = rng.integers(0, K + 1, B)
-    want = speculative.verify(p, q, drafts, k, np.random.default_rng(1))
-    got = speculative.verify(cupy.asarray(p), cupy.asarray(q), drafts, k, np.random.default_rng(1))
+    u, v = 1.0 - rng.random((B, K)), 1.0 - rng.random(B)
+    want = speculative.verify(p, q, drafts, k, u, v)
+    got = speculative.verify(cupy.asarray(p), cupy.asarray(q), drafts, k, u, v)
     assert all(isinstance(g, cupy.ndarray) for g in got)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(cupy.asnumpy(g), w)

@@ -1,6 +1,7 @@
 """The forward pass against transformers' reference logits, and its float32 hot path."""
 import numpy as np
 
+import batching
 import gpt2
 import sampling
 
@@ -8,8 +9,7 @@ GREEDY = sampling.SamplingSettings(temperature=0.0)
 
 
 def test_logits_match_transformers_at_every_position(reference, tiny):
-    logits = gpt2.gpt2(reference["input_ids"][None], **tiny[2], n_head=tiny[1]["n_head"],
-                       all_logits=True)  # [1, 20, n_vocab]
+    logits = gpt2.gpt2(reference["input_ids"][None], **tiny[2], n_head=tiny[1]["n_head"])  # [1, 20, n_vocab]
     assert logits.shape == (1, 20, 50257)
     np.testing.assert_allclose(logits[0], reference["logits"], atol=1e-4, rtol=0)
 
@@ -21,16 +21,18 @@ def test_every_c_attn_bias_is_loaded_and_matters(reference, tiny):
     assert all(np.abs(b["attn"]["c_attn"]["b"]).max() > 0.1 for b in params["blocks"])
     blocks = [dict(b, attn=dict(b["attn"], c_attn=dict(b["attn"]["c_attn"], b=0 * b["attn"]["c_attn"]["b"])))
               for b in params["blocks"]]
-    zeroed = gpt2.gpt2(reference["input_ids"][None], **dict(params, blocks=blocks), n_head=2, all_logits=True)[0]
+    zeroed = gpt2.gpt2(reference["input_ids"][None], **dict(params, blocks=blocks), n_head=2)[0]
     assert np.abs(zeroed - reference["logits"]).max() > 0.5
 
 
-def test_last_position_logits_equal_full_logits(tiny, reference):
+def test_logits_only_where_asked_equal_full_logits(tiny, reference):
     _, hparams, params = tiny
-    ids = reference["input_ids"][None]
-    last = gpt2.gpt2(ids, **params, n_head=2)  # [1, n_vocab]
-    full = gpt2.gpt2(ids, **params, n_head=2, all_logits=True)  # [1, T, n_vocab]
-    np.testing.assert_allclose(last[0], full[0, -1], atol=1e-5)
+    ids = reference["input_ids"].tolist()
+    full = gpt2.gpt2(np.array([ids]), **params, n_head=2)  # [1, T, n_vocab]
+    last = gpt2.next_logits((params, hparams), None, [ids])  # [1, 1, n_vocab]
+    np.testing.assert_allclose(last[0, 0], full[0, -1], atol=1e-5)
+    last3 = gpt2.next_logits((params, hparams), None, [ids], n_logits=3)  # [1, 3, n_vocab]
+    np.testing.assert_allclose(last3[0], full[0, -3:], atol=1e-5)
 
 
 def test_hot_path_stays_float32(tiny, reference):
@@ -39,7 +41,7 @@ def test_hot_path_stays_float32(tiny, reference):
     assert gpt2.gelu(x).dtype == np.float32
     assert gpt2.softmax(x).dtype == np.float32
     assert gpt2.layer_norm(x, np.ones(16, np.float32), np.zeros(16, np.float32)).dtype == np.float32
-    logits = gpt2.gpt2(reference["input_ids"][None], **params, n_head=2, all_logits=True)
+    logits = gpt2.gpt2(reference["input_ids"][None], **params, n_head=2)
     assert logits.dtype == np.float32
     counts = sampling.token_counts([[1, 2, 2]], 50257)
     s = sampling.SamplingSettings(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, presence_penalty=0.5,
@@ -59,19 +61,18 @@ def test_padding_rows_to_eight_changes_nothing():
 def test_greedy_generate_reproduces_transformers(reference, tiny):
     prompt = reference["input_ids"].tolist()
     for use_cache in (True, False):
-        out, stats = gpt2.generate([prompt], tiny[2], tiny[1], 20, GREEDY, np.random.default_rng(0),
-                                   use_cache=use_cache)
+        out, stats = gpt2.generate(batching.requests([prompt], 20, GREEDY), (tiny[2], tiny[1]), use_cache)
         assert out[0] == reference["greedy_ids"].tolist()
-        assert stats["n_tokens"] == 20 and stats["tokens_per_s"] > 0
+        assert stats.n_tokens == 20 and stats.tokens_per_s > 0
 
 
 def test_generate_stops_at_eos_and_streams(tiny, reference):
     _, hparams, params = tiny
     prompt = reference["input_ids"].tolist()
-    full, _ = gpt2.generate([prompt], params, hparams, 10, GREEDY, np.random.default_rng(0))
+    full, _ = gpt2.generate(batching.requests([prompt], 10, GREEDY), (params, hparams))
     eos = full[0][3]  # pretend the 4th greedy token is end-of-text
     seen = []
-    out, _ = gpt2.generate([prompt], params, hparams, 10, GREEDY, np.random.default_rng(0), eos_id=eos,
-                           callback=lambda row, tok: seen.append((row, tok)))
+    out, _ = gpt2.generate(batching.requests([prompt], 10, GREEDY, eos_id=eos), (params, hparams),
+                           callback=lambda seq, tok, accepted: seen.append((seq.index, tok, accepted)))
     assert out[0] == full[0][:full[0].index(eos) + 1]
-    assert seen == [(0, t) for t in out[0]]
+    assert seen == [(0, t, False) for t in out[0]]

@@ -1,7 +1,8 @@
-"""The KV cache: cached == uncached, batched == solo, rollback, and the context window."""
+"""The KV cache: cached == uncached, batched == solo, rollback, and the sliding window."""
 import numpy as np
 import pytest
 
+import batching
 import gpt2
 import kv_cache
 import sampling
@@ -12,66 +13,67 @@ PROMPTS = [[464, 2068, 7586, 21831], [15496, 11, 995, 0, 383, 2068, 7586, 21831,
 
 
 def new_cache(hparams, B, n_slots=None):
-    return kv_cache.init_cache(hparams["n_layer"], hparams["n_head"], n_slots or hparams["n_ctx"],
-                               hparams["n_embd"], B)
+    return kv_cache.init_cache(hparams, B, n_slots or hparams["n_ctx"], like=np.zeros(1, np.float32))
+
+
+def last_logits(model, cache, texts):
+    return gpt2.next_logits(model, cache, texts)[:, 0]  # [B, n_vocab]
 
 
 def test_cached_logits_equal_uncached_at_every_step_of_40_greedy_tokens(tiny):
     _, hparams, params = tiny
+    model = (params, hparams)
     seq = list(PROMPTS[1])
     cache = new_cache(hparams, 1)
-    inputs, n_new = kv_cache.pending_inputs(cache, [seq], hparams["n_ctx"])
     for _ in range(40):
-        cached = gpt2.gpt2(inputs, **params, n_head=2, cache=cache, n_new=n_new)[0]
-        uncached = gpt2.gpt2(np.array([seq]), **params, n_head=2)[0]
+        assert kv_cache.pending_inputs(cache, [seq], hparams["n_ctx"])[0].shape[1] == (1 if len(seq) > 11 else 11)
+        cached = last_logits(model, cache, [seq])[0]  # only the tokens the cache has not seen run
+        uncached = gpt2.gpt2(np.array([seq]), **params, n_head=2)[0, -1]
         np.testing.assert_allclose(cached, uncached, atol=1e-4, rtol=0)
         seq.append(int(np.argmax(uncached)))
-        inputs, n_new = kv_cache.pending_inputs(cache, [seq], hparams["n_ctx"])
-        assert inputs.shape == (1, 1)  # only the new token goes through the model
     assert cache["lengths"][0] == len(seq) - 1
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_batched_greedy_equals_solo_greedy_for_prompts_of_different_lengths(tiny, use_cache):
     _, hparams, params = tiny
-    solo = [gpt2.generate([p], params, hparams, 25, GREEDY, np.random.default_rng(0), use_cache=use_cache)[0][0]
-            for p in PROMPTS]
-    batched, stats = gpt2.generate(PROMPTS, params, hparams, 25, GREEDY, np.random.default_rng(0),
-                                   use_cache=use_cache)
+    model = (params, hparams)
+    solo = [gpt2.generate(batching.requests([p], 25, GREEDY), model, use_cache)[0][0] for p in PROMPTS]
+    batched, stats = gpt2.generate(batching.requests(PROMPTS, 25, GREEDY), model, use_cache)
     assert batched == solo
-    assert stats["n_tokens"] == 25 * len(PROMPTS)
+    assert stats.n_tokens == 25 * len(PROMPTS)
 
 
 def test_batched_logits_equal_solo_logits(tiny):
     _, hparams, params = tiny
-    inputs, n_new = kv_cache.pad_right(PROMPTS)
     cache = new_cache(hparams, len(PROMPTS))
-    batched = gpt2.gpt2(inputs, **params, n_head=2, cache=cache, n_new=n_new)  # [B, n_vocab]
+    batched = last_logits((params, hparams), cache, PROMPTS)  # [B, n_vocab]
     for b, p in enumerate(PROMPTS):
-        np.testing.assert_allclose(batched[b], gpt2.gpt2(np.array([p]), **params, n_head=2)[0], atol=1e-4)
+        np.testing.assert_allclose(batched[b], gpt2.gpt2(np.array([p]), **params, n_head=2)[0, -1], atol=1e-4)
     assert cache["lengths"].tolist() == [len(p) for p in PROMPTS]
 
 
 def test_rows_that_finish_leave_the_batch_and_the_rest_are_unchanged(tiny):
+    """EOS ends rows at different steps; the last rows move into their places in the cache."""
     _, hparams, params = tiny
-    solo = [gpt2.generate([p], params, hparams, 12, GREEDY, np.random.default_rng(0))[0][0] for p in PROMPTS]
+    model = (params, hparams)
+    solo = [gpt2.generate(batching.requests([p], 12, GREEDY), model)[0][0] for p in PROMPTS]
     eos = solo[0][2]  # row 0 ends at its third token; others may meet it too
     want = [s[:s.index(eos) + 1] if eos in s else s for s in solo]
-    out, _ = gpt2.generate(PROMPTS, params, hparams, 12, GREEDY, np.random.default_rng(0), eos_id=eos)
-    assert out == want
+    out, _ = gpt2.generate(batching.requests(PROMPTS, 12, GREEDY, eos_id=eos), model)
+    assert out == want and len(out[0]) < 12 and max(map(len, out)) == 12
 
 
 def test_rollback_then_reextend_equals_never_extended(tiny):
     _, hparams, params = tiny
+    model = (params, hparams)
     prefix, junk, real = PROMPTS[1], [50, 60, 70], [383, 2068]
     cache = new_cache(hparams, 1)
-    gpt2.gpt2(np.array([prefix]), **params, n_head=2, cache=cache)
-    gpt2.gpt2(np.array([junk]), **params, n_head=2, cache=cache)
-    kv_cache.rollback(cache, np.array([len(prefix)]))
-    after = gpt2.gpt2(np.array([real]), **params, n_head=2, cache=cache, all_logits=True)
+    last_logits(model, cache, [prefix + junk])
+    kv_cache.rollback(cache, [len(prefix)])
+    after = gpt2.next_logits(model, cache, [prefix + real], n_logits=2)
     fresh = new_cache(hparams, 1)
-    gpt2.gpt2(np.array([prefix]), **params, n_head=2, cache=fresh)
-    want = gpt2.gpt2(np.array([real]), **params, n_head=2, cache=fresh, all_logits=True)
+    want = gpt2.next_logits(model, fresh, [prefix + real], n_logits=2)
     np.testing.assert_allclose(after, want, atol=1e-5)
     assert cache["lengths"][0] == fresh["lengths"][0] == len(prefix) + len(real)
 
@@ -79,13 +81,27 @@ def test_rollback_then_reextend_equals_never_extended(tiny):
 def test_rows_roll_back_by_different_amounts(tiny):
     """Speculative decoding's batched case: each row keeps its own number of tokens."""
     _, hparams, params = tiny
+    model = (params, hparams)
+    a, b = PROMPTS[0], PROMPTS[3][:4]
     cache = new_cache(hparams, 2)
-    gpt2.gpt2(np.array([PROMPTS[0], PROMPTS[3][:4]]), **params, n_head=2, cache=cache)
-    gpt2.gpt2(np.array([[1, 2, 3], [4, 5, 6]]), **params, n_head=2, cache=cache)
-    kv_cache.rollback(cache, np.array([5, 4]))  # row 0 keeps one extra token, row 1 none
-    nxt = gpt2.gpt2(np.array([[7], [8]]), **params, n_head=2, cache=cache)
-    np.testing.assert_allclose(nxt[0], gpt2.gpt2(np.array([PROMPTS[0] + [1, 7]]), **params, n_head=2)[0], atol=1e-4)
-    np.testing.assert_allclose(nxt[1], gpt2.gpt2(np.array([PROMPTS[3][:4] + [8]]), **params, n_head=2)[0], atol=1e-4)
+    last_logits(model, cache, [a + [1, 2, 3], b + [4, 5, 6]])
+    kv_cache.rollback(cache, [5, 4])  # row 0 keeps one extra token, row 1 none
+    nxt = last_logits(model, cache, [a + [1, 7], b + [8]])
+    np.testing.assert_allclose(nxt[0], gpt2.gpt2(np.array([a + [1, 7]]), **params, n_head=2)[0, -1], atol=1e-4)
+    np.testing.assert_allclose(nxt[1], gpt2.gpt2(np.array([b + [8]]), **params, n_head=2)[0, -1], atol=1e-4)
+
+
+def test_move_row_and_rows_view(tiny):
+    _, hparams, params = tiny
+    model = (params, hparams)
+    cache = new_cache(hparams, 3)
+    last_logits(model, cache, PROMPTS[:3])
+    kv_cache.move_row(cache, 2, 0)  # row 0 leaves, the last row takes its place
+    two = kv_cache.rows(cache, 2)
+    nxt = last_logits(model, two, [PROMPTS[2] + [9], PROMPTS[1] + [9]])
+    for row, p in zip(nxt, (PROMPTS[2], PROMPTS[1])):
+        np.testing.assert_allclose(row, gpt2.gpt2(np.array([p + [9]]), **params, n_head=2)[0, -1], atol=1e-4)
+    assert cache["lengths"][:2].tolist() == [len(PROMPTS[2]) + 1, len(PROMPTS[1]) + 1]  # the view wrote through
 
 
 def test_cache_bytes_formula(tiny):
@@ -94,20 +110,40 @@ def test_cache_bytes_formula(tiny):
     assert kv_cache.cache_nbytes(cache) == 2 * h["n_layer"] * 3 * h["n_ctx"] * h["n_embd"] * 4
 
 
-def test_generation_past_the_context_window(tiny):
-    """n_ctx is 64: 200 new tokens need the sliding window with and without the cache.
-    Up to the window edge both are exact and agree; after it they may differ."""
+def test_window_start_restarts_from_the_last_half_and_grows_back():
+    n_ctx, keep = 64, 32
+    starts = [kv_cache.window_start(n, n_ctx) for n in range(1, 400)]
+    assert starts[:64] == [0] * 64  # the whole text while it fits
+    assert kv_cache.window_start(65, n_ctx) == 65 - keep  # the first restart keeps the last half
+    lengths = [n - kv_cache.window_start(n, n_ctx) for n in range(65, 400)]
+    assert min(lengths) == keep and max(lengths) == n_ctx
+    assert all(b == a + 1 or (a == n_ctx and b == keep) for a, b in zip(lengths, lengths[1:]))
+    assert all(kv_cache.room(n, n_ctx) == n_ctx - (n - kv_cache.window_start(n, n_ctx)) for n in range(1, 400))
+    assert [kv_cache.room(n, n_ctx) for n in (1, 63, 64, 65)] == [63, 1, 0, 32]
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generation_past_the_context_window_is_the_same_with_and_without_cache(tiny, use_cache):
+    """n_ctx is 64: 200 new tokens restart the window several times. Both paths follow
+    kv_cache.window_start, so they agree at every length, and each token's logits are
+    the model's on exactly that window."""
     _, hparams, params = tiny
-    prompt = PROMPTS[1]
-    n_ctx = hparams["n_ctx"]
-    with_cache, _ = gpt2.generate([prompt], params, hparams, 200, GREEDY, np.random.default_rng(0))
-    no_cache, _ = gpt2.generate([prompt], params, hparams, 200, GREEDY, np.random.default_rng(0), use_cache=False)
-    assert len(with_cache[0]) == len(no_cache[0]) == 200
-    edge = n_ctx - len(prompt) + 1  # tokens generated while the whole text still fits
-    assert with_cache[0][:edge] == no_cache[0][:edge]
+    model = (params, hparams)
+    prompts = [PROMPTS[1], list(range(1000, 1070))]  # the second starts longer than the window
+    out, _ = gpt2.generate(batching.requests(prompts, 200, GREEDY), model, use_cache)
+    assert [len(o) for o in out] == [200, 200]
+    for prompt, o in zip(prompts, out):
+        text = prompt + o
+        for n in (64, 65, 96, 97, 98, 130, len(text) - 1):
+            if n < len(prompt):
+                continue
+            window = text[kv_cache.window_start(n, 64):n]
+            assert len(window) <= 64 and text[n] == int(np.argmax(gpt2.gpt2(np.array([window]), **params,
+                                                                              n_head=2)[0, -1]))
+    assert out == gpt2.generate(batching.requests(prompts, 200, GREEDY), model, not use_cache)[0]
 
 
-def test_window_restart_keeps_the_last_half(tiny):
+def test_pending_inputs_restart_a_row_whose_window_moved(tiny):
     _, hparams, _ = tiny
     cache = new_cache(hparams, 1)
     seq = list(range(100, 164))  # 64 tokens: a full window
@@ -121,8 +157,7 @@ def test_window_restart_keeps_the_last_half(tiny):
 
 def test_generate_reports_the_cache_it_allocated(tiny):
     _, h, params = tiny
-    _, stats = gpt2.generate(PROMPTS, params, h, 5, GREEDY, np.random.default_rng(0))
+    _, stats = gpt2.generate(batching.requests(PROMPTS, 5, GREEDY), (params, h))
     slots = max(map(len, PROMPTS)) + 5  # sized to the longest row, not to n_ctx
-    assert stats["kv_cache_bytes"] == 2 * h["n_layer"] * len(PROMPTS) * slots * h["n_embd"] * 4
-    assert gpt2.generate(PROMPTS, params, h, 5, GREEDY, np.random.default_rng(0),
-                         use_cache=False)[1]["kv_cache_bytes"] == 0
+    assert stats.kv_cache_bytes == 2 * h["n_layer"] * len(PROMPTS) * slots * h["n_embd"] * 4
+    assert gpt2.generate(batching.requests(PROMPTS, 5, GREEDY), (params, h), use_cache=False)[1].kv_cache_bytes == 0

@@ -39,7 +39,7 @@ def test_greedy_is_argmax_of_penalized_logits():
     p = sampling.probabilities(REF["logits"], COUNTS, s)
     want = sampling.apply_repetition_penalty(REF["logits"], COUNTS, 1.3).argmax(-1)
     assert (p.argmax(-1) == want).all() and (p.sum(-1) == 1).all() and (p.max(-1) == 1).all()
-    assert (sampling.sample(p, np.random.default_rng(0)) == want).all()
+    assert (sampling.sample(p, np.random.default_rng(0).random(len(p))) == want).all()
 
 
 def test_sampling_frequencies_match_probabilities():
@@ -50,7 +50,7 @@ def test_sampling_frequencies_match_probabilities():
     rng = np.random.default_rng(1234)
     probs = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.03, 0.01, 0.0], np.float32)
     N, B = 200_000, 8
-    draws = np.concatenate([sampling.sample(np.tile(probs, (B, 1)), rng) for _ in range(N // B)])
+    draws = np.concatenate([sampling.sample(np.tile(probs, (B, 1)), 1.0 - rng.random(B)) for _ in range(N // B)])
     observed = np.bincount(draws, minlength=probs.size)
     assert observed[-1] == 0  # zero-probability token never drawn
     k = 7
@@ -61,20 +61,73 @@ def test_sampling_frequencies_match_probabilities():
     assert ((biased - expected) ** 2 / expected).sum() > (k - 1) + 6 * np.sqrt(2 * (k - 1))
 
 
-def test_same_seed_same_tokens_different_seed_different_tokens():
-    p = sampling.softmax(REF["logits"])
-    a = [sampling.sample(p, np.random.default_rng(7)) for _ in range(2)]
-    b = sampling.sample(np.repeat(p, 8, axis=0), np.random.default_rng(8))
-    c = sampling.sample(np.repeat(p, 8, axis=0), np.random.default_rng(7))
-    assert (a[0] == a[1]).all() and (b != c).any()
+def test_u_inverts_the_cdf():
+    p = np.array([[0.5, 0.0, 0.25, 0.25]] * 5, np.float32)
+    u = np.array([1e-9, 0.5, 0.50001, 0.75, 1.0])
+    assert sampling.sample(p, u).tolist() == [0, 0, 2, 2, 3]  # a zero-probability token never wins
 
 
-@pytest.mark.parametrize("kw, flag", [
-    ({"temperature": -1}, "--temperature"), ({"top_k": -1}, "--top_k"), ({"top_k": 2.5}, "--top_k"),
-    ({"top_p": 0}, "--top_p"), ({"top_p": 1.5}, "--top_p"), ({"min_p": 1}, "--min_p"),
-    ({"repetition_penalty": 0}, "--repetition_penalty"), ({"presence_penalty": float("nan")}, "--presence_penalty"),
-    ({"frequency_penalty": float("inf")}, "--frequency_penalty"),
+@pytest.mark.parametrize("bad", [[0.5, np.nan, 0.5], [0.5, np.inf, 0.5], [0.0, 0.0, 0.0], [1.5, -0.5, 0.0]])
+def test_sampler_refuses_what_is_not_a_distribution(bad):
+    p = np.array([[0.2, 0.3, 0.5], bad], np.float32)
+    with pytest.raises(ValueError, match="cannot sample"):
+        sampling.sample(p, np.array([0.5, 0.5]))
+
+
+@pytest.mark.parametrize("kw, name", [
+    ({"temperature": -1}, "temperature"), ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"),
+    ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"min_p": 1}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"presence_penalty": float("nan")}, "presence_penalty"),
+    ({"frequency_penalty": float("inf")}, "frequency_penalty"), ({"frequency_penalty": 1e39}, "frequency_penalty"),
+    ({"presence_penalty": -1e39}, "presence_penalty"), ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"repetition_penalty": 1e-40}, "repetition_penalty"), ({"repetition_penalty": 101}, "repetition_penalty"),
 ])
-def test_validation_names_the_flag(kw, flag):
-    with pytest.raises(ValueError, match=flag):
-        sampling.validate(sampling.SamplingSettings(**kw))
+def test_settings_out_of_range_are_refused_by_name(kw, name):
+    with pytest.raises(sampling.BadSetting, match=f"^{name} must") as e:
+        sampling.SamplingSettings(**kw)
+    assert e.value.name == name
+
+
+@pytest.mark.parametrize("kw", [
+    {"temperature": 1e-45}, {"temperature": 1e-30}, {"temperature": 2e-5}, {"temperature": 1e30},
+    {"frequency_penalty": 2.0, "presence_penalty": -2.0, "temperature": 2e-5},
+    {"repetition_penalty": 0.01, "temperature": 2e-5}, {"repetition_penalty": 100, "top_p": 1e-30},
+    {"min_p": 0.999999, "top_k": 1},
+])
+def test_extreme_settings_in_range_give_finite_distributions(kw):
+    """Every setting at the edge of its range: probabilities stay finite, sum to one,
+    and the sampler accepts them (the logits include values of +-1e4, and the counts 1e4)."""
+    s = sampling.SamplingSettings(**kw)
+    logits = np.concatenate([REF["logits"], np.full((1, 1000), -1e4, np.float32)])
+    logits[-1, 7] = 1e4
+    counts = np.concatenate([COUNTS, np.full((1, 1000), 10_000, np.int32)])
+    p = sampling.probabilities(logits, counts, s)
+    assert np.isfinite(p).all() and (p >= 0).all()
+    np.testing.assert_allclose(p.sum(-1), 1, rtol=1e-5)
+    sampling.sample(p, np.full(len(p), 0.5))
+
+
+def test_a_tiny_temperature_is_greedy():
+    assert sampling.SamplingSettings(temperature=9e-6).greedy and not sampling.SamplingSettings(temperature=1e-5).greedy
+    p = sampling.probabilities(REF["logits"], COUNTS, sampling.SamplingSettings(temperature=1e-45))
+    assert (p.argmax(-1) == REF["logits"].argmax(-1)).all() and (p.max(-1) == 1).all()
+
+
+def test_which_tokens_each_penalty_counts():
+    """The repetition penalty sees the prompt (transformers); presence and frequency count
+    generated tokens only (OpenAI API, vLLM) unless penalize_prompt."""
+    logits = np.zeros((1, 4), np.float32) + np.array([2.0, 2.0, 2.0, -2.0], np.float32)
+    prompt = sampling.token_counts([[0]], 4)  # token 0 is in the prompt
+    counts = prompt + sampling.token_counts([[1, 1]], 4)  # token 1 was generated twice
+    rep = sampling.process_logits(logits, counts, sampling.SamplingSettings(repetition_penalty=2.0), prompt)
+    assert rep.tolist() == [[1.0, 1.0, 2.0, -2.0]]
+    freq = sampling.SamplingSettings(frequency_penalty=0.5, presence_penalty=0.25)
+    assert sampling.process_logits(logits, counts, freq, prompt).tolist() == [[2.0, 0.75, 2.0, -2.0]]
+    both = sampling.SamplingSettings(frequency_penalty=0.5, presence_penalty=0.25, penalize_prompt=True)
+    assert sampling.process_logits(logits, counts, both, prompt).tolist() == [[1.25, 0.75, 2.0, -2.0]]
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens():
+    p = np.repeat(sampling.softmax(REF["logits"]), 8, axis=0)
+    a, b, c = (sampling.sample(p, np.random.default_rng(seed).random(len(p))) for seed in (7, 7, 8))
+    assert (a == b).all() and (b != c).any()

@@ -1,0 +1,236 @@
+"""Sequences in flight: the bookkeeping that plain and speculative decoding share.
+
+A `Request` says what to generate: prompt, how many new tokens at most, how to
+sample, and the seed of its own random stream. While it is being answered it is
+a `Sequence` (its text so far, its random generator, when each token came), and
+the sequences decoded together form a `Batch`. Row b of a batch is row b of each
+KV cache and of the penalty counts.
+
+Each row draws its random numbers from its own generator, in an order that
+depends on that row alone. So a request's text depends only on its prompt,
+settings and seed: never on which requests share the batch, or when they joined
+it. That is what lets rows leave as they finish and new requests take their
+place (continuous batching, scheduler.py) without changing anyone's text.
+
+Rows stay packed at the front of the caches: when a row finishes, the last row
+moves into its place (one row's cache is copied), so every pass reads rows
+0..B-1 as plain array views, with no gathering of scattered rows.
+"""
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import kv_cache
+import sampling
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple  # token ids
+    max_new_tokens: int
+    settings: sampling.SamplingSettings = sampling.SamplingSettings()
+    seed: int = 0  # this request's own random stream: same seed, same text
+    eos_id: int = None  # stop after this token (GPT-2's <|endoftext|> is 50256); None: never early
+    arrival_s: float = 0.0  # serving: when the request arrives, in seconds after the start
+
+
+def requests(prompts, max_new_tokens, settings=sampling.SamplingSettings(), seed=0, eos_id=None):
+    """One request per prompt; prompt i samples with seed + i."""
+    return [Request(tuple(p), max_new_tokens, settings, seed + i, eos_id) for i, p in enumerate(prompts)]
+
+
+def check_request(r, n_vocab):
+    """A request the model can answer, or a ValueError that says why not."""
+    if not r.prompt:
+        raise ValueError(f"a prompt is empty: start it with <|endoftext|> (token {n_vocab - 1}) for unconditional text")
+    if min(r.prompt) < 0 or max(r.prompt) >= n_vocab:
+        raise ValueError(f"a prompt holds a token id outside the vocabulary [0, {n_vocab})")
+    if r.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {r.max_new_tokens}")
+    if r.seed < 0:
+        raise ValueError(f"seed must be >= 0, got {r.seed}")
+
+
+@dataclass
+class Sequence:
+    request: Request
+    index: int  # where the request stands in the caller's list: results come back in that order
+    tokens: list  # the text so far: the prompt, then each generated token
+    rng: np.random.Generator
+    times: list = field(default_factory=list)  # time.perf_counter() when each new token was emitted
+    accepted: int = 0  # speculative decoding: drafts accepted, and steps that rejected one
+    rejected: int = 0
+    finished: bool = False
+
+    @property
+    def generated(self):
+        return self.tokens[len(self.request.prompt):]
+
+    @property
+    def n_generated(self):
+        return len(self.tokens) - len(self.request.prompt)
+
+
+@dataclass
+class Stats:
+    """What a decode did and how long it took. The speculative counters stay 0 for plain decoding."""
+    start: float = field(default_factory=time.perf_counter)
+    step_times: list = field(default_factory=list)  # when each step's tokens came out
+    n_tokens: int = 0
+    kv_cache_bytes: int = 0  # as allocated
+    target_passes: int = 0
+    row_passes: int = 0  # target passes summed over rows
+    draft_passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    proposed_at: list = field(default_factory=list)  # [i]: drafts proposed at draft position i
+    accepted_at: list = field(default_factory=list)
+    K_trace: list = field(default_factory=list)  # drafts per step (the most any row drafted)
+
+    @property
+    def seconds(self):
+        return self.step_times[-1] - self.start if self.step_times else 0.0
+
+    @property
+    def ttft_s(self):
+        return self.step_times[0] - self.start if self.step_times else 0.0
+
+    @property
+    def tokens_per_s(self):
+        return self.n_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def itl_ms(self, q):
+        """Inter-token latency: the q-th percentile of the time between steps, in ms."""
+        return float(np.percentile(np.diff(self.step_times), q) * 1e3) if len(self.step_times) > 1 else 0.0
+
+    @property
+    def acceptance_rate(self):
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_target_pass(self):
+        """Tokens each row gained per target pass (1 for plain decoding)."""
+        return self.n_tokens / self.row_passes if self.row_passes else 0.0
+
+    @property
+    def acceptance_by_position(self):
+        return [round(a / p, 3) for a, p in zip(self.accepted_at, self.proposed_at) if p]
+
+
+@dataclass
+class Batch:
+    seqs: list  # the rows in flight, in cache-row order
+    counts: np.ndarray  # [max_rows, n_vocab] occurrences of each token in each row's text
+    prompt_counts: np.ndarray  # [max_rows, n_vocab] occurrences in each row's prompt
+    caches: dict  # model name ("target", "draft") -> KV cache with max_rows rows; empty without caches
+    stats: Stats
+    callback: object = None  # callback(seq, token, accepted) sees each token as it is emitted
+    done: list = field(default_factory=list)  # finished sequences
+
+
+def new_batch(models, max_rows, n_slots, use_cache=True, callback=None):
+    """An empty batch with room for max_rows rows of up to n_slots cached tokens each.
+    models: name -> (params, hparams) of every model whose cache the decoder needs."""
+    n_vocab = next(iter(models.values()))[1]["n_vocab"]
+    caches = {name: kv_cache.init_cache(hparams, max_rows, min(hparams["n_ctx"], n_slots), like=params["wte"])
+              for name, (params, hparams) in models.items()} if use_cache else {}
+    stats = Stats(kv_cache_bytes=sum(kv_cache.cache_nbytes(c) for c in caches.values()))
+    zeros = np.zeros((max_rows, n_vocab), dtype=np.int32)
+    return Batch([], zeros, zeros.copy(), caches, stats, callback)
+
+
+def cache_slots(reqs, extra=0):
+    """Slots a cache needs for these requests: the longest prompt plus its new tokens."""
+    return max(len(r.prompt) + r.max_new_tokens for r in reqs) + extra
+
+
+def join(batch, request, index):
+    """A request starts: it takes the next free row of the batch."""
+    b = len(batch.seqs)
+    batch.seqs.append(Sequence(request, index, list(request.prompt), np.random.default_rng(request.seed)))
+    batch.counts[b] = batch.prompt_counts[b] = sampling.token_counts([request.prompt], batch.counts.shape[1])[0]
+    for cache in batch.caches.values():
+        kv_cache.clear_row(cache, b)
+
+
+def emit(batch, b, tokens, n_accepted=0):
+    """Append tokens to row b's text (the first n_accepted of them were accepted drafts),
+    stopping exactly at max_new_tokens or at EOS."""
+    seq = batch.seqs[b]
+    r = seq.request
+    tokens = tokens[:r.max_new_tokens - seq.n_generated]
+    if r.eos_id in tokens:
+        tokens = tokens[:tokens.index(r.eos_id) + 1]  # EOS ends the row right there
+    now = time.perf_counter()
+    for j, token in enumerate(tokens):
+        seq.tokens.append(token)
+        seq.times.append(now)
+        batch.counts[b, token] += 1
+        if batch.callback:
+            batch.callback(seq, token, j < n_accepted)
+    batch.stats.n_tokens += len(tokens)
+    seq.finished = seq.n_generated == r.max_new_tokens or tokens[-1] == r.eos_id
+
+
+def leave(batch):
+    """Finished rows leave; the last rows move into their places, so the rows stay packed."""
+    for b in reversed(range(len(batch.seqs))):
+        if batch.seqs[b].finished:
+            batch.done.append(batch.seqs[b])
+            last = len(batch.seqs) - 1
+            if b != last:
+                batch.seqs[b] = batch.seqs[last]
+                batch.counts[b], batch.prompt_counts[b] = batch.counts[last], batch.prompt_counts[last]
+                for cache in batch.caches.values():
+                    kv_cache.move_row(cache, last, b)
+            batch.seqs.pop()
+
+
+def results(batch):
+    """Each request's new tokens, in the order the requests were given."""
+    return [seq.generated for seq in sorted(batch.done, key=lambda s: s.index)]
+
+
+def cache(batch, name):
+    """The rows in flight of one model's cache (None when decoding without a cache)."""
+    return kv_cache.rows(batch.caches[name], len(batch.seqs)) if name in batch.caches else None
+
+
+def penalized(batch):
+    """Whether any row's settings read the penalty counts."""
+    return any(seq.request.settings.uses_counts for seq in batch.seqs)
+
+
+def texts(batch, extra=None):
+    """Each row's text, followed by extra[b] (speculative drafts) if given."""
+    return [s.tokens + (extra[b] if extra else []) for b, s in enumerate(batch.seqs)]
+
+
+def probabilities(batch, logits, counts=None):
+    """Each row's distribution [B, ..., n_vocab] under its own request's settings (rows
+    that share settings share one call); counts default to each row's text so far."""
+    B = len(batch.seqs)
+    counts = batch.counts[:B] if counts is None else counts
+    prompt_counts = batch.prompt_counts[:B][(slice(None),) + (None,) * (logits.ndim - 2)]  # [B, 1.., n_vocab]
+    groups = {}
+    for b, seq in enumerate(batch.seqs):
+        groups.setdefault(seq.request.settings, []).append(b)
+    if len(groups) == 1:
+        return sampling.probabilities(logits, counts, next(iter(groups)), prompt_counts)
+    p = np.empty(logits.shape, dtype=np.float32, like=logits)
+    for s, rows in groups.items():
+        p[rows] = sampling.probabilities(logits[rows], counts[rows], s, prompt_counts[rows])
+    return p
+
+
+def uniforms(batch, n):
+    """[B, max(n)] draws from U(0, 1]: row b takes n[b] from its own generator (an int n:
+    the same for every row); the entries past n[b] are 1 and never read."""
+    n = np.broadcast_to(n, (len(batch.seqs),))
+    u = np.ones((len(batch.seqs), max(int(n.max()), 1)))
+    for b, seq in enumerate(batch.seqs):
+        u[b, :n[b]] = 1.0 - seq.rng.random(n[b])
+    return u
