@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 import batching
+import checkpoint
 import gpt2
 import kv_cache
 import sampling
@@ -93,8 +94,8 @@ def time_memmap_load(params, hparams):
             for a in tensors.values():
                 f.write(np.ascontiguousarray(a).tobytes())
         t = time.perf_counter()
-        loaded = utils.load_params(d, hparams["n_layer"])
-        utils.check_params(loaded, hparams)
+        loaded = checkpoint.load_params(d, hparams["n_layer"])
+        checkpoint.check_params(loaded, hparams)
         utils.decode_layout(loaded)
         return time.perf_counter() - t
 

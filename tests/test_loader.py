@@ -4,6 +4,7 @@ import shutil
 import numpy as np
 import pytest
 
+import checkpoint
 import utils
 from conftest import fixture_path, make_model_dir
 
@@ -11,7 +12,7 @@ REAL = fixture_path("gpt2-124M-real-index")
 
 
 def test_real_124M_index_lists_148_tensors_with_their_shapes():
-    entries = utils.read_tf_index(os.path.join(REAL, "model.ckpt.index"))
+    entries = checkpoint.read_tf_index(os.path.join(REAL, "model.ckpt.index"))
     assert len(entries) == 148
     assert entries["model/h0/attn/c_attn/w"]["shape"] == (1, 768, 2304)
     assert entries["model/wte"]["shape"] == (50257, 768)
@@ -21,23 +22,23 @@ def test_real_124M_index_lists_148_tensors_with_their_shapes():
 
 
 def test_real_124M_first_tensor_reads_with_matching_crc32c():
-    e = utils.read_tf_index(os.path.join(REAL, "model.ckpt.index"))["model/h0/attn/c_attn/b"]
+    e = checkpoint.read_tf_index(os.path.join(REAL, "model.ckpt.index"))["model/h0/attn/c_attn/b"]
     with open(os.path.join(REAL, "model.ckpt.data-00000-of-00001"), "rb") as f:
         raw = f.read()[e["offset"]:e["offset"] + e["size"]]
     b = np.frombuffer(raw, "<f4")
     np.testing.assert_array_equal(b[:5], np.array([0.48033914, -0.5254326, -0.42926455, -0.2059525, -0.1277338],
                                                   np.float32))
-    assert utils.masked_crc32c(raw) == e["crc32c"]
-    assert utils.masked_crc32c(raw[:-1] + b"\0") != e["crc32c"]
+    assert checkpoint.masked_crc32c(raw) == e["crc32c"]
+    assert checkpoint.masked_crc32c(raw[:-1] + b"\0") != e["crc32c"]
 
 
 def test_crc32c_check_value():
-    assert utils.crc32c(b"123456789") == 0xE3069283  # the standard CRC-32C check value
+    assert checkpoint.crc32c(b"123456789") == 0xE3069283  # the standard CRC-32C check value
 
 
 def test_truncated_real_data_file_is_a_clear_error():
     with pytest.raises(utils.LoadError, match="truncated.*re-download"):
-        utils.load_tf_checkpoint(REAL)
+        checkpoint.load_tf_checkpoint(REAL)
 
 
 def test_tiny_tf_and_safetensors_layouts_load_identical_params(tmp_path):
@@ -62,13 +63,13 @@ def test_tiny_tf_and_safetensors_layouts_load_identical_params(tmp_path):
 
 def test_tiny_checkpoint_crc32c_verifies(tmp_path):
     d = make_model_dir(str(tmp_path / "m"), "tiny-openai")
-    utils.load_tf_checkpoint(d, verify_crc=True)
+    checkpoint.load_tf_checkpoint(d, verify_crc=True)
     data = os.path.join(d, "model.ckpt.data-00000-of-00001")
     raw = bytearray(open(data, "rb").read())
     raw[100] ^= 0xFF  # flip bits inside the first tensor
     open(data, "wb").write(bytes(raw))
     with pytest.raises(utils.LoadError, match="crc32c"):
-        utils.load_tf_checkpoint(d, verify_crc=True)
+        checkpoint.load_tf_checkpoint(d, verify_crc=True)
 
 
 def test_params_are_memory_mapped_except_the_decode_layout_copies(tiny):
@@ -81,7 +82,7 @@ def test_params_are_memory_mapped_except_the_decode_layout_copies(tiny):
 
 
 def test_decode_layout_keeps_shapes_and_values(models_dir):
-    raw = utils.load_params(os.path.join(models_dir, "124M"), 2)
+    raw = checkpoint.load_params(os.path.join(models_dir, "124M"), 2)
     fast = utils.decode_layout(raw)
     np.testing.assert_array_equal(fast["wte"], raw["wte"])
     np.testing.assert_array_equal(fast["blocks"][1]["mlp"]["c_proj"]["w"], raw["blocks"][1]["mlp"]["c_proj"]["w"])
@@ -107,9 +108,9 @@ def test_truncated_safetensors_is_a_clear_error(tmp_path):
 
 
 def test_hf_names_with_transformer_prefix_and_buffers():
-    t = utils.load_safetensors(fixture_path("tiny-hf", "model.safetensors"))
-    plain = utils.params_from_hf_names(t, 2)
-    prefixed = utils.params_from_hf_names({"transformer." + k: v for k, v in t.items()}
+    t = checkpoint.load_safetensors(fixture_path("tiny-hf", "model.safetensors"))
+    plain = checkpoint.params_from_hf_names(t, 2)
+    prefixed = checkpoint.params_from_hf_names({"transformer." + k: v for k, v in t.items()}
                                           | {"lm_head.weight": t["wte.weight"],
                                              "transformer.h.0.attn.masked_bias": np.zeros(1)}, 2)
     assert set(plain["blocks"][0]["attn"]) == {"c_attn", "c_proj"}
@@ -121,7 +122,7 @@ def test_hf_names_with_transformer_prefix_and_buffers():
 def test_missing_tensor_is_a_clear_error(tmp_path, tiny):
     params = dict(tiny[2], ln_f={"g": tiny[2]["ln_f"]["g"]})
     with pytest.raises(utils.LoadError, match="ln_f/b"):
-        utils.check_params(params, tiny[1])
+        checkpoint.check_params(params, tiny[1])
 
 
 @pytest.mark.parametrize("size", ["125M", "../124M", "", "124m"])

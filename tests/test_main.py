@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import batching
+import checkpoint
 import fileserver
 import gpt2
 import main
@@ -194,7 +195,7 @@ def odd_vocab_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("odd")
     make_model_dir(str(root / "124M"), "tiny-openai")
     d = make_model_dir(str(root / "355M"), "tiny-hf")
-    t = {k: np.asarray(v) for k, v in utils.load_safetensors(os.path.join(d, "model.safetensors")).items()}
+    t = {k: np.asarray(v) for k, v in checkpoint.load_safetensors(os.path.join(d, "model.safetensors")).items()}
     t["wte.weight"] = t["wte.weight"][:50000]
     write_safetensors(os.path.join(d, "model.safetensors"), t)
     cfg = json.load(open(os.path.join(d, "config.json")))

@@ -1,0 +1,278 @@
+"""Reading GPT-2's checkpoints without TensorFlow or PyTorch: what a checkpoint really is.
+
+OpenAI released GPT-2 as TensorFlow checkpoints: a data file of raw little-endian
+floats, plus an index that says where each named tensor starts.
+
+- `model.ckpt.index` is a LevelDB "SSTable": sorted key/value blocks, a footer
+  that points at the index block. Each key is a tensor name; each value is a
+  protobuf `BundleEntryProto` (dtype, shape, offset, size, crc32c), decoded here
+  by hand (`read_varint`, `parse_proto`).
+  Formats: https://github.com/google/leveldb/blob/main/doc/table_format.md and
+  tensorflow/core/protobuf/tensor_bundle.proto.
+- `model.safetensors` (the Hugging Face mirror) is simpler still: an 8-byte
+  header length, a JSON header, raw bytes.
+
+Either way the tensors are `np.memmap` views into the file: zero copies, loaded
+in milliseconds, paged in by the OS on first use. Nothing is ever unpickled.
+The checkpoint's names are then mapped to picoGPT's nested dict
+(`params["blocks"][i]["attn"]["c_attn"]["w"]`), and every shape is checked.
+"""
+import json
+import os
+import struct
+
+import numpy as np
+
+
+class LoadError(Exception):
+    """Something the user can fix: the message is one line that says what and how."""
+
+
+# ------------------------------------------------ TensorFlow checkpoint index --
+
+def read_varint(buf, pos):
+    """Decode a protobuf/LevelDB base-128 varint at buf[pos]; returns (value, new pos)."""
+    value = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise ValueError("varint runs past the end of the buffer")
+        byte = buf[pos]
+        value |= (byte & 0x7F) << shift
+        pos += 1
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def read_block(data, offset, size):
+    """Entries (key, value) of one SSTable block: keys share prefixes with the previous key."""
+    if offset + size + 5 > len(data):
+        raise ValueError("block runs past the end of the file")
+    if data[offset + size] != 0:  # trailer: compression type, then a crc32c
+        raise ValueError("compressed block (TensorFlow bundles are never compressed)")
+    block = data[offset:offset + size]
+    (n_restarts,) = struct.unpack_from("<I", block, len(block) - 4)
+    end = len(block) - 4 - 4 * n_restarts
+    pos, key, entries = 0, b"", []
+    while pos < end:
+        shared, pos = read_varint(block, pos)
+        non_shared, pos = read_varint(block, pos)
+        value_len, pos = read_varint(block, pos)
+        key = key[:shared] + block[pos:pos + non_shared]
+        pos += non_shared
+        entries.append((key, block[pos:pos + value_len]))
+        pos += value_len
+    return entries
+
+
+def parse_proto(buf):
+    """A protobuf message as {field number: [values]}: varints as ints, the rest as bytes."""
+    fields, pos = {}, 0
+    while pos < len(buf):
+        tag, pos = read_varint(buf, pos)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, pos = read_varint(buf, pos)
+        elif wire == 2:
+            n, pos = read_varint(buf, pos)
+            value, pos = buf[pos:pos + n], pos + n
+        elif wire == 5:
+            value, pos = buf[pos:pos + 4], pos + 4
+        elif wire == 1:
+            value, pos = buf[pos:pos + 8], pos + 8
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+        fields.setdefault(number, []).append(value)
+    return fields
+
+
+TF_DTYPES = {1: np.float32, 19: np.float16}  # DataType enum: DT_FLOAT, DT_HALF
+
+
+def parse_bundle_entry(value):
+    """BundleEntryProto -> dict(dtype, shape, shard, offset, size, crc32c)."""
+    f = parse_proto(value)
+    dims = [parse_proto(d).get(1, [0])[0] for d in parse_proto(f.get(2, [b""])[0]).get(2, [])]
+    return {"dtype": f.get(1, [0])[0], "shape": tuple(dims), "shard": f.get(3, [0])[0],
+            "offset": f.get(4, [0])[0], "size": f.get(5, [0])[0],
+            "crc32c": struct.unpack("<I", f[6][0])[0] if 6 in f else None}
+
+
+def read_tf_index(index_path):
+    """{tensor name: BundleEntryProto fields} from a TensorFlow `model.ckpt.index`."""
+    with open(index_path, "rb") as fh:
+        data = fh.read()
+    # footer (48 bytes): metaindex handle, index handle (varints, zero padded), 8-byte magic
+    if len(data) < 48 or data[-8:] != struct.pack("<Q", 0xDB4775248B80FB57):
+        raise ValueError("not a LevelDB table (bad footer magic)")
+    footer = data[-48:]
+    _, pos = read_varint(footer, read_varint(footer, 0)[1])  # skip the metaindex handle
+    index_offset, pos = read_varint(footer, pos)
+    index_size, _ = read_varint(footer, pos)
+    entries = {}
+    for _, handle in read_block(data, index_offset, index_size):
+        offset, pos = read_varint(handle, 0)
+        size, _ = read_varint(handle, pos)
+        for key, value in read_block(data, offset, size):
+            if key:  # the empty key holds the BundleHeaderProto, not a tensor
+                entries[key.decode()] = parse_bundle_entry(value)
+    return entries
+
+
+def _crc32c_table():
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+CRC32C_TABLE = _crc32c_table()
+
+
+def crc32c(data):
+    """CRC-32C (Castagnoli), the checksum LevelDB and TensorFlow use. Pure Python,
+    so it is slow (a few MB/s): used to verify small checkpoints and in tests."""
+    crc = 0xFFFFFFFF
+    for byte in bytes(data):
+        crc = CRC32C_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def masked_crc32c(data):
+    """TensorFlow stores crc32c 'masked' (rotated and offset) so that a crc of data
+    that itself contains crcs does not look degenerate."""
+    crc = crc32c(data)
+    return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def load_tf_checkpoint(model_dir, verify_crc=False):
+    """{tensor name: np.memmap} for every tensor of a TensorFlow checkpoint."""
+    index_path = os.path.join(model_dir, "model.ckpt.index")
+    data_path = os.path.join(model_dir, "model.ckpt.data-00000-of-00001")
+    try:
+        entries = read_tf_index(index_path)
+    except (ValueError, IndexError, KeyError, struct.error) as e:
+        raise LoadError(f"{index_path} is corrupt ({e}): delete it and run again to re-download")
+    data_size = os.path.getsize(data_path)
+    tensors = {}
+    for name, e in entries.items():
+        if e["shard"] != 0:
+            raise LoadError(f"{name} lives in shard {e['shard']}, but GPT-2 checkpoints have one shard")
+        if e["dtype"] not in TF_DTYPES:
+            raise LoadError(f"{name} has TensorFlow dtype {e['dtype']}, which this reader does not handle")
+        dtype = np.dtype(TF_DTYPES[e["dtype"]]).newbyteorder("<")
+        if e["size"] != int(np.prod(e["shape"])) * dtype.itemsize:
+            raise LoadError(f"{index_path} is corrupt: {name} has shape {e['shape']} but {e['size']} bytes")
+        if e["offset"] + e["size"] > data_size:
+            raise LoadError(f"{data_path} is truncated: {name} needs bytes up to {e['offset'] + e['size']} "
+                            f"but the file has {data_size}; delete it and run again to re-download")
+        tensors[name] = np.memmap(data_path, dtype=dtype, mode="r", offset=e["offset"], shape=e["shape"])
+        if verify_crc and masked_crc32c(tensors[name].tobytes()) != e["crc32c"]:
+            raise LoadError(f"{data_path} is corrupt: crc32c of {name} does not match the index")
+    return tensors
+
+
+# ------------------------------------------------------------- safetensors --
+
+SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16}
+
+
+def load_safetensors(path):
+    """{tensor name: np.memmap} from a .safetensors file (8-byte header length, JSON, bytes)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8)) if size >= 8 else (size,)
+        if n > size - 8:
+            raise LoadError(f"{path} is truncated or not safetensors: delete it and run again to re-download")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise LoadError(f"{path} has a corrupt header ({e}): delete it and run again to re-download")
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in SAFETENSORS_DTYPES:
+            raise LoadError(f"{name} in {path} has dtype {info['dtype']}, which this reader does not handle")
+        begin, end = info["data_offsets"]
+        dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]]).newbyteorder("<")
+        if end - begin != int(np.prod(info["shape"])) * dtype.itemsize or 8 + n + end > size:
+            raise LoadError(f"{path} is truncated or corrupt at {name}: delete it and run again to re-download")
+        tensors[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + n + begin, shape=tuple(info["shape"]))
+    return tensors
+
+
+# ------------------------------------------------ names -> picoGPT's nested dict --
+
+def params_from_openai_names(tensors, n_layer):
+    """`model/h3/mlp/c_fc/w` -> params["blocks"][3]["mlp"]["c_fc"]["w"] (leading 1 squeezed)."""
+    params = {"blocks": [{} for _ in range(n_layer)]}
+    for name, array in tensors.items():
+        parts = name.split("/")[1:]  # drop "model"
+        if parts[0].startswith("h"):
+            node = params["blocks"][int(parts[0][1:])]
+            parts = parts[1:]
+        else:
+            node = params
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = np.squeeze(array, axis=0) if array.ndim == 3 else array
+    return params
+
+
+HF_LEAF = {"weight": {"ln_1": "g", "ln_2": "g", "ln_f": "g", "*": "w"}, "bias": {"*": "b"}}
+
+
+def params_from_hf_names(tensors, n_layer):
+    """`h.3.mlp.c_fc.weight` -> params["blocks"][3]["mlp"]["c_fc"]["w"]; the attention
+    mask buffers (`attn.bias`, `attn.masked_bias`) and the tied `lm_head` are skipped."""
+    params = {"blocks": [{} for _ in range(n_layer)]}
+    for name, array in tensors.items():
+        name = name.removeprefix("transformer.")
+        parts = name.split(".")
+        if name.startswith("lm_head.") or parts[-2:] in (["attn", "bias"], ["attn", "masked_bias"]):
+            continue
+        if parts[0] in ("wte", "wpe"):
+            params[parts[0]] = array
+            continue
+        if parts[0] == "h":
+            node, parts = params["blocks"][int(parts[1])], parts[2:]
+        else:
+            node = params
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        leaf = HF_LEAF[parts[-1]]
+        node[leaf.get(parts[-2], leaf["*"])] = array
+    return params
+
+
+def load_params(model_dir, n_layer, verify_crc=False):
+    """picoGPT-style nested dict of float arrays from whichever layout model_dir holds."""
+    if os.path.exists(os.path.join(model_dir, "model.ckpt.index")):
+        return params_from_openai_names(load_tf_checkpoint(model_dir, verify_crc), n_layer)
+    return params_from_hf_names(load_safetensors(os.path.join(model_dir, "model.safetensors")), n_layer)
+
+
+def check_params(params, hparams):
+    """Every tensor GPT-2 needs, with the shape hparams imply: a clear error otherwise."""
+    V, C, E, L = hparams["n_vocab"], hparams["n_ctx"], hparams["n_embd"], hparams["n_layer"]
+    want = {("wte",): (V, E), ("wpe",): (C, E), ("ln_f", "g"): (E,), ("ln_f", "b"): (E,)}
+    for i in range(L):
+        for ln in ("ln_1", "ln_2"):
+            want[("blocks", i, ln, "g")] = want[("blocks", i, ln, "b")] = (E,)
+        for path, (n_in, n_out) in {("attn", "c_attn"): (E, 3 * E), ("attn", "c_proj"): (E, E),
+                                    ("mlp", "c_fc"): (E, 4 * E), ("mlp", "c_proj"): (4 * E, E)}.items():
+            want[("blocks", i) + path + ("w",)] = (n_in, n_out)
+            want[("blocks", i) + path + ("b",)] = (n_out,)
+    for path, shape in want.items():
+        node = params
+        try:
+            for key in path:
+                node = node[key]
+        except (KeyError, IndexError, TypeError):
+            raise LoadError(f"checkpoint has no tensor for {'/'.join(map(str, path))}")
+        if tuple(node.shape) != shape:
+            raise LoadError(f"tensor {'/'.join(map(str, path))} has shape {tuple(node.shape)}, expected {shape}")
