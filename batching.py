@@ -196,7 +196,15 @@ def results(batch):
 
 def cache(batch, name):
     """The rows in flight of one model's cache (None when decoding without a cache)."""
-    return kv_cache.rows(batch.caches[name], len(batch.seqs)) if name in batch.caches else None
+    return kv_cache.rows(batch.caches[name], 0, len(batch.seqs)) if name in batch.caches else None
+
+
+def rows(batch, lo, hi):
+    """Rows lo..hi-1 as a batch of their own (views: what a step does to it lands in batch),
+    so that rows that just joined can be prefilled in a pass of their own."""
+    caches = {name: kv_cache.rows(c, lo, hi) for name, c in batch.caches.items()}
+    return Batch(batch.seqs[lo:hi], batch.counts[lo:hi], batch.prompt_counts[lo:hi], caches, batch.stats,
+                 batch.callback)
 
 
 def penalized(batch):

@@ -148,10 +148,10 @@ def rollback(cache, n_valid):
     np.minimum(cache["lengths"], keep, out=cache["lengths"])
 
 
-def rows(cache, n):
-    """The first n rows as a cache of its own (views: what a pass writes lands here too)."""
-    return {"layers": [{"k": layer["k"][:n], "v": layer["v"][:n]} for layer in cache["layers"]],
-            "lengths": cache["lengths"][:n], "starts": cache["starts"][:n]}
+def rows(cache, lo, hi):
+    """Rows lo..hi-1 as a cache of their own (views: what a pass writes lands here too)."""
+    return {"layers": [{"k": layer["k"][lo:hi], "v": layer["v"][lo:hi]} for layer in cache["layers"]],
+            "lengths": cache["lengths"][lo:hi], "starts": cache["starts"][lo:hi]}
 
 
 def clear_row(cache, b):

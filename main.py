@@ -16,12 +16,13 @@ import argparse
 import codecs
 import sys
 
-import numpy as np
+from tqdm import tqdm
 
 import batching
 import gpt2
 import kv_cache
 import sampling
+import scheduler
 import speculative
 import utils
 
@@ -68,6 +69,9 @@ def parse_args(argv=None):
     ap.add_argument("--ignore_eos", action="store_true", help="keep going past <|endoftext|>")
     ap.add_argument("--no_kv_cache", action="store_true", help="recompute the whole window every token")
     ap.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt)")
+    ap.add_argument("--max_batch", type=int,
+                    help="serve the prompts with continuous batching, at most this many at once, and print each "
+                         "request with its timings as it finishes")
     ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy",
                     help="cupy: the same code on an NVIDIA GPU (pip install cupy-cuda12x)")
     ap.add_argument("--dtype", choices=["float32", "float16"], default="float32",
@@ -97,6 +101,12 @@ def check_args(args):
     prompts = read_prompts(args)
     if args.stream and len(prompts) > 1:
         raise ValueError("--stream shows one prompt at a time: pass a single --prompt")
+    if args.max_batch is not None:
+        if args.max_batch < 1:
+            raise ValueError(f"--max_batch must be >= 1, got {args.max_batch}")
+        if args.stream or args.no_kv_cache:
+            raise ValueError("--max_batch serves with the KV cache and prints whole requests: "
+                             "leave out --stream and --no_kv_cache")
     return settings, config, prompts
 
 
@@ -175,7 +185,39 @@ def decode(title, generate, encoder, prompts, args):
             print(f"{p}{t}" if len(prompts) == 1 else f"--- {p!r}\n{p}{t}")
     print(f"{stats.n_tokens} tokens in {stats.seconds:.2f}s = {stats.tokens_per_s:.1f} tokens/s "
           f"(first token after {stats.ttft_s * 1e3:.0f} ms; KV cache {stats.kv_cache_bytes / 2**20:.1f} MiB)")
-    return {"texts": texts, "tokens": out, "stats": stats}
+    if stats.target_passes:
+        print(f"acceptance rate {stats.acceptance_rate:.1%} (by draft position: {stats.acceptance_by_position}), "
+              f"{stats.tokens_per_target_pass:.2f} tokens per target pass, "
+              f"time drafting {stats.draft_s:.2f}s / verifying {stats.verify_s:.2f}s")
+    return {"texts": texts, "tokens": out, "tokens_per_s": stats.tokens_per_s, "stats": stats}
+
+
+def serve(title, decoder, reqs, encoder, args):
+    """Serve the requests with continuous batching, printing each one as it finishes."""
+    print(f"\n=== {title}, continuous batching of up to {args.max_batch} ===")
+    out, finished = [None] * len(reqs), []
+    with tqdm(total=len(reqs), unit="request", leave=False) as bar:
+        for e in scheduler.serve(reqs, decoder, args.max_batch):
+            if e.kind == "token":
+                continue
+            if e.kind == "error":
+                bar.write(f"--- request {e.index}: error: {e.error}")
+            else:
+                out[e.index] = e.tokens
+                finished.append(e)
+                m = e.metrics
+                bar.write(f"--- request {e.index}: {m['n_tokens']} tokens; queued {m['queue_s']:.2f}s, first token "
+                          f"after {m['ttft_s']:.2f}s, inter-token p50 {m['itl_ms_p50']:.0f} ms / p95 "
+                          f"{m['itl_ms_p95']:.0f} ms, done after {m['e2e_s']:.2f}s\n"
+                          f"{encoder.decode(list(reqs[e.index].prompt))}{encoder.decode(e.tokens)}")
+            bar.update()
+    s = scheduler.summarize(finished)
+    if finished:
+        print(f"{s['requests']} requests, {s['tokens']} tokens in {s['seconds']:.2f}s = {s['tokens_per_s']:.1f} "
+              f"tokens/s; first token p50 {s['ttft_s_p50']:.2f}s / p95 {s['ttft_s_p95']:.2f}s, "
+              f"request done p50 {s['e2e_s_p50']:.2f}s / p95 {s['e2e_s_p95']:.2f}s")
+    return {"texts": [encoder.decode(o) if o is not None else None for o in out], "tokens": out,
+            "tokens_per_s": s["tokens_per_s"]}
 
 
 def run(args):
@@ -185,28 +227,27 @@ def run(args):
     eos = None if args.ignore_eos else encoder.eot_token
     reqs = batching.requests(tokenize(encoder, prompts, n_ctx), args.n_tokens_to_generate, settings, args.seed, eos)
     use_cache = not args.no_kv_cache
-    results = {}
+    runs = {}  # decoder: (title, generate(callback), the decoder as the scheduler runs it)
     if args.mode in ("autoregressive", "both"):
-        results["autoregressive"] = decode(f"autoregressive: GPT-2 {args.target_model_size}",
-                                           lambda cb: gpt2.generate(reqs, target, use_cache, cb),
-                                           encoder, prompts, args)
+        runs["autoregressive"] = (f"autoregressive: GPT-2 {args.target_model_size}",
+                                  lambda cb: gpt2.generate(reqs, target, use_cache, cb),
+                                  lambda: scheduler.autoregressive(target))
     if args.mode in ("speculative", "both"):
         if config.K >= n_ctx:
             print(f"note: --K {config.K} is more drafts than GPT-2's {n_ctx}-token window holds: "
                   "each step drafts at most what fits before the window restarts")
         who = f"draft {args.draft_model_size}" if args.drafter == "model" else "prompt lookup"
-        results["speculative"] = decode(
-            f"speculative: target {args.target_model_size}, {who}, K={config.K}{' (adaptive)' if config.adaptive else ''}",
-            lambda cb: speculative.speculative_generate(reqs, target, drafter, config, use_cache, cb),
-            encoder, prompts, args)
-        s = results["speculative"]["stats"]
-        print(f"acceptance rate {s.acceptance_rate:.1%} (by draft position: {s.acceptance_by_position}), "
-              f"{s.tokens_per_target_pass:.2f} tokens per target pass, "
-              f"time drafting {s.draft_s:.2f}s / verifying {s.verify_s:.2f}s")
+        runs["speculative"] = (f"speculative: target {args.target_model_size}, {who}, K={config.K}"
+                               f"{' (adaptive)' if config.adaptive else ''}",
+                               lambda cb: speculative.speculative_generate(reqs, target, drafter, config, use_cache, cb),
+                               lambda: scheduler.speculative_decoder(target, drafter, config))
+    results = {}
+    for name, (title, generate, decoder) in runs.items():
+        results[name] = (serve(title, decoder(), reqs, encoder, args) if args.max_batch
+                         else decode(title, generate, encoder, prompts, args))
     if len(results) == 2:
         ar, sp = results["autoregressive"], results["speculative"]
-        print(f"\nspeedup of speculative over autoregressive: "
-              f"{sp['stats'].tokens_per_s / ar['stats'].tokens_per_s:.2f}x")
+        print(f"\nspeedup of speculative over autoregressive: {sp['tokens_per_s'] / ar['tokens_per_s']:.2f}x")
         if settings.greedy:
             print("greedy texts identical: " + ("yes" if ar["tokens"] == sp["tokens"] else "NO (this is a bug)"))
     return results

@@ -86,7 +86,7 @@ def speculative_generate(requests, target, drafter, config=SpeculativeConfig(), 
     check(config, target[1], draft and draft[1])
     for r in requests:
         batching.check_request(r, target[1]["n_vocab"])
-    config = replace(config, K_max=config.K_max or max(config.K, 7), costs=config.costs or default_costs(target, draft))
+    config = resolve(config, target, draft)
     models = {"target": target, "draft": draft} if draft else {"target": target}
     batch = batching.new_batch(models, len(requests), batching.cache_slots(requests), use_cache, callback)
     for i, r in enumerate(requests):
@@ -96,6 +96,11 @@ def speculative_generate(requests, target, drafter, config=SpeculativeConfig(), 
         speculative_step(batch, target, drafter, config)
         batching.leave(batch)
     return batching.results(batch), batch.stats
+
+
+def resolve(config, target, draft):
+    """config with its defaults filled in: K_max = max(K, 7), costs from the models' sizes."""
+    return replace(config, K_max=config.K_max or max(config.K, 7), costs=config.costs or default_costs(target, draft))
 
 
 def speculative_step(batch, target, drafter, config):

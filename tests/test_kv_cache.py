@@ -97,7 +97,7 @@ def test_move_row_and_rows_view(tiny):
     cache = new_cache(hparams, 3)
     last_logits(model, cache, PROMPTS[:3])
     kv_cache.move_row(cache, 2, 0)  # row 0 leaves, the last row takes its place
-    two = kv_cache.rows(cache, 2)
+    two = kv_cache.rows(cache, 0, 2)
     nxt = last_logits(model, two, [PROMPTS[2] + [9], PROMPTS[1] + [9]])
     for row, p in zip(nxt, (PROMPTS[2], PROMPTS[1])):
         np.testing.assert_allclose(row, gpt2.gpt2(np.array([p + [9]]), **params, n_head=2)[0, -1], atol=1e-4)

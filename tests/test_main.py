@@ -95,6 +95,21 @@ def test_batch_from_prompts_file(capsys, models_dir, tmp_path):
     assert out.count("--- 'Hello, world!'") == 2 and "greedy texts identical: yes" in out
 
 
+def test_serving_a_prompts_file_with_continuous_batching(capsys, models_dir, tmp_path):
+    f = tmp_path / "prompts.txt"
+    f.write_text("".join(f"Prompt number {i} is\n" for i in range(7)))
+    rc, out, err = run_main(capsys, "--models_dir", models_dir, "--target_model_size", "124M", "--prompts_file",
+                            str(f), "--max_batch", "3", *GREEDY)
+    assert rc == 0, err
+    assert out.count("--- request ") == 14 and "continuous batching of up to 3" in out
+    assert "first token after" in out and "7 requests, 84 tokens" in out and "greedy texts identical: yes" in out
+    served = results(models_dir, "--target_model_size", "124M", "--prompts_file", str(f), "--max_batch", "3",
+                     "--mode", "autoregressive", *GREEDY)
+    static = results(models_dir, "--target_model_size", "124M", "--prompts_file", str(f), "--mode",
+                     "autoregressive", *GREEDY)
+    assert served["autoregressive"]["texts"] == static["autoregressive"]["texts"]
+
+
 def test_empty_prompt_is_unconditional_generation(models_dir):
     r = results(models_dir, "--prompt", "", "--target_model_size", "124M", *GREEDY)
     assert r["autoregressive"]["tokens"] == r["speculative"]["tokens"] and len(r["autoregressive"]["tokens"][0]) > 0
@@ -224,6 +239,8 @@ def odd_vocab_models(tmp_path_factory):
     (["--prompt", "a", "--prompt", "b", "--stream"], "--stream shows one prompt at a time"),
     (["--dtype", "float16"], "--dtype float16 needs --backend cupy"),
     (["--mode", "fast"], "argument --mode: invalid choice: 'fast'"),
+    (["--max_batch", "0"], "--max_batch must be >= 1"),
+    (["--max_batch", "4", "--stream"], "leave out --stream and --no_kv_cache"),
 ])
 def test_bad_input_is_one_clear_line_before_anything_loads(capsys, tmp_path, argv, message):
     """An empty --models_dir: a model would have to be downloaded, so the flags are

@@ -1,0 +1,135 @@
+"""Continuous batching: serve a stream of requests, rows join as others finish.
+
+Requests differ wildly in length. Static batching fills a batch and runs it until
+its longest request is done: finished rows sit idle and new requests wait.
+Continuous batching (Orca, Yu et al., OSDI 2022,
+https://www.usenix.org/conference/osdi22/presentation/yu; vLLM, Kwon et al. 2023,
+https://arxiv.org/abs/2309.06180) schedules per iteration instead: a finished
+request leaves at once, and a waiting one takes its row at the next iteration.
+
+`serve` keeps up to max_batch rows in flight in one fixed set of KV-cache rows
+(batching.py). Each iteration does one of two things:
+- prefill: the requests that just arrived take the free rows and run a pass of
+  their own over their prompts (the decoder's step on those rows alone), which
+  also gives each its first token;
+- decode: one step of the decoder for every row in flight.
+Then finished rows leave (the last rows move into their places). A joining row's
+cache starts empty; no other row's cache is touched.
+
+Both decoders run this way: a decoder is its step function (plain or
+speculative) and the models it keeps caches for. Every request samples from its
+own random stream, so its text is the same whoever shares the batch, and
+`static=True` gives the static baseline: admit requests only into an empty batch.
+"""
+import collections
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+import batching
+import gpt2
+import speculative
+
+
+@dataclass
+class Event:
+    kind: str  # "token", "finished" or "error"
+    index: int  # which request: its place in the list given to serve
+    token: int = None  # "token": the new token (accepted: whether it was an accepted draft)
+    accepted: bool = False
+    tokens: list = None  # "finished": every new token, and the request's timings
+    metrics: dict = None
+    error: str = None  # "error": why the request was refused (the others go on)
+
+
+def autoregressive(model):
+    """The plain decoder as the scheduler runs it: (step, the models it caches)."""
+    return (lambda batch: gpt2.autoregressive_step(batch, model)), {"target": model}
+
+
+def speculative_decoder(target, drafter, config=speculative.SpeculativeConfig()):
+    """Draft-verify decoding as the scheduler runs it (drafter as in speculative_generate)."""
+    draft = drafter if isinstance(drafter, tuple) else None
+    speculative.check(config, target[1], draft and draft[1])
+    config = speculative.resolve(config, target, draft)
+    models = {"target": target, "draft": draft} if draft else {"target": target}
+    return (lambda batch: speculative.speculative_step(batch, target, drafter, config)), models
+
+
+def serve(requests, decoder, max_batch=8, max_len=None, static=False):
+    """Answer requests (batching.Request, each with its arrival_s) as they arrive, with
+    at most max_batch in flight; yields Events as tokens come and requests finish.
+    max_len: the most tokens (prompt + new) a request may need; default: the window."""
+    step, models = decoder
+    hparams = models["target"][1]
+    max_len = max_len or hparams["n_ctx"]
+    waiting = collections.deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival_s))
+    events = []
+    batch = batching.new_batch(models, max_batch, max_len,
+                               callback=lambda seq, token, accepted: events.append(
+                                   Event("token", seq.index, token, accepted)))
+    start = batch.stats.start = time.perf_counter()
+    joined = {}
+    while waiting or batch.seqs:
+        now = time.perf_counter() - start
+        n_before = len(batch.seqs)
+        while waiting and requests[waiting[0]].arrival_s <= now and len(batch.seqs) < max_batch \
+                and not (static and n_before):
+            i = waiting.popleft()
+            problem = refusal(requests[i], hparams["n_vocab"], max_len)
+            if problem:
+                yield Event("error", i, error=problem)
+                continue
+            batching.join(batch, requests[i], i)
+            joined[i] = time.perf_counter()
+        if len(batch.seqs) > n_before:
+            step(batching.rows(batch, n_before, len(batch.seqs)))  # prefill: the new rows alone
+        elif batch.seqs:
+            step(batch)  # decode: every row one step
+        elif waiting:
+            time.sleep(max(0.0, start + requests[waiting[0]].arrival_s - time.perf_counter()))
+            continue
+        yield from events
+        events.clear()
+        n_done = len(batch.done)
+        batching.leave(batch)
+        for seq in batch.done[n_done:]:
+            yield Event("finished", seq.index, tokens=seq.generated, metrics=metrics(seq, start, joined[seq.index]))
+
+
+def refusal(request, n_vocab, max_len):
+    """Why this request cannot be served (None if it can)."""
+    try:
+        batching.check_request(request, n_vocab)
+    except ValueError as e:
+        return str(e)
+    need = len(request.prompt) + request.max_new_tokens
+    if need > max_len:
+        return f"the request needs {need} tokens (prompt + new), more than this server's max_len {max_len}"
+    return None
+
+
+def metrics(seq, start, joined):
+    """One request's timings, in seconds after it arrived (ITL in ms)."""
+    arrival = start + seq.request.arrival_s
+    gaps = np.diff(seq.times) * 1e3
+    return {"queue_s": joined - arrival, "ttft_s": seq.times[0] - arrival, "e2e_s": seq.times[-1] - arrival,
+            "itl_ms_p50": float(np.percentile(gaps, 50)) if gaps.size else 0.0,
+            "itl_ms_p95": float(np.percentile(gaps, 95)) if gaps.size else 0.0,
+            "n_tokens": len(seq.times), "finished_at_s": seq.times[-1] - start}
+
+
+def summarize(finished):
+    """Aggregate of the finished events of one run: tokens/s, and TTFT, ITL and end-to-end
+    latency at p50 and p95 over requests."""
+    m = [e.metrics for e in finished]
+    if not m:
+        return {"requests": 0, "tokens": 0, "tokens_per_s": 0.0}
+    span = max(x["finished_at_s"] for x in m)
+    out = {"requests": len(m), "tokens": sum(x["n_tokens"] for x in m), "seconds": span}
+    out["tokens_per_s"] = out["tokens"] / span if span > 0 else 0.0
+    for key in ("queue_s", "ttft_s", "e2e_s", "itl_ms_p50"):
+        values = [x[key] for x in m]
+        out[f"{key}_p50"], out[f"{key}_p95"] = float(np.percentile(values, 50)), float(np.percentile(values, 95))
+    return out
