@@ -84,6 +84,7 @@ class Stats:
     draft_passes: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejections: int = 0  # row-steps that rejected a draft
     draft_s: float = 0.0
     verify_s: float = 0.0
     proposed_at: list = field(default_factory=list)  # [i]: drafts proposed at draft position i
@@ -187,6 +188,22 @@ def leave(batch):
                 for cache in batch.caches.values():
                     kv_cache.move_row(cache, last, b)
             batch.seqs.pop()
+
+
+def run(requests, models, step, use_cache=True, callback=None):
+    """Decode requests as one batch: every request takes a row, then step(batch) until
+    every row has finished (finished rows leave as they go). Returns (each request's new
+    tokens, Stats). models: name -> (params, hparams) of every model step keeps a cache for."""
+    for r in requests:
+        check_request(r, models["target"][1]["n_vocab"])
+    batch = new_batch(models, len(requests), cache_slots(requests), use_cache, callback)
+    for i, r in enumerate(requests):
+        join(batch, r, i)
+    batch.stats.start = time.perf_counter()
+    while batch.seqs:
+        step(batch)
+        leave(batch)
+    return results(batch), batch.stats
 
 
 def results(batch):

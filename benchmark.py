@@ -1,15 +1,17 @@
-"""benchmark.py: every speed number in the README comes from here.
+"""benchmark.py: every speed number in the README comes from here (benchmark_report.py
+turns the measurements into the tables and plots).
 
-    python benchmark.py                 # 124M and 355M shapes, a few minutes on 2 cores
+    python benchmark.py                 # 124M and 355M on the CPU: decoding, costs, speculative, serving
     python benchmark.py --quick         # tiny shapes, seconds (the test suite runs this)
     python benchmark.py --backend cupy  # on an NVIDIA GPU: all four sizes, next to transformers there
 
 Speed does not depend on weight values, so models that are not in --models_dir
-run with random weights of the real shapes (the output says which). Each number
-is the median of --reps runs after a warm-up, with the spread (min-max) beside
-it, and every ratio is taken within this one run. Results go to
-<out>/results.json and <out>/results.md; with matplotlib installed, plots go
-to img/.
+run with random weights of the real shapes (the output says which). Random
+weights cannot tell how often a draft is accepted, so speculative decoding is
+measured with a controlled drafter: the real draft model runs (its cost is
+real), then each proposal is replaced by the target's own next token with
+probability a. Each number is the median of --reps runs after a warm-up, with
+the spread beside it where it matters, and every ratio comes from this one run.
 """
 import argparse
 import json
@@ -24,10 +26,11 @@ import time
 import numpy as np
 
 import batching
+import benchmark_report
 import checkpoint
 import gpt2
-import kv_cache
 import sampling
+import scheduler
 import speculative
 import utils
 
@@ -108,25 +111,6 @@ def matmul_weight_bytes(params):
     return blocks + params["wte"].nbytes
 
 
-def summary(stats):
-    """The numbers of a batching.Stats that the tables below read."""
-    return {"seconds": stats.seconds, "ttft_s": stats.ttft_s, "n_tokens": stats.n_tokens,
-            "tokens_per_s": stats.tokens_per_s, "itl_ms_median": stats.itl_ms(50), "itl_ms_p90": stats.itl_ms(90),
-            "acceptance_rate": stats.acceptance_rate, "tokens_per_target_pass": stats.tokens_per_target_pass,
-            "draft_s": stats.draft_s, "verify_s": stats.verify_s}
-
-
-def greedy(prompts, model, n, use_cache=True):
-    """Plain greedy decoding: (new tokens, summary of its stats)."""
-    out, stats = gpt2.generate(batching.requests(prompts, n, GREEDY), model, use_cache)
-    return out, summary(stats)
-
-
-def wait(x):
-    """Block until x is computed: CuPy runs asynchronously, so a timer must wait for the GPU."""
-    x[(0,) * x.ndim].tolist()
-
-
 def timed(fn, reps, warmup=1):
     """Run fn warmup + reps times; (median, min, max) seconds of the timed runs."""
     for _ in range(warmup):
@@ -154,65 +138,58 @@ def prompt_ids(n, seed=1):
     return np.random.default_rng(seed).integers(0, 50000, n).tolist()
 
 
+def greedy(prompts, model, n, use_cache=True):
+    """Plain greedy decoding: (new tokens, batching.Stats)."""
+    return gpt2.generate(batching.requests(prompts, n, GREEDY), model, use_cache)
+
+
+def decode_rate(stats, B, n):
+    """Tokens/s after the first token (prefill): each of B rows decodes n - 1 more."""
+    return B * (n - 1) / (stats.seconds - stats.ttft_s)
+
+
 def bench_decode(params, hparams, args, probe):
-    """Prefill, decode tokens/s at each batch size (cache on), and batch 1 without cache,
-    each run next to its roofline. The machine's bandwidth drifts by 20% over minutes
+    """Decode tokens/s at each batch size (cache on), and batch 1 without cache, each
+    run next to its roofline. The machine's bandwidth drifts by 20% over minutes
     (other tenants), so it is measured right before every timed run, and the fraction
     of the roofline is the median of those paired ratios."""
     rows = []
     weight_bytes = matmul_weight_bytes(params)
-    prompt = prompt_ids(args.prompt_len)
     for B in args.batch_sizes:
         prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]
-        results, bandwidths = [], []
+        runs, bandwidths = [], []
 
         def run():
             bandwidths.append(measure_bandwidth(probe))
-            results.append(greedy(prompts, (params, hparams), args.n_tokens)[1])
+            runs.append(greedy(prompts, (params, hparams), args.n_tokens)[1])
         timed(run, args.reps)
-        results, bandwidths = results[1:], bandwidths[1:]  # drop the warm-up
-        # after the first token (prefill), each row decodes n_tokens - 1 more in seconds - ttft
-        tps = [B * (args.n_tokens - 1) / (r["seconds"] - r["ttft_s"]) for r in results]
+        runs, bandwidths = runs[1:], bandwidths[1:]  # drop the warm-up
+        tps = [decode_rate(r, B, args.n_tokens) for r in runs]
         rooflines = [B * bw * 1e9 / weight_bytes for bw in bandwidths]
         rows.append({"batch": B, "cache": True, "decode_tok_s": float(np.median(tps)),
-                     # prefill included, as transformers' generate() is timed below
-                     "end_to_end_tok_s": float(np.median([r["n_tokens"] / r["seconds"] for r in results])),
+                     "end_to_end_tok_s": float(np.median([r.tokens_per_s for r in runs])),  # prefill included
                      "decode_tok_s_min": min(tps), "decode_tok_s_max": max(tps),
-                     "bandwidth_GBs": float(np.median(bandwidths)),
-                     "roofline_tok_s": float(np.median(rooflines)),
+                     "bandwidth_GBs": float(np.median(bandwidths)), "roofline_tok_s": float(np.median(rooflines)),
                      "fraction_of_roofline": float(np.median(np.divide(tps, rooflines))),
-                     "ttft_ms": 1e3 * float(np.median([r["ttft_s"] for r in results])),
-                     "itl_ms_p50": float(np.median([r["itl_ms_median"] for r in results])),
-                     "itl_ms_p90": float(np.median([r["itl_ms_p90"] for r in results])),
+                     "ttft_ms": 1e3 * float(np.median([r.ttft_s for r in runs])),
+                     "itl_ms_p50": float(np.median([r.itl_ms(50) for r in runs])),
+                     "itl_ms_p90": float(np.median([r.itl_ms(90) for r in runs])),
                      "kv_cache_bytes_n_ctx": 2 * hparams["n_layer"] * B * hparams["n_ctx"] * hparams["n_embd"] * 4})
     bandwidth = measure_bandwidth(probe)
-    _, stats = greedy([prompt], (params, hparams), max(4, args.n_tokens // 4), use_cache=False)
+    n = max(4, args.n_tokens // 4)
+    stats = greedy([prompt_ids(args.prompt_len)], (params, hparams), n, use_cache=False)[1]
     roofline = bandwidth * 1e9 / weight_bytes
-    rows.append({"batch": 1, "cache": False, "decode_tok_s": stats["tokens_per_s"], "bandwidth_GBs": bandwidth,
-                 "roofline_tok_s": roofline, "fraction_of_roofline": stats["tokens_per_s"] / roofline,
-                 "itl_ms_p50": stats["itl_ms_median"], "ttft_ms": stats["ttft_s"] * 1e3})
+    rows.append({"batch": 1, "cache": False, "decode_tok_s": decode_rate(stats, 1, n), "bandwidth_GBs": bandwidth,
+                 "roofline_tok_s": roofline, "fraction_of_roofline": decode_rate(stats, 1, n) / roofline,
+                 "itl_ms_p50": stats.itl_ms(50), "ttft_ms": stats.ttft_s * 1e3})
     return rows
-
-
-def decode_step_time(params, hparams, context, T=1, reps=5):
-    """Median seconds of one cached pass over T new tokens after `context` cached tokens."""
-    model = (params, hparams)
-    cache = kv_cache.init_cache(hparams, 1, context + T, like=params["wte"])
-    text = prompt_ids(context)
-    gpt2.next_logits(model, cache, [text])
-    text += prompt_ids(T, seed=2)
-
-    def step():
-        cache["lengths"][:] = context  # roll back, so every rep sees the same context
-        wait(gpt2.next_logits(model, cache, [text], n_logits=T))
-    return timed(step, reps)[0]
 
 
 def bench_context(params, hparams, args):
     """Per-token cost at growing context: one cached step vs recomputing the window."""
     rows = []
     for L in args.contexts:
-        cached = decode_step_time(params, hparams, L, reps=args.reps)
+        cached = speculative.pass_seconds((params, hparams), L, reps=args.reps)
         ids = np.array([prompt_ids(L + 1)])
         uncached = timed(lambda: gpt2.gpt2(ids, **params, n_head=hparams["n_head"]), max(1, args.reps // 2))[0]
         rows.append({"context": L, "cached_ms": cached * 1e3, "uncached_ms": uncached * 1e3,
@@ -233,80 +210,194 @@ def bench_layout(params, hparams, args):
     """A cached pass over 1 token (decoding) and 8 tokens (verifying K = 7 drafts)
     with the checkpoint's row-major weights and with utils.decode_layout's, taken
     in turns so that both see the same machine."""
-    layouts = {"checkpoint": checkpoint_layout(params), "decode": params}
+    layouts = {"checkpoint": (checkpoint_layout(params), hparams), "decode": (params, hparams)}
     rows = []
     for T in (1, 8):
         ms = {name: [] for name in layouts}
         for _ in range(args.reps):
-            for name, p in layouts.items():
-                ms[name].append(1e3 * decode_step_time(p, hparams, args.prompt_len, T=T, reps=args.reps))
-        checkpoint, decode = float(np.median(ms["checkpoint"])), float(np.median(ms["decode"]))
-        rows.append({"tokens": T, "checkpoint_ms": checkpoint, "decode_ms": decode, "speedup": checkpoint / decode})
+            for name, model in layouts.items():
+                ms[name].append(1e3 * speculative.pass_seconds(model, args.prompt_len, T, reps=args.reps))
+        checkpoint_ms, decode_ms = float(np.median(ms["checkpoint"])), float(np.median(ms["decode"]))
+        rows.append({"tokens": T, "checkpoint_ms": checkpoint_ms, "decode_ms": decode_ms,
+                     "speedup": checkpoint_ms / decode_ms})
     return rows
 
 
-def bench_speculative_costs(draft, target, args):
-    """The three costs that decide speculative speed, and the speedup they predict."""
-    (d_params, d_hparams), (t_params, t_hparams) = draft, target
-    L = args.prompt_len
-    t_draft = decode_step_time(d_params, d_hparams, L, reps=args.reps)
-    t_step = decode_step_time(t_params, t_hparams, L, reps=args.reps)
-    verify, verify_unpadded = {}, {}
-    for K in args.Ks:
-        verify[K] = decode_step_time(t_params, t_hparams, L, T=K + 1, reps=args.reps)
-        if 1 < K + 1 < gpt2.PAD_ROWS_TO and args.backend == "numpy":  # padding is for OpenBLAS only
-            pad, gpt2.PAD_ROWS_TO = gpt2.PAD_ROWS_TO, 1
-            verify_unpadded[K] = decode_step_time(t_params, t_hparams, L, T=K + 1, reps=args.reps)
-            gpt2.PAD_ROWS_TO = pad
+STRATEGIES = ("matmul", "pad", "rows")
+
+
+def bench_rows(model, args):
+    """gpt2.ROW_STRATEGY's measurement: a whole cached pass over n = 1..8 tokens with each
+    way of running the linear layers (one product, padded to 8 rows, one product per
+    row), all in turns, in ms; "best" is the cheapest per n."""
+    ms = {}
+    for _ in range(args.reps):
+        for n in range(1, 9):
+            for how in STRATEGIES:
+                with gpt2.row_strategy({n: how}):
+                    ms.setdefault((n, how), []).append(1e3 * speculative.pass_seconds(model, args.prompt_len, n, reps=1))
     rows = []
-    for K in args.Ks:
-        row = {"K": K, "verify_ms": verify[K] * 1e3, "verify_over_step": verify[K] / t_step,
-               "verify_unpadded_ms": verify_unpadded[K] * 1e3 if K in verify_unpadded else None,
-               "oracle_ceiling": (K + 1) * t_step / verify[K]}
-        for alpha in args.alphas:
-            tokens = K + 1 if alpha == 1 else (1 - alpha ** (K + 1)) / (1 - alpha)  # E[tokens per pass]
-            row[f"predicted_a{alpha}"] = tokens * t_step / (K * t_draft + verify[K])
+    for n in range(1, 9):
+        row = {"n": n, **{how: float(np.median(ms[(n, how)])) for how in STRATEGIES}}
+        row["best"] = min(STRATEGIES, key=lambda how: row[how])
         rows.append(row)
-    return {"draft_step_ms": t_draft * 1e3, "target_step_ms": t_step * 1e3,
-            "draft_over_target": t_draft / t_step, "by_K": rows}
+    return rows
 
 
-def bench_speculative_end_to_end(draft, target, args):
-    """Measured tokens/s: plain greedy vs speculative with an oracle drafter (proposes the
-    target's own greedy continuation: acceptance 1, drafting free), prompt lookup on an
-    input-grounded prompt, and the draft model."""
-    (t_params, t_hparams) = target
+def break_even_alpha(costs, K):
+    """The acceptance rate at which speculative decoding with this K just pays (bisection)."""
+    lo, hi = 0.0, 1.0
+    if speculative.speedup(hi, K, costs) < 1:
+        return None
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if speculative.speedup(mid, K, costs) < 1 else (lo, mid)
+    return hi
+
+
+def bench_speculative_costs(draft, target, args):
+    """The costs that decide speculative speed, measured: one target step, verify(K+1)
+    for K = 1..8, and one draft token with the full head and with vocabulary subsets;
+    the speedups they predict, and the acceptance rate at which each K breaks even."""
+    L = args.prompt_len
+    step = speculative.pass_seconds(target, L, reps=args.reps)
+    verify = (1.0,) + tuple(speculative.pass_seconds(target, L, K + 1, reps=args.reps) / step
+                            for K in range(1, args.K_max + 1))
+    drafts = {}
+    for N in [0] + args.draft_vocabs:
+        head = speculative.vocab_subset_head(draft[0]["wte"], [prompt_ids(L)], N) if N else None
+        drafts[N] = speculative.pass_seconds(draft, L, head=head, reps=args.reps) / step
+    rows = []
+    for K in range(1, args.K_max + 1):
+        costs = speculative.Costs(drafts[0], verify)
+        row = {"K": K, "verify_ms": verify[K] * step * 1e3, "verify_over_step": verify[K],
+               "break_even_alpha": break_even_alpha(costs, K)}
+        for a in args.alphas:
+            row[f"predicted_a{a}"] = speculative.speedup(a, K, costs)
+        rows.append(row)
+    return {"draft": args.draft, "target": args.target, "target_step_ms": step * 1e3, "verify": verify,
+            "draft_over_target": {str(N): c for N, c in drafts.items()}, "by_K": rows, "alphas": args.alphas}
+
+
+def controlled_drafter(draft, truth, a, vocab=0, seed=0):
+    """A drafter whose acceptance rate is a, for a greedy target: the draft model runs
+    (so drafting costs what it really costs), then each proposal is replaced by the
+    target's own next token (truth) with probability a, or else by another token. q is
+    one-hot, so a proposal is accepted exactly when it is the truth. (The draft's cache
+    keeps its own tokens where the text has the replacements; its proposals are
+    discarded anyway.)"""
+    rng = np.random.default_rng(seed)
+    n_vocab = draft[1]["n_vocab"]
+
+    def steer(text, K):
+        return [t if rng.random() < a else (t + 1) % n_vocab for t in truth[len(text):len(text) + K]]
+
+    def propose(batch, k):
+        speculative.draft_with_model(batch, draft, k, vocab)
+        return speculative.draft_deterministic(batch, steer, k)
+    return propose
+
+
+def controlled_run(draft, target, truth, a, config, n):
+    """One greedy speculative run with the controlled drafter: its Stats."""
+    prompt = truth[:len(truth) - n]
+    drafter = controlled_drafter(draft, truth, a, config.draft_vocab)
+    config = speculative.resolve(config, target, draft)
+    out, stats = batching.run(batching.requests([prompt], n, GREEDY), {"target": target, "draft": draft},
+                              lambda batch: speculative.speculative_step(batch, target, drafter, config))
+    assert out[0] == truth[len(prompt):], "speculative decoding must reproduce the target's greedy text"
+    return stats
+
+
+def bench_speculative_end_to_end(draft, target, costs, args):
+    """Measured tokens/s of plain greedy decoding and of speculative decoding with the
+    controlled drafter at each acceptance rate a, at K = args.K and at the K the measured
+    costs recommend, next to the speedup the costs predict."""
     n = args.n_tokens * 2
     prompt = prompt_ids(args.prompt_len)
-    ar_runs = []
-    timed(lambda: ar_runs.append(greedy([prompt], target, n)), args.reps)
-    truth = prompt + ar_runs[0][0][0]
-    ar_tok_s = float(np.median([s["tokens_per_s"] for _, s in ar_runs[1:]]))
-    rows = [{"decoder": "autoregressive", "K": 0, "tok_s": ar_tok_s, "speedup": 1.0, "acceptance": None}]
+    plain = []
+    timed(lambda: plain.append(greedy([prompt], target, n)), args.reps)
+    truth = prompt + plain[0][0][0]
+    plain_tok_s = float(np.median([decode_rate(s, 1, n) for _, s in plain[1:]]))
+    rows = [{"decoder": "autoregressive", "a": None, "K": 0, "draft_vocab": None, "tok_s": plain_tok_s, "speedup": 1.0}]
+    for vocab in dict.fromkeys([0, args.draft_vocab]):
+        c = costs["draft_over_target"][str(vocab)]
+        measured = speculative.Costs(c, costs["verify"])
+        for a in args.e2e_alphas:
+            for K in dict.fromkeys([args.K, speculative.best_K(a, measured, args.K_max)]):
+                config = speculative.SpeculativeConfig(K=K, draft_vocab=vocab)
+                runs = []
+                timed(lambda: runs.append(controlled_run(draft, target, truth, a, config, n)), args.reps)
+                tok_s = float(np.median([decode_rate(s, 1, n) for s in runs[1:]]))
+                rows.append({"decoder": "speculative", "a": a, "K": K, "draft_vocab": vocab, "tok_s": tok_s,
+                             "speedup": tok_s / plain_tok_s, "predicted": speculative.speedup(a, K, measured),
+                             "alpha": speculative.estimate_alpha(runs[-1].accepted, runs[-1].rejections),
+                             "tokens_per_target_pass": runs[-1].tokens_per_target_pass})
+                print(f"  a={a} K={K} draft_vocab={vocab}: {rows[-1]['speedup']:.2f}x measured, "
+                      f"{rows[-1]['predicted']:.2f}x predicted", flush=True)
+    return rows
 
-    def oracle(seq, K):
-        return truth[len(seq):len(seq) + K]
 
-    # an input-grounded prompt: the continuation to come is quoted earlier in it, as in
-    # summarising, editing code or answering from a document
-    grounded = prompt + ar_runs[0][0][0] + prompt
-    _, g_stats = greedy([grounded], target, n)
-    cases = [("oracle", oracle, prompt, K) for K in args.e2e_Ks]
-    cases += [("prompt_lookup (grounded prompt)", "prompt_lookup", grounded, K) for K in args.e2e_Ks]
-    cases += [("draft model", "model", prompt, K) for K in args.e2e_Ks]
-    for name, drafter, p, K in cases:
-        runs = []
-        config = speculative.SpeculativeConfig(K=K)
-        drafter = draft if drafter == "model" else drafter
-        timed(lambda: runs.append(speculative.speculative_generate(
-            batching.requests([p], n, GREEDY), target, drafter, config)), args.reps)
-        runs = [(o, summary(st)) for o, st in runs]
-        out, s = runs[-1]
-        base = g_stats["tokens_per_s"] if p is grounded else ar_tok_s
-        tok_s = float(np.median([r[1]["tokens_per_s"] for r in runs[1:]]))
-        rows.append({"decoder": name, "K": K, "tok_s": tok_s, "speedup": tok_s / base,
-                     "acceptance": s["acceptance_rate"], "tokens_per_target_pass": s["tokens_per_target_pass"],
-                     "draft_s": s["draft_s"], "verify_s": s["verify_s"]})
+def subset_coverage(Ns):
+    """How often real text needs a token that a vocabulary-subset draft cannot propose
+    (id >= N and not earlier in the text): an upper bound on the acceptance the subset
+    loses, from GPT-2's tokenizer on English text found on this machine."""
+    encoder = utils.load_encoder(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "fixtures",
+                                              "gpt2-tokenizer"))
+    sources = [p for p in ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0",
+                           os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")) if os.path.exists(p)]
+    rows = []
+    for path in sources:
+        ids = encoder.encode(open(path, encoding="utf-8", errors="replace").read(), disallowed_special=())
+        seen, missing = set(), {N: 0 for N in Ns}
+        for t in ids:
+            for N in Ns:
+                missing[N] += t >= N and t not in seen
+            seen.add(t)
+        rows.append({"text": os.path.basename(path), "tokens": len(ids),
+                     **{str(N): missing[N] / len(ids) for N in Ns}})
+    return rows
+
+
+def serving_workload(n, seed, prompt_len=(16, 64), new_tokens=(8, 256)):
+    """n greedy requests: prompts of 16-64 tokens, and output lengths spread log-uniformly
+    over 8-256 tokens (many short answers, a few long ones), seeded."""
+    rng = np.random.default_rng(seed)
+    lo, hi = np.log(new_tokens[0]), np.log(new_tokens[1])
+    return [batching.Request(tuple(prompt_ids(int(rng.integers(*prompt_len)), seed=seed * 1000 + i)),
+                             int(np.exp(rng.uniform(lo, hi))), GREEDY, seed=i) for i in range(n)]
+
+
+def serve_once(reqs, model, max_batch, static):
+    finished = [e for e in scheduler.serve(reqs, scheduler.autoregressive(model), max_batch, static=static)
+                if e.kind == "finished"]
+    return scheduler.summarize(finished), [e.metrics for e in finished]
+
+
+def bench_serving(model, args, size):
+    """Static vs continuous batching on one workload, all requests at once and as a
+    Poisson stream at 70% of the capacity continuous batching measured at once."""
+    reqs = serving_workload(args.n_requests, seed=0)
+    rows = []
+    for max_batch in args.max_batches:
+        at_once = {}
+        for static in (True, False):
+            at_once[static] = serve_once(reqs, model, max_batch, static)
+            rows.append({"size": size, "max_batch": max_batch, "arrivals": "all at once",
+                         "policy": "static" if static else "continuous", **at_once[static][0],
+                         "timeline": at_once[static][1]})
+        rate = 0.7 * len(reqs) / at_once[False][0]["seconds"]  # requests/s
+        gaps = np.random.default_rng(1).exponential(1 / rate, len(reqs))
+        stream = [batching.Request(r.prompt, r.max_new_tokens, r.settings, r.seed, arrival_s=float(t))
+                  for r, t in zip(reqs, np.cumsum(gaps) - gaps[0])]
+        for static in (True, False):
+            summary, timeline = serve_once(stream, model, max_batch, static)
+            rows.append({"size": size, "max_batch": max_batch, "arrivals": f"Poisson {rate:.2f}/s (70%)",
+                         "policy": "static" if static else "continuous", **summary, "timeline": timeline})
+        print(f"  serving {size} max_batch {max_batch}: continuous / static throughput "
+              f"{rows[-3]['tokens_per_s'] / rows[-4]['tokens_per_s']:.2f}x at once; "
+              f"p95 TTFT static / continuous {rows[-2]['ttft_s_p95'] / rows[-1]['ttft_s_p95']:.1f}x on the stream",
+              flush=True)
     return rows
 
 
@@ -336,6 +427,8 @@ def bench_transformers(size, args, device="cpu"):
     return rows
 
 
+
+
 def gpu_benchmark(args, command):
     """--backend cupy: decode speed at each size and batch next to transformers on the
     same GPU, what one CuPy call costs the host, and the speculative costs."""
@@ -346,11 +439,11 @@ def gpu_benchmark(args, command):
     def thousand_ops():
         for _ in range(1000):
             y = x + 1.0
-        wait(y)
+        float(y[0])
     launch_s = timed(thousand_ops, args.reps)[0] / 1000
     probe = cupy.ones((16384, 16384), np.float32)  # 1 GiB: long enough to hide the launch
     row = cupy.ones((1, probe.shape[0]), np.float32)
-    bandwidth = probe.nbytes / timed(lambda: wait(row @ probe), args.reps)[0] / 1e9
+    bandwidth = probe.nbytes / timed(lambda: float((row @ probe)[0, 0]), args.reps)[0] / 1e9
     results = {"command": command, "backend": "cupy", "dtype": args.dtype, "prompt_len": args.prompt_len,
                "n_tokens": args.n_tokens, "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                "cupy": cupy.__version__, "launch_us": launch_s * 1e6, "bandwidth_GBs": bandwidth, "models": {}}
@@ -359,170 +452,25 @@ def gpu_benchmark(args, command):
     loaded = {}
     for size in dict.fromkeys(args.sizes + ([] if args.no_speculative else [args.draft, args.target])):
         params, hparams = random_params(size, seed=len(loaded))
-        params = utils.to_backend(params, "cupy", args.dtype)
-        loaded[size] = (params, hparams)
+        loaded[size] = (utils.to_backend(params, "cupy", args.dtype), hparams)
         if size not in args.sizes:
             continue
         rows = []
         for B in args.batch_sizes:
             prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]
             runs = []
-            timed(lambda: runs.append(greedy(prompts, (params, hparams), args.n_tokens)[1]), args.reps)
-            runs = runs[1:]
-            rows.append({"batch": B, "end_to_end_tok_s": float(np.median([r["tokens_per_s"] for r in runs])),
-                         "decode_tok_s": float(np.median([B * (args.n_tokens - 1) / (r["seconds"] - r["ttft_s"])
-                                                          for r in runs])),
-                         "itl_ms_p50": float(np.median([r["itl_ms_median"] for r in runs]))})
-        hbm_ms = 1e3 * matmul_weight_bytes(params) / (bandwidth * 1e9)
+            timed(lambda: runs.append(greedy(prompts, loaded[size], args.n_tokens)[1]), args.reps)
+            rows.append({"batch": B, "end_to_end_tok_s": float(np.median([r.tokens_per_s for r in runs[1:]])),
+                         "decode_tok_s": float(np.median([decode_rate(r, B, args.n_tokens) for r in runs[1:]])),
+                         "itl_ms_p50": float(np.median([r.itl_ms(50) for r in runs[1:]]))})
+        hbm_ms = 1e3 * matmul_weight_bytes(loaded[size][0]) / (bandwidth * 1e9)
         results["models"][size] = {"decode": rows, "weights_at_bandwidth_ms": hbm_ms,
                                    "transformers": bench_transformers(size, args, device="cuda")}
         print(f"  GPT-2 {size}: batch-1 {rows[0]['end_to_end_tok_s']:.0f} tok/s, a step {rows[0]['itl_ms_p50']:.2f} ms "
               f"(its weights at full bandwidth: {hbm_ms:.2f} ms)", flush=True)
     if not args.no_speculative:
-        results["speculative"] = {"draft": args.draft, "target": args.target, "alphas": args.alphas,
-                                  "costs": bench_speculative_costs(loaded[args.draft], loaded[args.target], args)}
+        results["speculative"] = bench_speculative_costs(loaded[args.draft], loaded[args.target], args)
     return results
-
-
-def gpu_markdown(results):
-    lines = [f"GPU: {results['gpu']}, CuPy {results['cupy']}, {results['dtype']}, random weights; one-row matmul "
-             f"{results['bandwidth_GBs']:.0f} GB/s; one CuPy elementwise op costs {results['launch_us']:.1f} us "
-             "of host time.", f"Command: `{results['command']}`", "",
-             f"End to end ({args_prompt(results)}, prefill included), greedy, against transformers' generate() "
-             "on the same GPU, shapes and dtype:", "",
-             "| model | batch | this project tok/s | transformers tok/s | ratio | step ms (p50) | weights at full bandwidth ms |",
-             "|---|---|---|---|---|---|---|"]
-    for size, r in results["models"].items():
-        theirs = {t["batch"]: t["tok_s"] for t in r["transformers"] or []}
-        for d in r["decode"]:
-            t = theirs.get(d["batch"])
-            lines.append(f"| {size} | {d['batch']} | {d['end_to_end_tok_s']:.1f} | "
-                         + (f"{t:.1f} | {d['end_to_end_tok_s'] / t:.2f}x |" if t else "- | - |")
-                         + f" {d['itl_ms_p50']:.2f} | {r['weights_at_bandwidth_ms']:.2f} |")
-    if "speculative" in results:
-        lines += [""] + speculative_costs_table(results["speculative"])
-    return "\n".join(lines)
-
-
-def speculative_costs_table(s):
-    c = s["costs"]
-    lines = [f"### Speculative decoding: draft {s['draft']} -> target {s['target']}", "",
-             f"draft step {c['draft_step_ms']:.1f} ms, target step {c['target_step_ms']:.1f} ms "
-             f"(c = draft/target = {c['draft_over_target']:.2f})", "",
-             "| K | verify K+1 ms | verify / step | unpadded verify ms | oracle ceiling | "
-             + " | ".join(f"predicted a={a}" for a in s["alphas"]) + " |",
-             "|---|---|---|---|---|" + "---|" * len(s["alphas"])]
-    for k in c["by_K"]:
-        unp = f"{k['verify_unpadded_ms']:.1f}" if k["verify_unpadded_ms"] else "-"
-        lines.append(f"| {k['K']} | {k['verify_ms']:.1f} | {k['verify_over_step']:.2f} | {unp} | "
-                     f"{k['oracle_ceiling']:.2f}x | " + " | ".join(f"{k[f'predicted_a{a}']:.2f}x"
-                                                                  for a in s["alphas"]) + " |")
-    return lines
-
-
-def peak_rss_mib():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def markdown(results):
-    """The tables the README quotes."""
-    m = results["machine"]
-    lines = [f"Machine: {m['cpu_count']} cores, {m['platform']}, NumPy {m['numpy']}; "
-             f"one-row matmul bandwidth {m['bandwidth_GBs']:.1f} GB/s at the start (each decode row below "
-             "measures its own, right before each of its runs).", f"Command: `{results['command']}`", ""]
-    for size, r in results["models"].items():
-        what = "their checkpoint" if r["weights"] == "real" else "as a real-size model.safetensors"
-        load = f"{r['load_s'] * 1e3:.0f} ms to memmap {what} and copy wte + MLP c_proj to column-major"
-        lines += [f"### GPT-2 {size} ({r['weights']} weights; load {load})", "",
-                  "| batch | KV cache | decode tok/s (min-max) | bandwidth GB/s | roofline tok/s | of roofline | "
-                  "TTFT ms | ITL p50 / p90 ms | KV cache at n_ctx |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for d in r["decode"]:
-            spread = f" ({d['decode_tok_s_min']:.1f}-{d['decode_tok_s_max']:.1f})" if d["cache"] else ""
-            p90 = f" / {d['itl_ms_p90']:.1f}" if d["cache"] else ""
-            lines.append(f"| {d['batch']} | {'on' if d['cache'] else 'off'} | {d['decode_tok_s']:.1f}{spread} | "
-                         f"{d['bandwidth_GBs']:.1f} | {d['roofline_tok_s']:.1f} | {d['fraction_of_roofline']:.0%} | "
-                         f"{d['ttft_ms']:.0f} | "
-                         f"{d['itl_ms_p50']:.1f}{p90} | "
-                         + (f"{d['kv_cache_bytes_n_ctx'] / 2**20:.0f} MiB |" if d["cache"] else "- |"))
-        if r.get("transformers"):
-            ours = {d["batch"]: d["end_to_end_tok_s"] for d in r["decode"] if d["cache"]}
-            lines += ["", f"End to end ({args_prompt(results)}, prefill included), against transformers' generate() "
-                      f"on the same shapes (torch {r['transformers'][0]['torch']}, "
-                      f"{r['transformers'][0]['threads']} threads, float32, greedy):", "",
-                      "| batch | this project tok/s | transformers tok/s | ratio |", "|---|---|---|---|"]
-            lines += [f"| {t['batch']} | {ours[t['batch']]:.1f} | {t['tok_s']:.1f} | {ours[t['batch']] / t['tok_s']:.2f}x |"
-                      for t in r["transformers"]]
-        lines += ["", "| context | cached step ms | uncached pass ms | cache speedup |", "|---|---|---|---|"]
-        lines += [f"| {c['context']} | {c['cached_ms']:.1f} | {c['uncached_ms']:.1f} | {c['speedup']:.1f}x |"
-                  for c in r["context"]]
-        lines += ["", "| weight layout: cached pass over | checkpoint (row-major) ms | decode_layout ms | speedup |",
-                  "|---|---|---|---|"]
-        lines += [f"| {x['tokens']} token{'s' if x['tokens'] > 1 else ''} | {x['checkpoint_ms']:.1f} | "
-                  f"{x['decode_ms']:.1f} | {x['speedup']:.2f}x |" for x in r["layout"]]
-        lines.append("")
-    if "speculative" in results:
-        s = results["speculative"]
-        lines += speculative_costs_table(s)
-        lines += ["", "| decoder | K | tok/s | speedup | acceptance | tokens/target pass |", "|---|---|---|---|---|---|"]
-        for e in s["end_to_end"]:
-            acc = f"{e['acceptance']:.0%}" if e["acceptance"] is not None else "-"
-            tpp = f"{e['tokens_per_target_pass']:.2f}" if "tokens_per_target_pass" in e else "1"
-            lines.append(f"| {e['decoder']} | {e['K'] or '-'} | {e['tok_s']:.1f} | {e['speedup']:.2f}x | {acc} | {tpp} |")
-    lines.append(f"\nPeak RSS {results['peak_rss_mib']:.0f} MiB.")
-    return "\n".join(lines)
-
-
-def args_prompt(results):
-    return f"{results['prompt_len']}-token prompt, {results['n_tokens']} new tokens"
-
-
-def plots(results, img_dir):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: plots skipped (pip install matplotlib)"
-    os.makedirs(img_dir, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for size, r in results["models"].items():
-        d = [x for x in r["decode"] if x["cache"]]
-        ax.plot([x["batch"] for x in d], [x["end_to_end_tok_s"] for x in d], "o-", label=f"{size} (this project)")
-        if r.get("transformers"):
-            ax.plot([t["batch"] for t in r["transformers"]], [t["tok_s"] for t in r["transformers"]], "x--",
-                    label=f"{size} (transformers)")
-    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens/s, prefill included",
-           title=f"Throughput vs batch ({args_prompt(results)})")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(img_dir, "tokens_per_s_vs_batch.png"), dpi=120)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for size, r in results["models"].items():
-        ax.plot([c["context"] for c in r["context"]], [c["cached_ms"] for c in r["context"]], "o-", label=f"{size} cache")
-        ax.plot([c["context"] for c in r["context"]], [c["uncached_ms"] for c in r["context"]], "x--",
-                label=f"{size} no cache")
-    ax.set(yscale="log", xlabel="context length", ylabel="ms per token", title="KV cache vs recomputation")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(img_dir, "cache_vs_context.png"), dpi=120)
-    if "speculative" in results:
-        s = results["speculative"]
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
-        Ks = [k["K"] for k in s["costs"]["by_K"]]
-        a1.plot(Ks, [k["oracle_ceiling"] for k in s["costs"]["by_K"]], "k--", label="oracle ceiling")
-        for a in s["alphas"]:
-            a1.plot(Ks, [k[f"predicted_a{a}"] for k in s["costs"]["by_K"]], "o-", label=f"acceptance {a}")
-        a1.axhline(1, color="grey", lw=0.5)
-        a1.set(xlabel="K", ylabel="predicted speedup", title=f"{s['draft']} -> {s['target']} on this CPU")
-        a1.legend(fontsize=7)
-        a2.bar([str(k) for k in Ks], [k["verify_over_step"] for k in s["costs"]["by_K"]])
-        a2.axhline(1, color="grey", lw=0.5)
-        a2.set(xlabel="K", ylabel="verify(K+1) / one decode step", title="Cost of verifying K+1 tokens")
-        fig.tight_layout()
-        fig.savefig(os.path.join(img_dir, "speculative_speedup_vs_K.png"), dpi=120)
-    plt.close("all")
-    return f"plots written to {img_dir}/"
 
 
 def parse_args(argv=None):
@@ -530,14 +478,22 @@ def parse_args(argv=None):
     ap.add_argument("--sizes", nargs="+", choices=list(SHAPES), help="default: 124M 355M (cupy: all four)")
     ap.add_argument("--batch_sizes", nargs="+", type=int, help="default: 1 8 32 (cupy: 1 8)")
     ap.add_argument("--prompt_len", type=int, default=32)
-    ap.add_argument("--n_tokens", type=int, help="default: 32 (cupy: 128)")
+    ap.add_argument("--n_tokens", type=int, help="default: 32 (cupy: 128); speculative runs generate twice as many")
     ap.add_argument("--contexts", nargs="+", type=int, default=[128, 512, 1000])
     ap.add_argument("--draft", default="124M", choices=list(SHAPES))
     ap.add_argument("--target", choices=list(SHAPES), help="default: 355M (cupy: 1558M)")
-    ap.add_argument("--Ks", nargs="+", type=int, default=list(range(1, 9)))
-    ap.add_argument("--e2e_Ks", nargs="+", type=int, default=[2, 4, 7])
-    ap.add_argument("--alphas", nargs="+", type=float, default=[0.6, 0.8, 0.9, 1.0])
-    ap.add_argument("--no_speculative", action="store_true")
+    ap.add_argument("--K", type=int, default=4, help="the K of the users' command")
+    ap.add_argument("--K_max", type=int, default=8, help="verification costs for K = 1..K_max")
+    ap.add_argument("--alphas", nargs="+", type=float, default=[0.6, 0.7, 0.8, 0.9, 1.0])
+    ap.add_argument("--e2e_alphas", nargs="+", type=float, default=[0.6, 0.7, 0.8, 0.9])
+    ap.add_argument("--draft_vocabs", nargs="+", type=int, default=[4096, 8192, 16384])
+    ap.add_argument("--draft_vocab", type=int, default=8192, help="the subset the end-to-end runs also use")
+    ap.add_argument("--n_requests", type=int, default=64, help="serving: requests per workload")
+    ap.add_argument("--max_batches", nargs="+", type=int, default=[8, 16], help="serving: rows in flight")
+    ap.add_argument("--serve_sizes", nargs="+", choices=list(SHAPES), help="serving: default 124M (none with --target "
+                    "only runs)")
+    ap.add_argument("--only", nargs="+", choices=["decode", "rows", "speculative", "serving"],
+                    help="run only these parts (default: all)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--models_dir", default="models")
     ap.add_argument("--out", default="benchmark_results")
@@ -548,63 +504,72 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     gpu = args.backend == "cupy"
     defaults = {"sizes": list(SHAPES)[:4] if gpu else ["124M", "355M"], "batch_sizes": [1, 8] if gpu else [1, 8, 32],
-                "n_tokens": 128 if gpu else 32, "target": "1558M" if gpu else "355M"}
+                "n_tokens": 128 if gpu else 32, "target": "1558M" if gpu else "355M", "serve_sizes": ["124M"],
+                "only": ["decode", "rows", "speculative", "serving"]}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.dtype != "float32" and not gpu:
         ap.error(f"--dtype {args.dtype} needs --backend cupy")
     if args.quick:
-        args.sizes, args.draft, args.target = ["tiny"], "tiny", "tiny"
-        args.batch_sizes, args.n_tokens, args.prompt_len = [1, 2], 4, 8
-        args.contexts, args.Ks, args.e2e_Ks, args.reps = [16], [1, 2], [2], 1
+        args.sizes, args.draft, args.target, args.serve_sizes = ["tiny"], "tiny", "tiny", ["tiny"]
+        args.batch_sizes, args.n_tokens, args.prompt_len, args.contexts, args.reps = [1, 2], 4, 8, [16], 1
+        args.K, args.K_max, args.e2e_alphas, args.draft_vocabs, args.draft_vocab = 2, 2, [0.8], [1000], 1000
+        args.n_requests, args.max_batches = 6, [2]
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    command = "python benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = ("python benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     if args.backend == "cupy":
         try:
-            results = gpu_benchmark(args, command.strip())
+            results = gpu_benchmark(args, command)
         except utils.LoadError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        return write_results(results, gpu_markdown(results), args)
+        return write_results(results, benchmark_report.gpu_markdown(results), args)
     probe = bandwidth_probe(1024 if args.quick else 8192)
     bandwidth = measure_bandwidth(probe)
-    results = {"command": command.strip(), "prompt_len": args.prompt_len, "n_tokens": args.n_tokens, "machine": {
+    results = {"command": command, "prompt_len": args.prompt_len, "n_tokens": args.n_tokens, "machine": {
         "cpu_count": os.cpu_count(), "platform": platform.platform(), "numpy": np.__version__,
-        "bandwidth_GBs": bandwidth}, "models": {}}
+        "bandwidth_GBs": bandwidth}, "models": {}, "row_strategy": dict(gpt2.ROW_STRATEGY)}
     print(f"one-row matmul bandwidth: {bandwidth:.1f} GB/s", flush=True)
+    wanted = args.sizes if "decode" in args.only else []
+    wanted += [args.target] if {"rows", "speculative"} & set(args.only) else []
+    wanted += [args.draft] if "speculative" in args.only else []
+    wanted += args.serve_sizes if "serving" in args.only else []
     loaded = {}
-    for size in dict.fromkeys(args.sizes + ([] if args.no_speculative else [args.draft, args.target])):
+    for size in dict.fromkeys(wanted):
         params, hparams, info = load_or_random(size, args.models_dir, seed=len(loaded))
         loaded[size] = (params, hparams)
         print(f"GPT-2 {size}: {info['weights']} weights", flush=True)
-        if size not in args.sizes:
+        if size not in args.sizes or "decode" not in args.only:
             continue
-        r = dict(info)
-        r["decode"] = bench_decode(params, hparams, args, probe)
-        r["context"] = bench_context(params, hparams, args)
-        r["layout"] = bench_layout(params, hparams, args)
-        r["transformers"] = bench_transformers(size, args) if not args.quick else None
+        r = dict(info, decode=bench_decode(params, hparams, args, probe), context=bench_context(params, hparams, args),
+                 layout=bench_layout(params, hparams, args),
+                 transformers=None if args.quick else bench_transformers(size, args))
         results["models"][size] = r
         print(f"  batch-1 decode {r['decode'][0]['decode_tok_s']:.1f} tok/s "
               f"({r['decode'][0]['fraction_of_roofline']:.0%} of roofline)", flush=True)
-    if not args.no_speculative:
+    if "rows" in args.only:
+        results["rows"] = {"target": args.target, "by_n": bench_rows(loaded[args.target], args)}
+    if "speculative" in args.only:
         draft, target = loaded[args.draft], loaded[args.target]
-        results["speculative"] = {"draft": args.draft, "target": args.target, "alphas": args.alphas,
-                                  "costs": bench_speculative_costs(draft, target, args),
-                                  "end_to_end": bench_speculative_end_to_end(draft, target, args)}
+        costs = bench_speculative_costs(draft, target, args)
+        results["speculative"] = dict(costs, end_to_end=bench_speculative_end_to_end(draft, target, costs, args),
+                                      coverage=subset_coverage(args.draft_vocabs), K=args.K,
+                                      draft_vocab=args.draft_vocab)
+    if "serving" in args.only:
+        results["serving"] = [row for size in args.serve_sizes for row in bench_serving(loaded[size], args, size)]
     for size, r in results["models"].items():
         if r["load_s"] is None:
             # last: writing a GB-sized temp file leaves the OS flushing and reclaiming for
             # seconds afterwards, which measurably slowed the decode runs that followed it
             r["load_s"] = time_memmap_load(*loaded[size])
-    results["peak_rss_mib"] = peak_rss_mib()
-    code = write_results(results, markdown(results), args)
-    print("\n" + (plots(results, args.img_dir) if not args.quick else "plots skipped in --quick mode"))
+    results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    code = write_results(results, benchmark_report.markdown(results), args)
+    print("\n" + (benchmark_report.plots(results, args.img_dir) if not args.quick else "plots skipped in --quick mode"))
     return code
 
 

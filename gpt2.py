@@ -19,6 +19,7 @@ So the weights' location decides where every step runs. Host and device meet
 only at small index arrays and the chosen token ids.
 """
 
+import contextlib
 import time
 
 import numpy as np
@@ -48,19 +49,39 @@ def layer_norm(x, g, b, eps=1e-5):
     return (g * (h / np.sqrt(variance + eps)) + b).astype(x.dtype, copy=False)
 
 
-# OpenBLAS runs a matmul of 2-7 rows 2-3x slower than of one row, and 8 rows
-# cost about 2x one row; so a pass of 2-7 tokens (speculative verification) is
-# padded to 8 rows, which is cheaper than the 2-7 rows themselves.
-PAD_ROWS_TO = 8
+# How a linear layer runs a pass over n rows (tokens), n -> "matmul" (one matrix
+# product), "pad" (padded to 8 rows, one product) or "rows" (one product per row).
+# OpenBLAS runs a product of 2-8 rows about 2-3x slower than one row, although the
+# weights are read once either way; which way is cheapest depends on n, and is
+# measured on whole passes by `python benchmark.py` ("row strategy" table). One
+# product per row also gives each row exactly the numbers a one-row pass gives.
+ROW_STRATEGY = {2: "rows", 3: "rows", 4: "pad", 5: "pad", 6: "pad", 7: "pad"}
 
 
 def linear(x, w, b):
-    """x @ w + b over the last axis, with the rows of the batch flattened into one matmul."""
-    rows = x.reshape(-1, x.shape[-1])  # [B*T, n_in]
+    """x @ w + b over the last axis, with the rows of the batch flattened together."""
+    rows = x.reshape(-1, x.shape[-1])  # [n, n_in]
     n = rows.shape[0]
-    if 1 < n < PAD_ROWS_TO and isinstance(rows, np.ndarray):  # OpenBLAS only; a GPU gains nothing
-        rows = np.concatenate([rows, np.zeros((PAD_ROWS_TO - n, rows.shape[1]), rows.dtype)])
-    return (rows @ w + b)[:n].reshape(*x.shape[:-1], w.shape[-1])  # [B, T, n_out]
+    how = ROW_STRATEGY.get(n, "matmul") if isinstance(rows, np.ndarray) else "matmul"  # a GPU: one product
+    if how == "rows":
+        out = np.concatenate([rows[i:i + 1] @ w for i in range(n)]) + b  # [n, n_out]
+    elif how == "pad":
+        out = (np.concatenate([rows, np.zeros((8 - n, rows.shape[1]), rows.dtype)]) @ w + b)[:n]
+    else:
+        out = rows @ w + b
+    return out.reshape(*x.shape[:-1], w.shape[-1])  # [B, T, n_out]
+
+
+@contextlib.contextmanager
+def row_strategy(table):
+    """Run the linear layers with another n -> strategy table inside a with block
+    (the benchmark measures each one)."""
+    global ROW_STRATEGY
+    saved, ROW_STRATEGY = ROW_STRATEGY, table
+    try:
+        yield
+    finally:
+        ROW_STRATEGY = saved
 
 
 def ffn(x, c_fc, c_proj):
@@ -95,15 +116,11 @@ def transformer_block(x, mlp, attn, ln_1, ln_2, n_head, kv):
     return x  # [B, T, n_embd]
 
 
-def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, kv=None):
-    """Logits for a batch of token ids inputs [B, T].
-
-    Without kv, at every position of every row: [B, T, n_vocab], as picoGPT.
-    kv (kv_cache.begin_pass) describes a decoding pass: the tokens' positions, the
-    mask, the caches to extend, and the positions that need logits (each row's last
-    few real tokens): [B, n, n_vocab]. The 50257-wide head is the largest matmul,
-    so it runs only there.
-    """
+def hidden(inputs, wte, wpe, blocks, ln_f, n_head, kv=None):
+    """The transformer without its head: the final hidden states [B, n, n_embd] of a
+    batch of token ids inputs [B, T], at every position (without kv) or where kv
+    (kv_cache.begin_pass) says logits are needed: each row's last few real tokens.
+    kv also gives the tokens' positions, the mask and the caches to extend."""
     B, T = inputs.shape
     kv = kv or kv_cache.begin_pass(None, np.full(B, T), T, T, like=wte)
     x = wte[inputs] + wpe[np.minimum(kv["positions"], wpe.shape[0] - 1)]  # [B, T, n_embd]
@@ -111,19 +128,27 @@ def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, kv=None):
         x = transformer_block(x, **block, n_head=n_head, kv=layer)
     if kv["cache"] is not None:
         kv_cache.advance(kv)
-    x = x[np.arange(B)[:, None], kv["logits_at"]]  # [B, n, n_embd]
-    x = layer_norm(x, **ln_f)
-    return linear(x, wte.T, 0.0)  # [B, n, n_vocab]
+    x = x[np.arange(B)[:, None], kv["logits_at"]]  # [B, n, n_embd]: only where logits are needed
+    return layer_norm(x, **ln_f)
 
 
-def next_logits(model, cache, texts, n_logits=1):
+def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, kv=None):
+    """Logits [B, T, n_vocab] at every position, as picoGPT (or [B, n, n_vocab] where kv says).
+    The head is the token embedding again (tied weights); the 50257-wide head is the
+    largest matmul of a step, so it runs only where logits are needed."""
+    return linear(hidden(inputs, wte, wpe, blocks, ln_f, n_head, kv), wte.T, 0.0)  # [B, n, n_vocab]
+
+
+def next_logits(model, cache, texts, n_logits=1, head=None):
     """One pass that brings every text up to date: with a cache, only the tokens it
     has not seen; without, the whole window again. Returns logits [B, n, n_vocab] at
-    each row's last n_logits[b] tokens (n = the largest n_logits)."""
+    each row's last n_logits[b] tokens (n = the largest n_logits), through head(x)
+    if given (a draft's vocabulary subset), else the full tied head."""
     params, hparams = model
     inputs, n_new = kv_cache.pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
     kv = kv_cache.begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wte"])
-    return gpt2(inputs, **params, n_head=hparams["n_head"], kv=kv)
+    x = hidden(inputs, **params, n_head=hparams["n_head"], kv=kv)  # [B, n, n_embd]
+    return head(x) if head else linear(x, params["wte"].T, 0.0)  # [B, n, n_vocab]
 
 
 def autoregressive_step(batch, model):
@@ -140,13 +165,5 @@ def generate(requests, model, use_cache=True, callback=None):
     """Autoregressive decoding: one model pass per new token, for a batch of requests
     (batching.requests). model: (params, hparams). Rows leave the batch as they finish.
     Returns (each request's new tokens, batching.Stats)."""
-    for r in requests:
-        batching.check_request(r, model[1]["n_vocab"])
-    batch = batching.new_batch({"target": model}, len(requests), batching.cache_slots(requests), use_cache, callback)
-    for i, r in enumerate(requests):
-        batching.join(batch, r, i)
-    batch.stats.start = time.perf_counter()
-    while batch.seqs:
-        autoregressive_step(batch, model)
-        batching.leave(batch)
-    return batching.results(batch), batch.stats
+    return batching.run(requests, {"target": model}, lambda batch: autoregressive_step(batch, model), use_cache,
+                        callback)

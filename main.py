@@ -52,6 +52,9 @@ def parse_args(argv=None):
                     help="each row picks its K before each step from its acceptance so far (up to --K_max)")
     ap.add_argument("--K_max", type=int, help="the bound for --adaptive_K (default: max(K, 7))")
     ap.add_argument("--drafter", choices=["model", "prompt_lookup"], default="model")
+    ap.add_argument("--draft_vocab", type=int, default=0,
+                    help="the draft model computes logits only for the N most frequent tokens and the text's "
+                         "own (a cheaper draft step; still exact); 0 = all")
     ap.add_argument("--temperature", type=float, default=0.8, help=f"0 (or below {sampling.GREEDY_BELOW}) = greedy")
     ap.add_argument("--top_k", type=int, default=0, help="0 = off")
     ap.add_argument("--top_p", type=float, default=0.9, help="in (0, 1]; 1 = off")
@@ -96,7 +99,8 @@ def check_args(args):
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty, penalize_prompt=args.penalize_prompt)
-    config = speculative.SpeculativeConfig(K=args.K, adaptive=args.adaptive_K, K_max=args.K_max)
+    config = speculative.SpeculativeConfig(K=args.K, adaptive=args.adaptive_K, K_max=args.K_max,
+                                           draft_vocab=args.draft_vocab)
     speculative.check(config)
     prompts = read_prompts(args)
     if args.stream and len(prompts) > 1:
@@ -220,6 +224,20 @@ def serve(title, decoder, reqs, encoder, args):
             "tokens_per_s": s["tokens_per_s"]}
 
 
+def advise_K(stats, target, drafter, config):
+    """After a run: the K that this run's acceptance and costs measured now recommend."""
+    if not stats.drafted:
+        return
+    alpha = speculative.estimate_alpha(stats.accepted, stats.rejections)
+    draft = drafter if isinstance(drafter, tuple) else None
+    costs = speculative.measure_costs(target, draft, config.K_max, config.draft_vocab)
+    K = speculative.best_K(alpha, costs, config.K_max)
+    print(f"advice: at this run's acceptance (alpha = {alpha:.2f}) and costs measured now (a draft token "
+          f"{costs.draft:.2f} of a target step; verifying K+1 tokens {min(costs.verify[1:]):.2f}-"
+          f"{max(costs.verify[1:]):.2f} steps), K = {K} is expected fastest: "
+          f"{speculative.speedup(alpha, K, costs):.2f}x plain decoding")
+
+
 def run(args):
     settings, config, prompts = check_args(args)
     encoder, target, drafter = load_models(args)
@@ -245,6 +263,8 @@ def run(args):
     for name, (title, generate, decoder) in runs.items():
         results[name] = (serve(title, decoder(), reqs, encoder, args) if args.max_batch
                          else decode(title, generate, encoder, prompts, args))
+    if "speculative" in results and not args.max_batch:
+        advise_K(results["speculative"]["stats"], target, drafter, speculative.resolve(config, target, None))
     if len(results) == 2:
         ar, sp = results["autoregressive"], results["speculative"]
         print(f"\nspeedup of speculative over autoregressive: {sp['tokens_per_s'] / ar['tokens_per_s']:.2f}x")

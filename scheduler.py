@@ -117,7 +117,7 @@ def metrics(seq, start, joined):
     return {"queue_s": joined - arrival, "ttft_s": seq.times[0] - arrival, "e2e_s": seq.times[-1] - arrival,
             "itl_ms_p50": float(np.percentile(gaps, 50)) if gaps.size else 0.0,
             "itl_ms_p95": float(np.percentile(gaps, 95)) if gaps.size else 0.0,
-            "n_tokens": len(seq.times), "finished_at_s": seq.times[-1] - start}
+            "n_tokens": len(seq.times), "joined_at_s": joined - start, "finished_at_s": seq.times[-1] - start}
 
 
 def summarize(finished):

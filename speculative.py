@@ -61,6 +61,7 @@ class SpeculativeConfig:
     adaptive: bool = False  # before each step, each row picks its K from its own acceptance so far
     K_max: int = None  # the largest K adaptive K picks; None: max(K, 7)
     costs: Costs = None  # for adaptive K; None: estimated from the models' sizes (default_costs)
+    draft_vocab: int = 0  # the draft's head covers the N most frequent tokens (+ the text's); 0: all
 
 
 def check(config, target_hparams=None, draft_hparams=None):
@@ -69,6 +70,8 @@ def check(config, target_hparams=None, draft_hparams=None):
         raise sampling.BadSetting("K", f"must be >= 1, got {config.K}")
     if config.adaptive and config.K_max is not None and config.K_max < config.K:
         raise sampling.BadSetting("K_max", f"must be >= K, got {config.K_max} < {config.K}")
+    if config.draft_vocab < 0:
+        raise sampling.BadSetting("draft_vocab", f"must be >= 0 (0 = the whole vocabulary), got {config.draft_vocab}")
     if draft_hparams is not None and draft_hparams["n_vocab"] != target_hparams["n_vocab"]:
         raise sampling.BadSetting("draft", f"vocabulary ({draft_hparams['n_vocab']} tokens) differs from the "
                                   f"target's ({target_hparams['n_vocab']}): speculative decoding needs one tokenizer")
@@ -78,36 +81,29 @@ def speculative_generate(requests, target, drafter, config=SpeculativeConfig(), 
     """Draft-verify decoding for a batch of requests (batching.requests).
 
     target: (params, hparams). drafter: a draft model (params, hparams); "prompt_lookup";
-      or a function (text, K) -> up to K proposed tokens (deterministic, like the
-      benchmark's oracle). callback(seq, token, accepted) sees each token as it comes.
+      or a function propose(batch, k) -> (drafts, q) (the benchmark's oracle and
+      controlled drafters). callback(seq, token, accepted) sees each token as it comes.
     Returns (each request's new tokens, batching.Stats).
     """
     draft = drafter if isinstance(drafter, tuple) else None
     check(config, target[1], draft and draft[1])
-    for r in requests:
-        batching.check_request(r, target[1]["n_vocab"])
     config = resolve(config, target, draft)
     models = {"target": target, "draft": draft} if draft else {"target": target}
-    batch = batching.new_batch(models, len(requests), batching.cache_slots(requests), use_cache, callback)
-    for i, r in enumerate(requests):
-        batching.join(batch, r, i)
-    batch.stats.start = time.perf_counter()
-    while batch.seqs:
-        speculative_step(batch, target, drafter, config)
-        batching.leave(batch)
-    return batching.results(batch), batch.stats
+    return batching.run(requests, models, lambda batch: speculative_step(batch, target, drafter, config), use_cache,
+                        callback)
 
 
 def resolve(config, target, draft):
     """config with its defaults filled in: K_max = max(K, 7), costs from the models' sizes."""
-    return replace(config, K_max=config.K_max or max(config.K, 7), costs=config.costs or default_costs(target, draft))
+    return replace(config, K_max=config.K_max or max(config.K, 7),
+                   costs=config.costs or default_costs(target, draft, config.draft_vocab))
 
 
 def speculative_step(batch, target, drafter, config):
     """One round of the papers' loop for every row of the batch."""
     k = [n_drafts(seq, config, target[1]["n_ctx"]) for seq in batch.seqs]  # drafts each row may verify
     t0 = time.perf_counter()
-    drafts, q = propose(batch, drafter, k)  # 1. d_1..d_k, sampled from q_1..q_k
+    drafts, q = propose(batch, drafter, k, config.draft_vocab)  # 1. d_1..d_k, sampled from q_1..q_k
     k = np.array([len(d) for d in drafts])  # [B]
     t1 = time.perf_counter()
     p = score_with_target(batch, target, drafts)  # 2. p_1..p_{k+1}, from ONE target pass
@@ -118,6 +114,7 @@ def speculative_step(batch, target, drafter, config):
     for b, seq in enumerate(batch.seqs):  # 5. emit; each row remembers how its drafts fared
         batching.emit(batch, b, drafts[b][:n[b]] + [token[b]], n[b])
         seq.accepted, seq.rejected = seq.accepted + n[b], seq.rejected + (n[b] < k[b])
+        batch.stats.rejections += n[b] < k[b]
     for name in batch.caches:  # 6. every cache forgets the rejected drafts
         kv_cache.rollback(batching.cache(batch, name), [len(seq.tokens) - 1 for seq in batch.seqs])
     record(batch.stats, k, n, t1 - t0, t2 - t1)
@@ -131,24 +128,27 @@ def n_drafts(seq, config, n_ctx):
     return max(0, min(K, left, kv_cache.room(len(seq.tokens), n_ctx)))
 
 
-def propose(batch, drafter, k):
+def propose(batch, drafter, k, vocab=0):
     """Up to k[b] drafts per row, and the distributions q [B, max k, n_vocab] they came from."""
     if isinstance(drafter, tuple):
-        return draft_with_model(batch, drafter, k)
-    propose_fn = prompt_lookup_draft if drafter == "prompt_lookup" else drafter
-    return draft_deterministic(batch, propose_fn, k)
+        return draft_with_model(batch, drafter, k, vocab)
+    if drafter == "prompt_lookup":
+        return draft_deterministic(batch, prompt_lookup_draft, k)
+    return drafter(batch, k)
 
 
-def draft_with_model(batch, model, k):
+def draft_with_model(batch, model, k, vocab=0):
     """k[b] tokens for row b from the draft model, one pass per token (rows that have
     drafted enough ride along, and their outputs are ignored), sampled from q with
-    each row's own settings and history."""
+    each row's own settings and history; over a vocabulary subset if vocab > 0."""
     B, K = len(batch.seqs), max(k)
     drafts = [[] for _ in range(B)]
     q = np.zeros((B, K, model[1]["n_vocab"]), dtype=np.float32, like=model[0]["wte"])
     counts = batch.counts[:B].copy() if batching.penalized(batch) else None  # penalties see the drafts too
     for i in range(K):
-        logits = gpt2.next_logits(model, batching.cache(batch, "draft"), batching.texts(batch, drafts))[:, 0]
+        texts = batching.texts(batch, drafts)
+        head = vocab_subset_head(model[0]["wte"], texts, vocab) if vocab else None
+        logits = gpt2.next_logits(model, batching.cache(batch, "draft"), texts, head=head)[:, 0]  # [B, n_vocab]
         q[:, i] = batching.probabilities(batch, logits, counts)  # [B, n_vocab]
         drafting = [int(kb > i) for kb in k]
         tokens = sampling.sample(q[:, i], batching.uniforms(batch, drafting)[:, 0]).tolist()  # [B]
@@ -158,6 +158,23 @@ def draft_with_model(batch, model, k):
                 counts[b, tokens[b]] += 1
     batch.stats.draft_passes += K
     return drafts, q
+
+
+def vocab_subset_head(wte, texts, N):
+    """A cheaper draft head: logits only for the N most frequent tokens (GPT-2's BPE
+    ranks its tokens by merge order, so those are the ids below N) and the tokens
+    already in each row's text; -inf (q = 0) for the rest. Speculative sampling stays
+    exact for any q: a token the draft cannot propose still comes from the residual
+    max(0, p - q) = p there. Returns head(x [B, 1, n_embd]) -> logits [B, 1, n_vocab]."""
+    def head(x):
+        logits = np.full((x.shape[0], 1, wte.shape[0]), -np.inf, dtype=np.float32, like=x)
+        logits[:, 0, :N] = gpt2.linear(x[:, 0], wte[:N].T, 0.0)  # [B, N]: reads N rows of wte only
+        for b, text in enumerate(texts):
+            extra = np.unique(np.asarray(text)[np.asarray(text) >= N])  # the text's rarer tokens
+            if extra.size:
+                logits[b, 0, extra] = wte[extra] @ x[b, 0]
+        return logits
+    return head
 
 
 def draft_deterministic(batch, propose_fn, k):
@@ -261,28 +278,67 @@ def verify_cost(costs, K):
 def best_K(alpha, costs, K_max):
     """The K with the most expected tokens per unit of time: E[tokens](alpha, K) over the
     cost of K draft tokens and one verification of K+1 tokens."""
-    return max(range(1, K_max + 1),
-               key=lambda K: expected_tokens(alpha, K) / (K * costs.draft + verify_cost(costs, K)))
+    return max(range(1, K_max + 1), key=lambda K: speedup(alpha, K, costs))
 
 
 def adaptive_K(seq, config):
-    """A row's K from its own history: alpha estimated from its drafts so far (each
-    accepted draft a success, each step that rejected one a failure: the geometric MLE,
-    with one optimistic success to start), then best_K on the fixed costs."""
+    """A row's K from its own history: alpha estimated from its drafts so far (with one
+    optimistic success to start), then best_K on the fixed costs."""
     if seq.accepted + seq.rejected == 0:
         return config.K  # no history yet
-    alpha = (seq.accepted + 1) / (seq.accepted + seq.rejected + 1)
-    return best_K(alpha, config.costs, config.K_max)
+    return best_K(estimate_alpha(seq.accepted + 1, seq.rejected), config.costs, config.K_max)
 
 
-def step_parameters(hparams):
-    """Weights one decode step streams: 12 n_embd^2 per layer (attention 4, MLP 8) plus the head."""
-    return 12 * hparams["n_layer"] * hparams["n_embd"] ** 2 + hparams["n_vocab"] * hparams["n_embd"]
+def estimate_alpha(accepted, rejections):
+    """alpha from drafts seen: each accepted draft a success, each step that rejected one
+    a failure (the maximum-likelihood estimate for the papers' geometric model)."""
+    return accepted / (accepted + rejections) if accepted + rejections else 0.0
 
 
-def default_costs(target, draft):
+def step_parameters(hparams, vocab=0):
+    """Weights one decode step streams: 12 n_embd^2 per layer (attention 4, MLP 8) plus
+    the head (only `vocab` rows of it for a vocabulary-subset draft)."""
+    head = min(vocab, hparams["n_vocab"]) if vocab else hparams["n_vocab"]
+    return 12 * hparams["n_layer"] * hparams["n_embd"] ** 2 + head * hparams["n_embd"]
+
+
+def pass_seconds(model, context, T=1, head=None, reps=3):
+    """Seconds of one cached pass over T new tokens after `context` cached tokens (the
+    best of reps): T = 1 is a decode step, T = K+1 a verification. Token values do not
+    change the time, so the text is 0, 1, 2, ..."""
+    params, hparams = model
+    text = [i % hparams["n_vocab"] for i in range(context + T)]
+    cache = kv_cache.init_cache(hparams, 1, context + T, like=params["wte"])
+    gpt2.next_logits(model, cache, [text[:context]])
+    times = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        cache["lengths"][:] = context  # roll back, so every pass sees the same context
+        start = time.perf_counter()
+        float(gpt2.next_logits(model, cache, [text], n_logits=T, head=head)[0, 0, 0])  # waits for a GPU too
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def measure_costs(target, draft, K_max, draft_vocab=0, context=32):
+    """Costs measured on this machine: a draft token and verify(K+1) for K = 0..K_max, in
+    target decode steps. A few passes of each model; used to advise, never to decide
+    (a decision on the clock would change the text from run to run)."""
+    step = pass_seconds(target, context)
+    verify = (1.0,) + tuple(pass_seconds(target, context, K + 1) / step for K in range(1, K_max + 1))
+    if draft is None:
+        return Costs(0.0, verify)
+    head = vocab_subset_head(draft[0]["wte"], [list(range(context))], draft_vocab) if draft_vocab else None
+    return Costs(pass_seconds(draft, context, head=head) / step, verify)
+
+
+def speedup(alpha, K, costs):
+    """Expected speedup over plain decoding: tokens per step over the step's cost in target steps."""
+    return expected_tokens(alpha, K) / (K * costs.draft + verify_cost(costs, K))
+
+
+def default_costs(target, draft, draft_vocab=0):
     """Costs estimated from sizes: decoding is bound by reading the weights, so a draft
     token costs its model's share of the bytes (0 for a drafter without a model), and
     verification follows the CPU table CPU_VERIFY."""
-    c = step_parameters(draft[1]) / step_parameters(target[1]) if draft else 0.0
+    c = step_parameters(draft[1], draft_vocab) / step_parameters(target[1]) if draft else 0.0
     return Costs(draft=c, verify=CPU_VERIFY)

@@ -2,7 +2,10 @@
 import json
 import sys
 
+import pytest
+
 import benchmark
+import speculative
 
 
 def test_quick_benchmark_writes_every_measurement(tmp_path, capsys):
@@ -17,13 +20,35 @@ def test_quick_benchmark_writes_every_measurement(tmp_path, capsys):
     assert all(d["decode_tok_s"] > 0 and d["roofline_tok_s"] > 0 and d["bandwidth_GBs"] > 0 for d in tiny["decode"])
     assert tiny["context"][0]["cached_ms"] > 0
     assert [x["tokens"] for x in tiny["layout"]] == [1, 8] and all(x["speedup"] > 0 for x in tiny["layout"])
+    assert [row["n"] for row in r["rows"]["by_n"]] == list(range(1, 9))
+    assert all(row["best"] in ("matmul", "pad", "rows") for row in r["rows"]["by_n"])
     spec = r["speculative"]
-    assert [k["K"] for k in spec["costs"]["by_K"]] == [1, 2]
-    assert {e["decoder"] for e in spec["end_to_end"]} == {"autoregressive", "oracle",
-                                                         "prompt_lookup (grounded prompt)", "draft model"}
-    oracle = [e for e in spec["end_to_end"] if e["decoder"] == "oracle"][0]
-    assert oracle["acceptance"] == 1.0  # the oracle proposes the target's own greedy tokens
+    assert [k["K"] for k in spec["by_K"]] == [1, 2] and spec["verify"][0] == 1.0
+    assert set(spec["draft_over_target"]) == {"0", "1000"}
+    e2e = spec["end_to_end"]
+    assert e2e[0]["decoder"] == "autoregressive" and {e["draft_vocab"] for e in e2e[1:]} == {0, 1000}
+    assert all(e["tok_s"] > 0 and e["predicted"] > 0 for e in e2e[1:])
+    assert {row["policy"] for row in r["serving"]} == {"static", "continuous"} and len(r["serving"]) == 4
+    assert all(row["requests"] == 6 and len(row["timeline"]) == 6 for row in r["serving"])
     assert "| batch |" in open(tmp_path / "results.md").read()
+
+
+def test_controlled_drafter_hits_its_acceptance_rate(tiny):
+    """The benchmark's drafter: each draft is accepted with probability a (the papers'
+    alpha, estimated over ~400 tokens), and the text is the target's greedy text."""
+    _, hparams, params = tiny
+    model = (params, hparams)
+    prompt = benchmark.prompt_ids(8)
+    truth = prompt + benchmark.greedy([prompt], model, 400)[0][0]
+    stats = benchmark.controlled_run(model, model, truth, 0.7, speculative.SpeculativeConfig(K=3), 400)
+    assert abs(speculative.estimate_alpha(stats.accepted, stats.rejections) - 0.7) < 0.06
+
+
+def test_break_even_alpha():
+    costs = speculative.Costs(0.5, (1.0, 1.5, 2.0))
+    a = benchmark.break_even_alpha(costs, 1)
+    assert speculative.speedup(a, 1, costs) == pytest.approx(1.0, abs=1e-6)
+    assert benchmark.break_even_alpha(speculative.Costs(1.0, (1.0, 3.0)), 1) is None  # never pays
 
 
 def test_random_params_have_the_real_shapes():

@@ -1,5 +1,6 @@
 """The forward pass against transformers' reference logits, and its float32 hot path."""
 import numpy as np
+import pytest
 
 import batching
 import gpt2
@@ -50,12 +51,18 @@ def test_hot_path_stays_float32(tiny, reference):
     assert sampling.probabilities(logits[:, -1], counts, s).dtype == np.float32
 
 
-def test_padding_rows_to_eight_changes_nothing():
+@pytest.mark.parametrize("how", ["matmul", "pad", "rows"])
+def test_every_row_strategy_computes_the_same_product(how):
     rng = np.random.default_rng(1)
     w, b = rng.standard_normal((16, 48)).astype(np.float32), rng.standard_normal(48).astype(np.float32)
-    for T in range(1, 11):
-        x = rng.standard_normal((1, T, 16)).astype(np.float32)
-        np.testing.assert_allclose(gpt2.linear(x, w, b), x @ w + b, rtol=1e-5, atol=1e-5)
+    with gpt2.row_strategy({n: how for n in range(2, 8)}):
+        for T in range(1, 11):
+            x = rng.standard_normal((1, T, 16)).astype(np.float32)
+            np.testing.assert_allclose(gpt2.linear(x, w, b), x @ w + b, rtol=1e-5, atol=1e-5)
+            if how == "rows" and T < 8:  # each row exactly as a one-row pass computes it
+                assert (gpt2.linear(x, w, b)[0] == np.concatenate([gpt2.linear(x[:, i:i + 1], w, b)[0]
+                                                                   for i in range(T)])).all()
+    assert gpt2.ROW_STRATEGY[2] == "rows"  # restored after the with block
 
 
 def test_greedy_generate_reproduces_transformers(reference, tiny):

@@ -39,6 +39,7 @@ def test_greedy_autoregressive_and_speculative_print_the_same_text(capsys, model
     assert rc == 0, err
     assert out.count(main.DEFAULT_PROMPT) == 2 and "greedy texts identical: yes" in out
     assert "acceptance rate" in out and "speedup" in out
+    assert "advice: at this run's acceptance (alpha = 1.00)" in out and "K = 7 is expected fastest" in out
 
 
 @pytest.mark.parametrize("length", [60, 61, 62, 63, 64, 70])
@@ -51,6 +52,7 @@ def test_greedy_texts_agree_at_the_window_edge(models_dir, length):
 
 
 @pytest.mark.parametrize("extra", [["--no_kv_cache"], ["--drafter", "prompt_lookup"], ["--adaptive_K"],
+                                   ["--draft_vocab", "3000"], ["--draft_vocab", "3000", "--adaptive_K"],
                                    ["--repetition_penalty", "1.3", "--presence_penalty", "0.5"],
                                    ["--K", "40"], ["--K", "3", "--adaptive_K", "--K_max", "200"]])
 def test_greedy_flags_keep_the_texts_identical(models_dir, extra):
@@ -240,6 +242,7 @@ def odd_vocab_models(tmp_path_factory):
     (["--dtype", "float16"], "--dtype float16 needs --backend cupy"),
     (["--mode", "fast"], "argument --mode: invalid choice: 'fast'"),
     (["--max_batch", "0"], "--max_batch must be >= 1"),
+    (["--draft_vocab", "-5"], "--draft_vocab must be >= 0"),
     (["--max_batch", "4", "--stream"], "leave out --stream and --no_kv_cache"),
 ])
 def test_bad_input_is_one_clear_line_before_anything_loads(capsys, tmp_path, argv, message):

@@ -156,6 +156,8 @@ def test_default_costs_follow_the_weights_read_per_step(models):
     c = speculative.default_costs(target, draft).draft
     h = target[1]
     assert c == pytest.approx((12 * 16 ** 2 + h["n_vocab"] * 16) / (24 * 16 ** 2 + h["n_vocab"] * 16))
+    c_subset = speculative.default_costs(target, draft, draft_vocab=8000).draft
+    assert c_subset == pytest.approx((12 * 16 ** 2 + 8000 * 16) / (24 * 16 ** 2 + h["n_vocab"] * 16))
     assert speculative.default_costs(target, None).draft == 0.0
     sizes = [{"n_layer": L, "n_embd": E, "n_vocab": 50257} for L, E in ((12, 768), (24, 1024), (48, 1600))]
     assert speculative.step_parameters(sizes[0]) / speculative.step_parameters(sizes[1]) == pytest.approx(0.35, abs=0.01)
@@ -267,6 +269,44 @@ def test_first_token_of_a_real_model_is_distributed_as_target_sampling(models):
     assert ok, (chi2, dof)
 
 
+@pytest.mark.parametrize("N", [1000, 20000])
+def test_vocabulary_subset_draft_is_exact_greedy(models, greedy_reference, edge_prompts, edge_reference, N):
+    target, draft = models
+    out, stats = spec(PROMPTS, target, draft, 30, K=4, draft_vocab=N)
+    assert out == greedy_reference and stats.accepted > 0
+    outside = [t for o, p in zip(out, PROMPTS) for t in o if t >= N and t not in p]
+    assert N > 20000 or outside  # target tokens the draft could never propose still come out
+    assert spec(edge_prompts, target, target, 45, K=3, draft_vocab=N)[0] == edge_reference
+
+
+def test_vocabulary_subset_head_covers_the_subset_and_the_text(models):
+    target, _ = models
+    params, hparams = target
+    x = np.random.default_rng(0).standard_normal((2, 1, 16)).astype(np.float32)
+    texts = [[5, 40000, 40000, 123], [7]]
+    logits = speculative.vocab_subset_head(params["wte"], texts, 100)(x)  # [2, 1, n_vocab]
+    full = x @ params["wte"].T
+    finite = np.isfinite(logits[:, 0])
+    assert finite[0].sum() == 102 and finite[0, 40000] and finite[0, 123] and finite[1].sum() == 100
+    np.testing.assert_allclose(logits[finite[:, None]], full[finite[:, None]], rtol=1e-5, atol=1e-5)
+
+
+def test_vocabulary_subset_draft_samples_as_the_target(models):
+    """Chi-square of the first token with a draft whose subset holds half of the tokens
+    p allows: the rest of p's mass lies outside it, and the residual must supply it."""
+    target, draft = models
+    s = sampling.SamplingSettings(temperature=1.3, top_k=8)
+    prompt = PROMPTS[1]
+    p = sampling.probabilities(gpt2.gpt2(np.array([prompt]), **target[0], n_head=2)[:, -1], None, s)[0]
+    N = int(np.median(np.nonzero(p)[0])) + 1
+    assert 0.1 < p[N:].sum() < 0.9 and not set(np.nonzero(p)[0][4:]) & set(prompt)
+    out = []
+    for seed in range(0, 2000, 250):
+        out += spec([prompt] * 250, target, draft, 2, K=1, settings=s, seed=seed, draft_vocab=N)[0]
+    ok, chi2, dof = chi_square_ok(np.bincount([o[0] for o in out], minlength=p.size), p.astype(np.float64), len(out))
+    assert ok, (chi2, dof)
+
+
 def two_token_distribution(model, prompt, s):
     """P(x1, x2) = p(x1 | prompt) p(x2 | prompt x1) [n_vocab, n_vocab] (sparse: top-k), each
     p computed by a plain pass over the window that plain decoding sees at that length."""
@@ -365,7 +405,8 @@ def test_sampled_speculative_is_reproducible_by_seed(models):
     assert a == b and a != c
 
 
-@pytest.mark.parametrize("kw, name", [({"K": 0}, "K"), ({"K": 5, "adaptive": True, "K_max": 4}, "K_max")])
+@pytest.mark.parametrize("kw, name", [({"K": 0}, "K"), ({"K": 5, "adaptive": True, "K_max": 4}, "K_max"),
+                                      ({"draft_vocab": -1}, "draft_vocab")])
 def test_bad_K_is_refused_by_name(models, kw, name):
     target, draft = models
     with pytest.raises(sampling.BadSetting, match=f"^{name} must") as e:

@@ -1,0 +1,223 @@
+"""benchmark_report.py: benchmark.py's measurements as the README's tables and plots.
+
+    python benchmark_report.py benchmark_results/results.json   # the tables again, and the plots
+
+Nothing here measures: every function reads the results dict that benchmark.py wrote.
+Plots need matplotlib (optional: pip install matplotlib).
+"""
+import json
+import os
+import sys
+
+
+def decode_tables(size, r):
+    what = "their checkpoint" if r["weights"] == "real" else "as a real-size model.safetensors"
+    load = f"{r['load_s'] * 1e3:.0f} ms to memmap {what} and copy wte + MLP c_proj to column-major"
+    lines = [f"### GPT-2 {size} ({r['weights']} weights; load {load})", "",
+             "| batch | KV cache | decode tok/s (min-max) | bandwidth GB/s | roofline tok/s | of roofline | "
+             "TTFT ms | ITL p50 / p90 ms | KV cache at n_ctx |", "|---|---|---|---|---|---|---|---|---|"]
+    for d in r["decode"]:
+        spread = f" ({d['decode_tok_s_min']:.1f}-{d['decode_tok_s_max']:.1f})" if d["cache"] else ""
+        p90 = f" / {d['itl_ms_p90']:.1f}" if d["cache"] else ""
+        lines.append(f"| {d['batch']} | {'on' if d['cache'] else 'off'} | {d['decode_tok_s']:.1f}{spread} | "
+                     f"{d['bandwidth_GBs']:.1f} | {d['roofline_tok_s']:.1f} | {d['fraction_of_roofline']:.0%} | "
+                     f"{d['ttft_ms']:.0f} | {d['itl_ms_p50']:.1f}{p90} | "
+                     + (f"{d['kv_cache_bytes_n_ctx'] / 2**20:.0f} MiB |" if d["cache"] else "- |"))
+    if r.get("transformers"):
+        ours = {d["batch"]: d["end_to_end_tok_s"] for d in r["decode"] if d["cache"]}
+        t0 = r["transformers"][0]
+        lines += ["", f"End to end (prefill included), against transformers' generate() on the same shapes "
+                  f"(torch {t0['torch']}, {t0['threads']} threads, float32, greedy):", "",
+                  "| batch | this project tok/s | transformers tok/s | ratio |", "|---|---|---|---|"]
+        lines += [f"| {t['batch']} | {ours[t['batch']]:.1f} | {t['tok_s']:.1f} | {ours[t['batch']] / t['tok_s']:.2f}x |"
+                  for t in r["transformers"]]
+    lines += ["", "| context | cached step ms | uncached pass ms | cache speedup |", "|---|---|---|---|"]
+    lines += [f"| {c['context']} | {c['cached_ms']:.1f} | {c['uncached_ms']:.1f} | {c['speedup']:.1f}x |"
+              for c in r["context"]]
+    lines += ["", "| weight layout: cached pass over | checkpoint (row-major) ms | decode_layout ms | speedup |",
+              "|---|---|---|---|"]
+    lines += [f"| {x['tokens']} token{'s' if x['tokens'] > 1 else ''} | {x['checkpoint_ms']:.1f} | "
+              f"{x['decode_ms']:.1f} | {x['speedup']:.2f}x |" for x in r["layout"]]
+    return lines + [""]
+
+
+def rows_table(rows):
+    one = rows["by_n"][0]["matmul"]
+    lines = [f"### Row strategy: a whole cached {rows['target']} pass over n tokens, in one-token steps", "",
+             "| n | one product | padded to 8 | one product per row | best |", "|---|---|---|---|---|"]
+    lines += [f"| {r['n']} | {r['matmul'] / one:.2f} | {r['pad'] / one:.2f} | {r['rows'] / one:.2f} | {r['best']} |"
+              for r in rows["by_n"]]
+    return lines + [""]
+
+
+def speculative_costs_table(s):
+    c = s["draft_over_target"]
+    subsets = ", ".join(f"{N} tokens: {v:.2f}" for N, v in c.items() if N != "0")
+    lines = [f"### Speculative decoding: draft {s['draft']} -> target {s['target']}", "",
+             f"target step {s['target_step_ms']:.1f} ms; a draft token costs c = {c['0']:.2f} of it with the full head"
+             + (f" (vocabulary subset heads, `--draft_vocab`: {subsets})" if subsets else ""), "",
+             "| K | verify K+1 ms | verify / step | break-even acceptance | "
+             + " | ".join(f"predicted a={a}" for a in s["alphas"]) + " |",
+             "|---|---|---|---|" + "---|" * len(s["alphas"])]
+    for k in s["by_K"]:
+        even = f"{k['break_even_alpha']:.2f}" if k["break_even_alpha"] is not None else "never"
+        lines.append(f"| {k['K']} | {k['verify_ms']:.1f} | {k['verify_over_step']:.2f} | {even} | "
+                     + " | ".join(f"{k[f'predicted_a{a}']:.2f}x" for a in s["alphas"]) + " |")
+    return lines
+
+
+def end_to_end_table(s):
+    e2e = s["end_to_end"]
+    lines = ["", f"Measured end to end (greedy, controlled drafter: the {s['draft']} draft runs, then each proposal "
+             f"is the target's own token with probability a), against plain decoding at {e2e[0]['tok_s']:.1f} tok/s:",
+             "", "| a | K | draft vocabulary | tok/s | measured speedup | predicted | alpha measured | tokens / target pass |",
+             "|---|---|---|---|---|---|---|---|"]
+    for e in e2e[1:]:
+        vocab = "all" if not e["draft_vocab"] else f"{e['draft_vocab']}"
+        lines.append(f"| {e['a']} | {e['K']} | {vocab} | {e['tok_s']:.1f} | {e['speedup']:.2f}x | "
+                     f"{e['predicted']:.2f}x | {e['alpha']:.2f} | {e['tokens_per_target_pass']:.2f} |")
+    if s.get("coverage"):
+        Ns = [k for k in s["coverage"][0] if k not in ("text", "tokens")]
+        lines += ["", "Tokens of real text a vocabulary-subset draft cannot propose (id >= N, not earlier in the "
+                  "text): the most acceptance the subset can cost", "",
+                  "| text | tokens | " + " | ".join(f"N = {N}" for N in Ns) + " |", "|---|---|" + "---|" * len(Ns)]
+        lines += [f"| {c['text']} | {c['tokens']} | " + " | ".join(f"{c[N]:.1%}" for N in Ns) + " |"
+                  for c in s["coverage"]]
+    return lines
+
+
+def serving_table(rows):
+    lines = ["", f"### Serving: static vs continuous batching ({rows[0]['requests']} requests, 8-256 new tokens, "
+             "log-uniform)", "",
+             "| model | max_batch | arrivals | batching | tok/s | TTFT p50 / p95 s | request done p50 / p95 s |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['size']} | {r['max_batch']} | {r['arrivals']} | {r['policy']} | {r['tokens_per_s']:.1f} | "
+              f"{r['ttft_s_p50']:.2f} / {r['ttft_s_p95']:.2f} | {r['e2e_s_p50']:.2f} / {r['e2e_s_p95']:.2f} |"
+              for r in rows]
+    return lines
+
+
+def markdown(results):
+    """The tables the README quotes."""
+    m = results["machine"]
+    lines = [f"Machine: {m['cpu_count']} cores, {m['platform']}, NumPy {m['numpy']}; one-row matmul bandwidth "
+             f"{m['bandwidth_GBs']:.1f} GB/s at the start (each decode row measures its own before each run).",
+             f"Command: `{results['command']}`", ""]
+    for size, r in results["models"].items():
+        lines += decode_tables(size, r)
+    if "rows" in results:
+        lines += rows_table(results["rows"])
+    if "speculative" in results:
+        lines += speculative_costs_table(results["speculative"]) + end_to_end_table(results["speculative"])
+    if "serving" in results:
+        lines += serving_table(results["serving"])
+    lines.append(f"\nPeak RSS {results['peak_rss_mib']:.0f} MiB.")
+    return "\n".join(lines)
+
+
+def gpu_markdown(results):
+    lines = [f"GPU: {results['gpu']}, CuPy {results['cupy']}, {results['dtype']}, random weights; one-row matmul "
+             f"{results['bandwidth_GBs']:.0f} GB/s; one CuPy elementwise op costs {results['launch_us']:.1f} us "
+             "of host time.", f"Command: `{results['command']}`", "",
+             f"End to end ({results['prompt_len']}-token prompt, {results['n_tokens']} new tokens, prefill included), "
+             "greedy, against transformers' generate() on the same GPU, shapes and dtype:", "",
+             "| model | batch | this project tok/s | transformers tok/s | ratio | step ms (p50) | "
+             "weights at full bandwidth ms |", "|---|---|---|---|---|---|---|"]
+    for size, r in results["models"].items():
+        theirs = {t["batch"]: t["tok_s"] for t in r["transformers"] or []}
+        for d in r["decode"]:
+            t = theirs.get(d["batch"])
+            lines.append(f"| {size} | {d['batch']} | {d['end_to_end_tok_s']:.1f} | "
+                         + (f"{t:.1f} | {d['end_to_end_tok_s'] / t:.2f}x |" if t else "- | - |")
+                         + f" {d['itl_ms_p50']:.2f} | {r['weights_at_bandwidth_ms']:.2f} |")
+    if "speculative" in results:
+        lines += [""] + speculative_costs_table(results["speculative"])
+    return "\n".join(lines)
+
+
+def plots(results, img_dir):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: plots skipped (pip install matplotlib)"
+    os.makedirs(img_dir, exist_ok=True)
+    written = []
+    if results["models"]:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
+        for size, r in results["models"].items():
+            d = [x for x in r["decode"] if x["cache"]]
+            a1.plot([x["batch"] for x in d], [x["end_to_end_tok_s"] for x in d], "o-", label=f"{size} (this project)")
+            if r.get("transformers"):
+                a1.plot([t["batch"] for t in r["transformers"]], [t["tok_s"] for t in r["transformers"]], "x--",
+                        label=f"{size} (transformers)")
+            a2.plot([c["context"] for c in r["context"]], [c["cached_ms"] for c in r["context"]], "o-",
+                    label=f"{size} cache")
+            a2.plot([c["context"] for c in r["context"]], [c["uncached_ms"] for c in r["context"]], "x--",
+                    label=f"{size} no cache")
+        a1.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens/s, prefill included",
+               title="Throughput vs batch")
+        a2.set(yscale="log", xlabel="context length", ylabel="ms per token", title="KV cache vs recomputation")
+        a1.legend(fontsize=7)
+        a2.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(img_dir, "decode.png"), dpi=120)
+        written.append("decode.png")
+    if "speculative" in results:
+        s = results["speculative"]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
+        for vocab in dict.fromkeys(e["draft_vocab"] for e in s["end_to_end"][1:]):
+            rows = [e for e in s["end_to_end"][1:] if e["draft_vocab"] == vocab and e["K"] == s["K"]]
+            label = "full draft head" if not vocab else f"draft head over {vocab} tokens"
+            a1.plot([e["a"] for e in rows], [e["speedup"] for e in rows], "o-", label=f"measured, {label}")
+            a1.plot([e["a"] for e in rows], [e["predicted"] for e in rows], "x--", label=f"predicted, {label}")
+        a1.axhline(1, color="grey", lw=0.5)
+        a1.set(xlabel="acceptance rate a", ylabel="speedup over plain decoding",
+               title=f"{s['draft']} -> {s['target']}, K={s['K']}, on this CPU")
+        a1.legend(fontsize=7)
+        Ks = [k["K"] for k in s["by_K"]]
+        a2.bar([str(k) for k in Ks], [k["verify_over_step"] for k in s["by_K"]])
+        a2.axhline(1, color="grey", lw=0.5)
+        a2.set(xlabel="K", ylabel="verify(K+1) / one decode step", title="Cost of verifying K+1 tokens")
+        fig.tight_layout()
+        fig.savefig(os.path.join(img_dir, "speculative.png"), dpi=120)
+        written.append("speculative.png")
+    if "serving" in results:
+        serving_plot(results["serving"], plt, img_dir)
+        written.append("serving.png")
+    plt.close("all")
+    return f"plots written to {img_dir}/: {', '.join(written)}"
+
+
+def serving_plot(rows, plt, img_dir):
+    """Rows in flight over time, static vs continuous (all requests at once, the first
+    max_batch measured), and p95 TTFT vs throughput for every run."""
+    at_once = [r for r in rows if r["arrivals"] == "all at once" and r["max_batch"] == rows[0]["max_batch"]
+               and r["size"] == rows[0]["size"]]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))
+    for ax, r in zip(axes[:2], at_once):
+        events = sorted([(m["joined_at_s"], 1) for m in r["timeline"]] + [(m["finished_at_s"], -1) for m in r["timeline"]])
+        t, busy, level = [0.0], [0], 0
+        for time_s, change in events:
+            t += [time_s, time_s]
+            busy += [level, level + change]
+            level += change
+        ax.fill_between(t, busy, step=None, alpha=0.6)
+        ax.set(xlabel="seconds", ylabel="rows decoding", ylim=(0, r["max_batch"] + 0.5),
+               title=f"{r['policy']} batching: {r['tokens_per_s']:.0f} tok/s, done in {r['seconds']:.0f} s")
+    for r in rows:
+        marker = "o" if r["policy"] == "continuous" else "x"
+        axes[2].plot(r["tokens_per_s"], r["ttft_s_p95"], marker, label=f"{r['size']} {r['policy']} "
+                     f"{r['max_batch']}, {'at once' if r['arrivals'] == 'all at once' else 'stream'}")
+    axes[2].set(yscale="log", xlabel="tokens/s", ylabel="p95 time to first token, s", title="Latency vs throughput")
+    axes[2].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(os.path.join(img_dir, "serving.png"), dpi=120)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        results = json.load(f)
+    print(markdown(results) if "machine" in results else gpu_markdown(results))
+    print(plots(results, sys.argv[2] if len(sys.argv) > 2 else "img"))
