@@ -77,6 +77,7 @@ class Stats:
     """What a decode did and how long it took. The speculative counters stay 0 for plain decoding."""
     start: float = field(default_factory=time.perf_counter)
     step_times: list = field(default_factory=list)  # when each step's tokens came out
+    step_tokens: list = field(default_factory=list)  # how many tokens each step emitted
     n_tokens: int = 0
     kv_cache_bytes: int = 0  # as allocated
     target_passes: int = 0
@@ -90,6 +91,17 @@ class Stats:
     proposed_at: list = field(default_factory=list)  # [i]: drafts proposed at draft position i
     accepted_at: list = field(default_factory=list)
     K_trace: list = field(default_factory=list)  # drafts per step (the most any row drafted)
+
+    def step_done(self):
+        """A step of the decoder ended: when, and how many tokens it emitted."""
+        self.step_times.append(time.perf_counter())
+        self.step_tokens.append(self.n_tokens - sum(self.step_tokens))
+
+    @property
+    def decode_tokens_per_s(self):
+        """Tokens/s after the first step (the prefill), which may emit several tokens."""
+        span = self.seconds - self.ttft_s
+        return (self.n_tokens - self.step_tokens[0]) / span if span > 0 else 0.0
 
     @property
     def seconds(self):

@@ -143,11 +143,6 @@ def greedy(prompts, model, n, use_cache=True):
     return gpt2.generate(batching.requests(prompts, n, GREEDY), model, use_cache)
 
 
-def decode_rate(stats, B, n):
-    """Tokens/s after the first token (prefill): each of B rows decodes n - 1 more."""
-    return B * (n - 1) / (stats.seconds - stats.ttft_s)
-
-
 def bench_decode(params, hparams, args, probe):
     """Decode tokens/s at each batch size (cache on), and batch 1 without cache, each
     run next to its roofline. The machine's bandwidth drifts by 20% over minutes
@@ -164,7 +159,7 @@ def bench_decode(params, hparams, args, probe):
             runs.append(greedy(prompts, (params, hparams), args.n_tokens)[1])
         timed(run, args.reps)
         runs, bandwidths = runs[1:], bandwidths[1:]  # drop the warm-up
-        tps = [decode_rate(r, B, args.n_tokens) for r in runs]
+        tps = [r.decode_tokens_per_s for r in runs]
         rooflines = [B * bw * 1e9 / weight_bytes for bw in bandwidths]
         rows.append({"batch": B, "cache": True, "decode_tok_s": float(np.median(tps)),
                      "end_to_end_tok_s": float(np.median([r.tokens_per_s for r in runs])),  # prefill included
@@ -179,8 +174,8 @@ def bench_decode(params, hparams, args, probe):
     n = max(4, args.n_tokens // 4)
     stats = greedy([prompt_ids(args.prompt_len)], (params, hparams), n, use_cache=False)[1]
     roofline = bandwidth * 1e9 / weight_bytes
-    rows.append({"batch": 1, "cache": False, "decode_tok_s": decode_rate(stats, 1, n), "bandwidth_GBs": bandwidth,
-                 "roofline_tok_s": roofline, "fraction_of_roofline": decode_rate(stats, 1, n) / roofline,
+    rows.append({"batch": 1, "cache": False, "decode_tok_s": stats.decode_tokens_per_s, "bandwidth_GBs": bandwidth,
+                 "roofline_tok_s": roofline, "fraction_of_roofline": stats.decode_tokens_per_s / roofline,
                  "itl_ms_p50": stats.itl_ms(50), "ttft_ms": stats.ttft_s * 1e3})
     return rows
 
@@ -318,7 +313,7 @@ def bench_speculative_end_to_end(draft, target, costs, args):
     plain = []
     timed(lambda: plain.append(greedy([prompt], target, n)), args.reps)
     truth = prompt + plain[0][0][0]
-    plain_tok_s = float(np.median([decode_rate(s, 1, n) for _, s in plain[1:]]))
+    plain_tok_s = float(np.median([s.decode_tokens_per_s for _, s in plain[1:]]))
     rows = [{"decoder": "autoregressive", "a": None, "K": 0, "draft_vocab": None, "tok_s": plain_tok_s, "speedup": 1.0}]
     for vocab in dict.fromkeys([0, args.draft_vocab]):
         c = costs["draft_over_target"][str(vocab)]
@@ -328,13 +323,15 @@ def bench_speculative_end_to_end(draft, target, costs, args):
                 config = speculative.SpeculativeConfig(K=K, draft_vocab=vocab)
                 runs = []
                 timed(lambda: runs.append(controlled_run(draft, target, truth, a, config, n)), args.reps)
-                tok_s = float(np.median([decode_rate(s, 1, n) for s in runs[1:]]))
+                tok_s = float(np.median([s.decode_tokens_per_s for s in runs[1:]]))
+                alpha = float(np.median([speculative.estimate_alpha(s.accepted, s.rejections) for s in runs[1:]]))
                 rows.append({"decoder": "speculative", "a": a, "K": K, "draft_vocab": vocab, "tok_s": tok_s,
                              "speedup": tok_s / plain_tok_s, "predicted": speculative.speedup(a, K, measured),
-                             "alpha": speculative.estimate_alpha(runs[-1].accepted, runs[-1].rejections),
+                             "alpha": alpha, "predicted_at_alpha": speculative.speedup(alpha, K, measured),
                              "tokens_per_target_pass": runs[-1].tokens_per_target_pass})
                 print(f"  a={a} K={K} draft_vocab={vocab}: {rows[-1]['speedup']:.2f}x measured, "
-                      f"{rows[-1]['predicted']:.2f}x predicted", flush=True)
+                      f"{rows[-1]['predicted']:.2f}x predicted ({rows[-1]['predicted_at_alpha']:.2f}x at the "
+                      f"measured alpha {alpha:.2f})", flush=True)
     return rows
 
 
@@ -461,7 +458,7 @@ def gpu_benchmark(args, command):
             runs = []
             timed(lambda: runs.append(greedy(prompts, loaded[size], args.n_tokens)[1]), args.reps)
             rows.append({"batch": B, "end_to_end_tok_s": float(np.median([r.tokens_per_s for r in runs[1:]])),
-                         "decode_tok_s": float(np.median([decode_rate(r, B, args.n_tokens) for r in runs[1:]])),
+                         "decode_tok_s": float(np.median([r.decode_tokens_per_s for r in runs[1:]])),
                          "itl_ms_p50": float(np.median([r.itl_ms(50) for r in runs[1:]]))})
         hbm_ms = 1e3 * matmul_weight_bytes(loaded[size][0]) / (bandwidth * 1e9)
         results["models"][size] = {"decode": rows, "weights_at_bandwidth_ms": hbm_ms,

@@ -156,9 +156,9 @@ def autoregressive_step(batch, model):
     logits = next_logits(model, batching.cache(batch, "target"), batching.texts(batch))[:, 0]  # [B, n_vocab]
     p = batching.probabilities(batch, logits)  # [B, n_vocab]
     tokens = sampling.sample(p, batching.uniforms(batch, 1)[:, 0]).tolist()  # [B]: only these leave a GPU
-    batch.stats.step_times.append(time.perf_counter())
     for b, token in enumerate(tokens):
         batching.emit(batch, b, [token])
+    batch.stats.step_done()
 
 
 def generate(requests, model, use_cache=True, callback=None):

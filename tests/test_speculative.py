@@ -439,7 +439,11 @@ def test_an_empty_prompt_is_an_error_that_says_how_to_start_one(models):
 def test_stats_add_up(models):
     target, draft = models
     out, s = spec(PROMPTS[:1], target, draft, 30, K=4)
-    assert s.n_tokens == 30 == s.accepted + s.target_passes  # each pass adds one target token
+    assert s.n_tokens == 30 == s.accepted + s.target_passes == sum(s.step_tokens)  # each pass adds 1 target token
+    assert len(s.step_tokens) == len(s.step_times) == s.target_passes
+    _, s = spec(PROMPTS[:1], target, target, 30, K=4)  # every draft accepted: 5 tokens a step
+    assert s.step_tokens == [5] * 6
+    assert s.decode_tokens_per_s == pytest.approx((30 - s.step_tokens[0]) / (s.step_times[-1] - s.step_times[0]))
     assert s.draft_passes == sum(s.K_trace) and s.drafted == sum(s.K_trace)
     assert len(s.acceptance_by_position) == 4 and s.draft_s > 0 and s.verify_s > 0
     assert s.acceptance_by_position[0] >= s.acceptance_by_position[-1]
