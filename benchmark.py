@@ -250,27 +250,42 @@ def break_even_alpha(costs, K):
     return hi
 
 
+def paired(measure, step, reps):
+    """measure() / step(), each measure taken between two steps and divided by their
+    mean, so that both see the same machine (its bandwidth drifts by 20% over
+    minutes); the median over reps."""
+    ratios = []
+    for _ in range(reps):
+        before, x, after = step(), measure(), step()
+        ratios.append(x / ((before + after) / 2))
+    return float(np.median(ratios))
+
+
 def bench_speculative_costs(draft, target, args):
-    """The costs that decide speculative speed, measured: one target step, verify(K+1)
-    for K = 1..8, and one draft token with the full head and with vocabulary subsets;
-    the speedups they predict, and the acceptance rate at which each K breaks even."""
+    """The costs that decide speculative speed, each paired with target steps: verify(K+1)
+    for K = 1..K_max and one draft token with the full head and with vocabulary subsets,
+    in target steps; the speedups they predict, and the acceptance rate at which each
+    K breaks even."""
     L = args.prompt_len
-    step = speculative.pass_seconds(target, L, reps=args.reps)
-    verify = (1.0,) + tuple(speculative.pass_seconds(target, L, K + 1, reps=args.reps) / step
+
+    def step():
+        return speculative.pass_seconds(target, L, reps=1)
+    verify = (1.0,) + tuple(paired(lambda: speculative.pass_seconds(target, L, K + 1, reps=1), step, args.reps)
                             for K in range(1, args.K_max + 1))
     drafts = {}
     for N in [0] + args.draft_vocabs:
         head = speculative.vocab_subset_head(draft[0]["wte"], [prompt_ids(L)], N) if N else None
-        drafts[N] = speculative.pass_seconds(draft, L, head=head, reps=args.reps) / step
+        drafts[N] = paired(lambda: speculative.pass_seconds(draft, L, head=head, reps=1), step, args.reps)
+    step_s = float(np.median([step() for _ in range(args.reps)]))
     rows = []
     for K in range(1, args.K_max + 1):
         costs = speculative.Costs(drafts[0], verify)
-        row = {"K": K, "verify_ms": verify[K] * step * 1e3, "verify_over_step": verify[K],
+        row = {"K": K, "verify_ms": verify[K] * step_s * 1e3, "verify_over_step": verify[K],
                "break_even_alpha": break_even_alpha(costs, K)}
         for a in args.alphas:
             row[f"predicted_a{a}"] = speculative.speedup(a, K, costs)
         rows.append(row)
-    return {"draft": args.draft, "target": args.target, "target_step_ms": step * 1e3, "verify": verify,
+    return {"draft": args.draft, "target": args.target, "target_step_ms": step_s * 1e3, "verify": verify,
             "draft_over_target": {str(N): c for N, c in drafts.items()}, "by_K": rows, "alphas": args.alphas}
 
 
@@ -305,34 +320,44 @@ def controlled_run(draft, target, truth, a, config, n):
 
 
 def bench_speculative_end_to_end(draft, target, costs, args):
-    """Measured tokens/s of plain greedy decoding and of speculative decoding with the
-    controlled drafter at each acceptance rate a, at K = args.K and at the K the measured
-    costs recommend, next to the speedup the costs predict."""
+    """Measured speedup of speculative decoding with the controlled drafter at each
+    acceptance rate a, at K = args.K and at the K the measured costs recommend: each
+    speculative run is timed right after a plain greedy run of the same text, and the
+    speedup is the median of those paired ratios. Next to it, the speedup the costs
+    predict, at a and at the alpha the runs really had (64 tokens are few draws)."""
     n = args.n_tokens * 2
     prompt = prompt_ids(args.prompt_len)
-    plain = []
-    timed(lambda: plain.append(greedy([prompt], target, n)), args.reps)
-    truth = prompt + plain[0][0][0]
-    plain_tok_s = float(np.median([s.decode_tokens_per_s for _, s in plain[1:]]))
-    rows = [{"decoder": "autoregressive", "a": None, "K": 0, "draft_vocab": None, "tok_s": plain_tok_s, "speedup": 1.0}]
+    truth = prompt + greedy([prompt], target, n)[0][0]
+    plain_runs = []
+
+    def plain():
+        plain_runs.append(greedy([prompt], target, n)[1].decode_tokens_per_s)
+        return plain_runs[-1]
+    rows = []
     for vocab in dict.fromkeys([0, args.draft_vocab]):
-        c = costs["draft_over_target"][str(vocab)]
-        measured = speculative.Costs(c, costs["verify"])
+        measured = speculative.Costs(costs["draft_over_target"][str(vocab)], costs["verify"])
         for a in args.e2e_alphas:
             for K in dict.fromkeys([args.K, speculative.best_K(a, measured, args.K_max)]):
                 config = speculative.SpeculativeConfig(K=K, draft_vocab=vocab)
-                runs = []
-                timed(lambda: runs.append(controlled_run(draft, target, truth, a, config, n)), args.reps)
-                tok_s = float(np.median([s.decode_tokens_per_s for s in runs[1:]]))
-                alpha = float(np.median([speculative.estimate_alpha(s.accepted, s.rejections) for s in runs[1:]]))
-                rows.append({"decoder": "speculative", "a": a, "K": K, "draft_vocab": vocab, "tok_s": tok_s,
-                             "speedup": tok_s / plain_tok_s, "predicted": speculative.speedup(a, K, measured),
+                runs, ratios = [], []
+                controlled_run(draft, target, truth, a, config, n)  # warm-up
+                for _ in range(args.reps):
+                    base = plain()
+                    runs.append(controlled_run(draft, target, truth, a, config, n))
+                    ratios.append(runs[-1].decode_tokens_per_s / base)
+                alpha = float(np.median([speculative.estimate_alpha(s.accepted, s.rejections) for s in runs]))
+                rows.append({"decoder": "speculative", "a": a, "K": K, "draft_vocab": vocab,
+                             "tok_s": float(np.median([s.decode_tokens_per_s for s in runs])),
+                             "speedup": float(np.median(ratios)), "speedup_min": min(ratios),
+                             "speedup_max": max(ratios), "predicted": speculative.speedup(a, K, measured),
                              "alpha": alpha, "predicted_at_alpha": speculative.speedup(alpha, K, measured),
                              "tokens_per_target_pass": runs[-1].tokens_per_target_pass})
                 print(f"  a={a} K={K} draft_vocab={vocab}: {rows[-1]['speedup']:.2f}x measured, "
                       f"{rows[-1]['predicted']:.2f}x predicted ({rows[-1]['predicted_at_alpha']:.2f}x at the "
                       f"measured alpha {alpha:.2f})", flush=True)
-    return rows
+    plain_tok_s = float(np.median(plain_runs))
+    return [{"decoder": "autoregressive", "a": None, "K": 0, "draft_vocab": None, "tok_s": plain_tok_s,
+             "speedup": 1.0}] + rows
 
 
 def subset_coverage(Ns):
