@@ -51,8 +51,9 @@ class Costs:
     verify: tuple
 
 
-# verify(K+1) / one decode step for K = 0..8, from `python benchmark.py` (355M target, 2-core CPU)
-CPU_VERIFY = (1.0, 2.06, 1.93, 1.94, 2.04, 2.05, 2.08, 2.33, 2.70)
+# verify(K+1) / one decode step for K = 0..8 on a 2-core CPU with the row strategy, 355M target:
+# `python benchmark.py --only speculative --target 355M` (benchmark_results/speculative-355M)
+CPU_VERIFY = (1.0, 1.63, 1.92, 2.40, 2.35, 2.20, 2.29, 2.44, 3.33)
 
 
 @dataclass(frozen=True)
