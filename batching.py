@@ -86,8 +86,8 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     rejections: int = 0  # row-steps that rejected a draft
-    draft_s: float = 0.0
-    verify_s: float = 0.0
+    step_draft_s: list = field(default_factory=list)  # each step's seconds spent drafting
+    step_verify_s: list = field(default_factory=list)  # ... and scoring and verifying
     proposed_at: list = field(default_factory=list)  # [i]: drafts proposed at draft position i
     accepted_at: list = field(default_factory=list)
     K_trace: list = field(default_factory=list)  # drafts per step (the most any row drafted)
@@ -96,6 +96,14 @@ class Stats:
         """A step of the decoder ended: when, and how many tokens it emitted."""
         self.step_times.append(time.perf_counter())
         self.step_tokens.append(self.n_tokens - sum(self.step_tokens))
+
+    @property
+    def draft_s(self):
+        return sum(self.step_draft_s)
+
+    @property
+    def verify_s(self):
+        return sum(self.step_verify_s)
 
     @property
     def decode_tokens_per_s(self):

@@ -360,6 +360,38 @@ def bench_speculative_end_to_end(draft, target, costs, args):
              "speedup": 1.0}] + rows
 
 
+def bench_breakdown(draft, target, args):
+    """Where a speculative step's time goes, against the cost model with costs timed in
+    the same minute: per decode step (the first, with both prefills, left out), the
+    seconds drafting and verifying, and what c and verify(K+1), timed right before and
+    after the run, predict for them. Each K and a from --K and --e2e_alphas."""
+    n, L = args.n_tokens * 2, args.prompt_len
+    prompt = prompt_ids(L)
+    truth = prompt + greedy([prompt], target, n)[0][0]
+    rows = []
+    for a in args.e2e_alphas:
+        config = speculative.SpeculativeConfig(K=args.K)
+        controlled_run(draft, target, truth, a, config, n)  # warm-up
+        for _ in range(args.reps):
+            def costs():
+                step = speculative.pass_seconds(target, L, reps=3)
+                return step, speculative.pass_seconds(draft, L, reps=3) / step, \
+                    speculative.pass_seconds(target, L, args.K + 1, reps=3) / step
+            before, s, after = costs(), controlled_run(draft, target, truth, a, config, n), costs()
+            step, c, verify = np.mean([before, after], axis=0)
+            steps = len(s.step_times) - 1
+            rows.append({"a": a, "K": args.K, "target_step_ms": step * 1e3, "c": c, "verify_over_step": verify,
+                         "step_ms": (s.seconds - s.ttft_s) / steps * 1e3,
+                         "draft_ms": sum(s.step_draft_s[1:]) / steps * 1e3,
+                         "verify_ms": sum(s.step_verify_s[1:]) / steps * 1e3,
+                         "draft_ms_predicted": args.K * c * step * 1e3, "verify_ms_predicted": verify * step * 1e3,
+                         "tokens_per_step": (s.n_tokens - s.step_tokens[0]) / steps})
+            print(f"  a={a} K={args.K}: step {rows[-1]['step_ms']:.0f} ms, drafting {rows[-1]['draft_ms']:.0f} "
+                  f"({rows[-1]['draft_ms_predicted']:.0f} predicted), verifying {rows[-1]['verify_ms']:.0f} "
+                  f"({rows[-1]['verify_ms_predicted']:.0f} predicted)", flush=True)
+    return {"draft": args.draft, "target": args.target, "rows": rows}
+
+
 def subset_coverage(Ns):
     """How often real text needs a token that a vocabulary-subset draft cannot propose
     (id >= N and not earlier in the text): an upper bound on the acceptance the subset
@@ -514,8 +546,8 @@ def parse_args(argv=None):
     ap.add_argument("--max_batches", nargs="+", type=int, default=[8, 16], help="serving: rows in flight")
     ap.add_argument("--serve_sizes", nargs="+", choices=list(SHAPES), help="serving: default 124M (none with --target "
                     "only runs)")
-    ap.add_argument("--only", nargs="+", choices=["decode", "rows", "speculative", "serving"],
-                    help="run only these parts (default: all)")
+    ap.add_argument("--only", nargs="+", choices=["decode", "rows", "speculative", "serving", "breakdown"],
+                    help="run only these parts (default: all but breakdown)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--models_dir", default="models")
     ap.add_argument("--out", default="benchmark_results")
@@ -559,7 +591,7 @@ def main(argv=None):
     print(f"one-row matmul bandwidth: {bandwidth:.1f} GB/s", flush=True)
     wanted = args.sizes if "decode" in args.only else []
     wanted += [args.target] if {"rows", "speculative"} & set(args.only) else []
-    wanted += [args.draft] if "speculative" in args.only else []
+    wanted += [args.target, args.draft] if {"speculative", "breakdown"} & set(args.only) else []
     wanted += args.serve_sizes if "serving" in args.only else []
     loaded = {}
     for size in dict.fromkeys(wanted):
@@ -582,6 +614,8 @@ def main(argv=None):
         results["speculative"] = dict(costs, end_to_end=bench_speculative_end_to_end(draft, target, costs, args),
                                       coverage=subset_coverage(args.draft_vocabs), K=args.K,
                                       draft_vocab=args.draft_vocab)
+    if "breakdown" in args.only:
+        results["breakdown"] = bench_breakdown(loaded[args.draft], loaded[args.target], args)
     if "serving" in args.only:
         results["serving"] = [row for size in args.serve_sizes for row in bench_serving(loaded[size], args, size)]
     for size, r in results["models"].items():

@@ -90,6 +90,19 @@ def end_to_end_table(s):
     return lines
 
 
+def breakdown_table(b):
+    lines = ["", f"### Where a speculative step's time goes: draft {b['draft']} -> target {b['target']}", "",
+             "Controlled drafter, greedy; per decode step after the first, against c and verify(K+1) timed right "
+             "before and after each run:", "",
+             "| a | K | target step ms | c | verify / step | speculative step ms | drafting ms (predicted) | "
+             "verifying ms (predicted) | rest ms | tokens / step |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['a']} | {r['K']} | {r['target_step_ms']:.1f} | {r['c']:.3f} | {r['verify_over_step']:.2f} | "
+              f"{r['step_ms']:.1f} | {r['draft_ms']:.1f} ({r['draft_ms_predicted']:.1f}) | "
+              f"{r['verify_ms']:.1f} ({r['verify_ms_predicted']:.1f}) | "
+              f"{r['step_ms'] - r['draft_ms'] - r['verify_ms']:.1f} | {r['tokens_per_step']:.2f} |" for r in b["rows"]]
+    return lines
+
+
 def serving_table(rows):
     lines = ["", f"### Serving: static vs continuous batching ({rows[0]['requests']} requests, 8-256 new tokens, "
              "log-uniform)", "",
@@ -113,6 +126,8 @@ def markdown(results):
         lines += rows_table(results["rows"])
     if "speculative" in results:
         lines += speculative_costs_table(results["speculative"]) + end_to_end_table(results["speculative"])
+    if "breakdown" in results:
+        lines += breakdown_table(results["breakdown"])
     if "serving" in results:
         lines += serving_table(results["serving"])
     lines.append(f"\nPeak RSS {results['peak_rss_mib']:.0f} MiB.")

@@ -33,6 +33,18 @@ def test_quick_benchmark_writes_every_measurement(tmp_path, capsys):
     assert "| batch |" in open(tmp_path / "results.md").read()
 
 
+def test_breakdown_splits_each_step_into_drafting_and_verifying(tmp_path):
+    assert benchmark.main(["--quick", "--only", "breakdown", "--out", str(tmp_path),
+                           "--models_dir", str(tmp_path / "none")]) == 0
+    rows = json.load(open(tmp_path / "results.json"))["breakdown"]["rows"]
+    assert [(r["a"], r["K"]) for r in rows] == [(0.8, 2)]  # --quick: one a, K = 2, one run
+    for r in rows:
+        assert 0 < r["draft_ms"] and 0 < r["verify_ms"] and r["draft_ms"] + r["verify_ms"] < r["step_ms"]
+        assert r["draft_ms_predicted"] == pytest.approx(2 * r["c"] * r["target_step_ms"])
+        assert 1 <= r["tokens_per_step"] <= 3
+    assert "### Where a speculative step's time goes" in open(tmp_path / "results.md").read()
+
+
 def test_controlled_drafter_hits_its_acceptance_rate(tiny):
     """The benchmark's drafter: each draft is accepted with probability a (the papers'
     alpha, estimated over ~400 tokens), and the text is the target's greedy text."""
