@@ -206,7 +206,7 @@ def plots(results, img_dir):
         serving_plot(results["serving"], plt, img_dir)
         written.append("serving.png")
     plt.close("all")
-    return f"plots written to {img_dir}/: {', '.join(written)}"
+    return f"plots written to {img_dir}/: {', '.join(written)}" if written else "no plots for these parts"
 
 
 def serving_plot(rows, plt, img_dir):
