@@ -369,14 +369,15 @@ def bench_breakdown(draft, target, args):
     prompt = prompt_ids(L)
     truth = prompt + greedy([prompt], target, n)[0][0]
     rows = []
+
+    def costs():  # (target step s, c, verify(K+1) in steps)
+        step = speculative.pass_seconds(target, L, reps=3)
+        return step, speculative.pass_seconds(draft, L, reps=3) / step, \
+            speculative.pass_seconds(target, L, args.K + 1, reps=3) / step
     for a in args.e2e_alphas:
         config = speculative.SpeculativeConfig(K=args.K)
         controlled_run(draft, target, truth, a, config, n)  # warm-up
         for _ in range(args.reps):
-            def costs():
-                step = speculative.pass_seconds(target, L, reps=3)
-                return step, speculative.pass_seconds(draft, L, reps=3) / step, \
-                    speculative.pass_seconds(target, L, args.K + 1, reps=3) / step
             before, s, after = costs(), controlled_run(draft, target, truth, a, config, n), costs()
             step, c, verify = np.mean([before, after], axis=0)
             steps = len(s.step_times) - 1
