@@ -218,13 +218,13 @@ def bench_layout(params, hparams, args):
     return rows
 
 
-STRATEGIES = ("matmul", "pad", "rows")
+STRATEGIES = ("matmul", "pad", "blocks")
 
 
 def bench_rows(model, args):
     """gpt2.ROW_STRATEGY's measurement: a whole cached pass over n = 1..8 tokens with each
     way of running the linear layers (one product, padded to 8 rows, one product per
-    row), all in turns, in ms; "best" is the cheapest per n."""
+    row within each cache-sized block of weights), all in turns, in ms; "best" is the cheapest per n."""
     ms = {}
     for _ in range(args.reps):
         for n in range(1, 9):

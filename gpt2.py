@@ -50,12 +50,12 @@ def layer_norm(x, g, b, eps=1e-5):
 
 
 # How a linear layer runs a pass over n rows (tokens), n -> "matmul" (one matrix
-# product), "pad" (padded to 8 rows, one product) or "rows" (one product per row).
+# product), "pad" (padded to 8 rows, one product) or "blocks" (blockwise_matmul).
 # OpenBLAS runs a product of 2-8 rows about 2-3x slower than one row, although the
 # weights are read once either way; which way is cheapest depends on n, and is
-# measured on whole passes by `python benchmark.py` ("row strategy" table). One
-# product per row also gives each row exactly the numbers a one-row pass gives.
-ROW_STRATEGY = {2: "rows", 3: "rows", 4: "pad", 5: "pad", 6: "pad", 7: "pad"}
+# measured on whole passes by `python benchmark.py` ("row strategy" table).
+ROW_STRATEGY = {2: "blocks", 3: "blocks", 4: "blocks", 5: "blocks", 6: "blocks", 7: "blocks"}
+BLOCK_BYTES = 4 << 20  # stays in the 32 MiB L3 while every row uses it; 2-8 MiB measured alike
 
 
 def linear(x, w, b):
@@ -63,13 +63,35 @@ def linear(x, w, b):
     rows = x.reshape(-1, x.shape[-1])  # [n, n_in]
     n = rows.shape[0]
     how = ROW_STRATEGY.get(n, "matmul") if isinstance(rows, np.ndarray) else "matmul"  # a GPU: one product
-    if how == "rows":
-        out = np.concatenate([rows[i:i + 1] @ w for i in range(n)]) + b  # [n, n_out]
+    if how == "blocks":
+        out = blockwise_matmul(rows, w) + b
     elif how == "pad":
         out = (np.concatenate([rows, np.zeros((8 - n, rows.shape[1]), rows.dtype)]) @ w + b)[:n]
     else:
         out = rows @ w + b
     return out.reshape(*x.shape[:-1], w.shape[-1])  # [B, T, n_out]
+
+
+def blockwise_matmul(rows, w):
+    """rows @ w, one row at a time, block by block of w. One row streams w at the
+    speed of memory, so n rows one at a time read w n times; here each block of
+    BLOCK_BYTES is read from memory by the first row and from cache by the others.
+    A block is a contiguous run of w: output columns of a column-major w (each row's
+    products are outputs), input rows of a row-major w (partial sums, added up)."""
+    (n, n_in), n_out = rows.shape, w.shape[1]
+    if w.flags.f_contiguous:
+        width = max(16, BLOCK_BYTES // (w.itemsize * n_in))
+        out = np.empty((n, n_out), rows.dtype)  # [n, n_out]
+        for j in range(0, n_out, width):
+            for i in range(n):
+                np.matmul(rows[i], w[:, j:j + width], out=out[i, j:j + width])  # [width]
+        return out
+    height = max(16, BLOCK_BYTES // (w.itemsize * n_out))
+    out, part = np.zeros((n, n_out), rows.dtype), np.empty(n_out, rows.dtype)  # [n, n_out], [n_out]
+    for k in range(0, n_in, height):
+        for i in range(n):
+            out[i] += np.matmul(rows[i, k:k + height], w[k:k + height], out=part)
+    return out
 
 
 @contextlib.contextmanager
