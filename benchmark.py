@@ -264,29 +264,32 @@ def paired(measure, step, reps):
 def bench_speculative_costs(draft, target, args):
     """The costs that decide speculative speed, each paired with target steps: verify(K+1)
     for K = 1..K_max and one draft token with the full head and with vocabulary subsets,
-    in target steps; the speedups they predict, and the acceptance rate at which each
-    K breaks even."""
+    in target steps (and the draft's two-token catch-up pass, in draft tokens); the
+    speedups they predict, and the acceptance rate at which each K breaks even."""
     L = args.prompt_len
 
     def step():
         return speculative.pass_seconds(target, L, reps=1)
     verify = (1.0,) + tuple(paired(lambda: speculative.pass_seconds(target, L, K + 1, reps=1), step, args.reps)
                             for K in range(1, args.K_max + 1))
-    drafts = {}
+    drafts, catch_up = {}, {}
     for N in [0] + args.draft_vocabs:
         head = speculative.vocab_subset_head(draft[0]["wte"], [prompt_ids(L)], N) if N else None
         drafts[N] = paired(lambda: speculative.pass_seconds(draft, L, head=head, reps=1), step, args.reps)
+        catch_up[N] = paired(lambda: speculative.pass_seconds(draft, L, 2, head, reps=1, n_logits=1),
+                             lambda: speculative.pass_seconds(draft, L, head=head, reps=1), args.reps)
     step_s = float(np.median([step() for _ in range(args.reps)]))
     rows = []
     for K in range(1, args.K_max + 1):
-        costs = speculative.Costs(drafts[0], verify)
+        costs = speculative.Costs(drafts[0], verify, catch_up[0])
         row = {"K": K, "verify_ms": verify[K] * step_s * 1e3, "verify_over_step": verify[K],
                "break_even_alpha": break_even_alpha(costs, K)}
         for a in args.alphas:
             row[f"predicted_a{a}"] = speculative.speedup(a, K, costs)
         rows.append(row)
     return {"draft": args.draft, "target": args.target, "target_step_ms": step_s * 1e3, "verify": verify,
-            "draft_over_target": {str(N): c for N, c in drafts.items()}, "by_K": rows, "alphas": args.alphas}
+            "draft_over_target": {str(N): c for N, c in drafts.items()},
+            "catch_up": {str(N): x for N, x in catch_up.items()}, "by_K": rows, "alphas": args.alphas}
 
 
 def controlled_drafter(draft, truth, a, vocab=0, seed=0):
@@ -335,7 +338,7 @@ def bench_speculative_end_to_end(draft, target, costs, args):
         return plain_runs[-1]
     rows = []
     for vocab in dict.fromkeys([0, args.draft_vocab]):
-        measured = speculative.Costs(costs["draft_over_target"][str(vocab)], costs["verify"])
+        measured = speculative.Costs(costs["draft_over_target"][str(vocab)], costs["verify"], costs["catch_up"][str(vocab)])
         for a in args.e2e_alphas:
             for K in dict.fromkeys([args.K, speculative.best_K(a, measured, args.K_max)]):
                 config = speculative.SpeculativeConfig(K=K, draft_vocab=vocab)
@@ -363,29 +366,32 @@ def bench_speculative_end_to_end(draft, target, costs, args):
 def bench_breakdown(draft, target, args):
     """Where a speculative step's time goes, against the cost model with costs timed in
     the same minute: per decode step (the first, with both prefills, left out), the
-    seconds drafting and verifying, and what c and verify(K+1), timed right before and
-    after the run, predict for them. Each K and a from --K and --e2e_alphas."""
+    seconds drafting and verifying, and what c, the draft's catch-up pass and verify(K+1),
+    timed right before and after the run, predict for them (drafting at the run's alpha). Each K and a from --K and --e2e_alphas."""
     n, L = args.n_tokens * 2, args.prompt_len
     prompt = prompt_ids(L)
     truth = prompt + greedy([prompt], target, n)[0][0]
     rows = []
 
-    def costs():  # (target step s, c, verify(K+1) in steps)
-        step = speculative.pass_seconds(target, L, reps=3)
-        return step, speculative.pass_seconds(draft, L, reps=3) / step, \
-            speculative.pass_seconds(target, L, args.K + 1, reps=3) / step
+    def costs():  # (target step s, c, verify(K+1) in steps, catch-up in draft tokens)
+        step, draft_step = speculative.pass_seconds(target, L, reps=3), speculative.pass_seconds(draft, L, reps=3)
+        return step, draft_step / step, speculative.pass_seconds(target, L, args.K + 1, reps=3) / step, \
+            speculative.pass_seconds(draft, L, 2, reps=3, n_logits=1) / draft_step
     for a in args.e2e_alphas:
         config = speculative.SpeculativeConfig(K=args.K)
         controlled_run(draft, target, truth, a, config, n)  # warm-up
         for _ in range(args.reps):
             before, s, after = costs(), controlled_run(draft, target, truth, a, config, n), costs()
-            step, c, verify = np.mean([before, after], axis=0)
+            step, c, verify, catch_up = np.mean([before, after], axis=0)
             steps = len(s.step_times) - 1
+            alpha = speculative.estimate_alpha(s.accepted, s.rejections)
+            drafting = speculative.draft_cost(alpha, args.K, speculative.Costs(c, (), catch_up))
             rows.append({"a": a, "K": args.K, "target_step_ms": step * 1e3, "c": c, "verify_over_step": verify,
+                         "catch_up": catch_up, "alpha": alpha,
                          "step_ms": (s.seconds - s.ttft_s) / steps * 1e3,
                          "draft_ms": sum(s.step_draft_s[1:]) / steps * 1e3,
                          "verify_ms": sum(s.step_verify_s[1:]) / steps * 1e3,
-                         "draft_ms_predicted": args.K * c * step * 1e3, "verify_ms_predicted": verify * step * 1e3,
+                         "draft_ms_predicted": drafting * step * 1e3, "verify_ms_predicted": verify * step * 1e3,
                          "tokens_per_step": (s.n_tokens - s.step_tokens[0]) / steps})
             print(f"  a={a} K={args.K}: step {rows[-1]['step_ms']:.0f} ms, drafting {rows[-1]['draft_ms']:.0f} "
                   f"({rows[-1]['draft_ms_predicted']:.0f} predicted), verifying {rows[-1]['verify_ms']:.0f} "

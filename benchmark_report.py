@@ -55,7 +55,9 @@ def speculative_costs_table(s):
     subsets = ", ".join(f"{N} tokens: {v:.2f}" for N, v in c.items() if N != "0")
     lines = [f"### Speculative decoding: draft {s['draft']} -> target {s['target']}", "",
              f"target step {s['target_step_ms']:.1f} ms; a draft token costs c = {c['0']:.2f} of it with the full head"
-             + (f" (vocabulary subset heads, `--draft_vocab`: {subsets})" if subsets else ""), "",
+             + (f" (vocabulary subset heads, `--draft_vocab`: {subsets})" if subsets else "")
+             + f"; the draft's two-token catch-up pass (after a step that accepted every draft) costs "
+             f"{s['catch_up']['0']:.2f} draft tokens", "",
              "| K | verify K+1 ms | verify / step | break-even acceptance | "
              + " | ".join(f"predicted a={a}" for a in s["alphas"]) + " |",
              "|---|---|---|---|" + "---|" * len(s["alphas"])]
@@ -92,11 +94,12 @@ def end_to_end_table(s):
 
 def breakdown_table(b):
     lines = ["", f"### Where a speculative step's time goes: draft {b['draft']} -> target {b['target']}", "",
-             "Controlled drafter, greedy; per decode step after the first, against c and verify(K+1) timed right "
-             "before and after each run:", "",
-             "| a | K | target step ms | c | verify / step | speculative step ms | drafting ms (predicted) | "
-             "verifying ms (predicted) | rest ms | tokens / step |", "|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['a']} | {r['K']} | {r['target_step_ms']:.1f} | {r['c']:.3f} | {r['verify_over_step']:.2f} | "
+             "Controlled drafter, greedy; per decode step after the first, against c, the draft's catch-up pass "
+             "and verify(K+1) timed right before and after each run (drafting predicted at the run's alpha):", "",
+             "| a | K | target step ms | c | catch-up | verify / step | speculative step ms | drafting ms (predicted) | "
+             "verifying ms (predicted) | rest ms | tokens / step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['a']} | {r['K']} | {r['target_step_ms']:.1f} | {r['c']:.3f} | {r['catch_up']:.2f} | "
+              f"{r['verify_over_step']:.2f} | "
               f"{r['step_ms']:.1f} | {r['draft_ms']:.1f} ({r['draft_ms_predicted']:.1f}) | "
               f"{r['verify_ms']:.1f} ({r['verify_ms_predicted']:.1f}) | "
               f"{r['step_ms'] - r['draft_ms'] - r['verify_ms']:.1f} | {r['tokens_per_step']:.2f} |" for r in b["rows"]]

@@ -45,10 +45,14 @@ import sampling
 @dataclass(frozen=True)
 class Costs:
     """What a step costs, in target decode steps: `draft` is one draft-model token (the
-    papers' c), `verify[K]` one target pass over K+1 tokens. Fixed numbers rather than
-    this run's clock, so that adaptive K, and with it the text, is the same every run."""
+    papers' c), `verify[K]` one target pass over K+1 tokens. `catch_up`: the draft's
+    pass over two tokens, in draft tokens; after a step that accepted all K drafts the
+    draft has yet to read its own last draft and the target's extra token, so its next
+    pass covers both. Fixed numbers rather than this run's clock, so that adaptive K,
+    and with it the text, is the same every run."""
     draft: float
     verify: tuple
+    catch_up: float = 1.0
 
 
 # verify(K+1) / one decode step for K = 0..8 on a 2-core CPU with the row strategy, 355M target:
@@ -303,10 +307,11 @@ def step_parameters(hparams, vocab=0):
     return 12 * hparams["n_layer"] * hparams["n_embd"] ** 2 + head * hparams["n_embd"]
 
 
-def pass_seconds(model, context, T=1, head=None, reps=3):
+def pass_seconds(model, context, T=1, head=None, reps=3, n_logits=None):
     """Seconds of one cached pass over T new tokens after `context` cached tokens (the
-    best of reps): T = 1 is a decode step, T = K+1 a verification. Token values do not
-    change the time, so the text is 0, 1, 2, ..."""
+    best of reps), with logits at the last n_logits of them (default: all T): T = 1 is
+    a decode step, T = K+1 a verification. Token values do not change the time, so the
+    text is 0, 1, 2, ..."""
     params, hparams = model
     text = [i % hparams["n_vocab"] for i in range(context + T)]
     cache = kv_cache.init_cache(hparams, 1, context + T, like=params["wte"])
@@ -315,7 +320,7 @@ def pass_seconds(model, context, T=1, head=None, reps=3):
     for _ in range(reps + 1):  # the first is a warm-up
         cache["lengths"][:] = context  # roll back, so every pass sees the same context
         start = time.perf_counter()
-        float(gpt2.next_logits(model, cache, [text], n_logits=T, head=head)[0, 0, 0])  # waits for a GPU too
+        float(gpt2.next_logits(model, cache, [text], n_logits=n_logits or T, head=head)[0, 0, 0])  # waits for a GPU too
         times.append(time.perf_counter() - start)
     return min(times[1:])
 
@@ -329,17 +334,24 @@ def measure_costs(target, draft, K_max, draft_vocab=0, context=32):
     if draft is None:
         return Costs(0.0, verify)
     head = vocab_subset_head(draft[0]["wte"], [list(range(context))], draft_vocab) if draft_vocab else None
-    return Costs(pass_seconds(draft, context, head=head) / step, verify)
+    draft_step = pass_seconds(draft, context, head=head)
+    return Costs(draft_step / step, verify, pass_seconds(draft, context, 2, head, n_logits=1) / draft_step)
+
+
+def draft_cost(alpha, K, costs):
+    """K draft tokens in target steps, the first of them a two-token catch-up pass when
+    the step before accepted all its drafts (probability alpha^K)."""
+    return costs.draft * (K + alpha ** K * (costs.catch_up - 1.0))
 
 
 def speedup(alpha, K, costs):
     """Expected speedup over plain decoding: tokens per step over the step's cost in target steps."""
-    return expected_tokens(alpha, K) / (K * costs.draft + verify_cost(costs, K))
+    return expected_tokens(alpha, K) / (draft_cost(alpha, K, costs) + verify_cost(costs, K))
 
 
 def default_costs(target, draft, draft_vocab=0):
     """Costs estimated from sizes: decoding is bound by reading the weights, so a draft
     token costs its model's share of the bytes (0 for a drafter without a model), and
-    verification follows the CPU table CPU_VERIFY."""
+    verification follows the CPU table CPU_VERIFY (and so does the draft's two-token pass)."""
     c = step_parameters(draft[1], draft_vocab) / step_parameters(target[1]) if draft else 0.0
-    return Costs(draft=c, verify=CPU_VERIFY)
+    return Costs(draft=c, verify=CPU_VERIFY, catch_up=CPU_VERIFY[1])

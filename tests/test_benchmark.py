@@ -40,7 +40,8 @@ def test_breakdown_splits_each_step_into_drafting_and_verifying(tmp_path):
     assert [(r["a"], r["K"]) for r in rows] == [(0.8, 2)]  # --quick: one a, K = 2, one run
     for r in rows:
         assert 0 < r["draft_ms"] and 0 < r["verify_ms"] and r["draft_ms"] + r["verify_ms"] < r["step_ms"]
-        assert r["draft_ms_predicted"] == pytest.approx(2 * r["c"] * r["target_step_ms"])
+        caught_up = r["alpha"] ** 2 * (r["catch_up"] - 1)  # the two-token pass after a step that accepted all
+        assert r["draft_ms_predicted"] == pytest.approx((2 + caught_up) * r["c"] * r["target_step_ms"])
         assert 1 <= r["tokens_per_step"] <= 3
     assert "### Where a speculative step's time goes" in open(tmp_path / "results.md").read()
 
@@ -61,6 +62,16 @@ def test_break_even_alpha():
     a = benchmark.break_even_alpha(costs, 1)
     assert speculative.speedup(a, 1, costs) == pytest.approx(1.0, abs=1e-6)
     assert benchmark.break_even_alpha(speculative.Costs(1.0, (1.0, 3.0)), 1) is None  # never pays
+
+
+def test_speedup_counts_the_drafts_catch_up_pass():
+    """After a step that accepted all K drafts (probability alpha^K) the draft's next
+    pass reads two tokens: with catch_up = 2, that pass costs one more draft token."""
+    plain, caught = speculative.Costs(0.5, (1.0, 1.5, 2.0)), speculative.Costs(0.5, (1.0, 1.5, 2.0), catch_up=2.0)
+    assert speculative.draft_cost(0.8, 2, caught) == pytest.approx(0.5 * (2 + 0.8 ** 2))
+    assert speculative.speedup(0.8, 2, caught) == pytest.approx(
+        speculative.expected_tokens(0.8, 2) / (0.5 * (2 + 0.64) + 2.0))
+    assert speculative.speedup(0.0, 2, caught) == speculative.speedup(0.0, 2, plain)  # never all accepted
 
 
 def test_random_params_have_the_real_shapes():
