@@ -54,7 +54,7 @@ def layer_norm(x, g, b, eps=1e-5):
 # OpenBLAS runs a product of 2-8 rows about 2-3x slower than one row, although the
 # weights are read once either way; which way is cheapest depends on n, and is
 # measured on whole passes by `python benchmark.py` ("row strategy" table).
-ROW_STRATEGY = {2: "blocks", 3: "blocks", 4: "blocks", 5: "blocks", 6: "blocks", 7: "blocks"}
+ROW_STRATEGY = {2: "blocks", 3: "blocks", 4: "blocks", 5: "blocks", 6: "blocks", 7: "pad"}
 BLOCK_BYTES = 4 << 20  # stays in the 32 MiB L3 while every row uses it; 2-8 MiB measured alike
 
 

@@ -57,7 +57,7 @@ class Costs:
 
 # verify(K+1) / one decode step for K = 0..8 on a 2-core CPU with the row strategy, 355M target:
 # `python benchmark.py --only speculative --target 355M` (benchmark_results/speculative-355M)
-CPU_VERIFY = (1.0, 1.63, 1.92, 2.40, 2.35, 2.20, 2.29, 2.44, 3.33)
+CPU_VERIFY = (1.0, 1.41, 1.69, 1.98, 2.40, 2.76, 3.20, 2.79, 3.17)
 
 
 @dataclass(frozen=True)
