@@ -224,7 +224,8 @@ STRATEGIES = ("matmul", "pad", "blocks")
 def bench_rows(model, args):
     """gpt2.ROW_STRATEGY's measurement: a whole cached pass over n = 1..8 tokens with each
     way of running the linear layers (one product, padded to 8 rows, one product per
-    row within each cache-sized block of weights), all in turns, in ms; "best" is the cheapest per n."""
+    row within each cache-sized block of weights), all in turns, in ms; "best" is the
+    cheapest per n."""
     ms = {}
     for _ in range(args.reps):
         for n in range(1, 9):
@@ -338,7 +339,8 @@ def bench_speculative_end_to_end(draft, target, costs, args):
         return plain_runs[-1]
     rows = []
     for vocab in dict.fromkeys([0, args.draft_vocab]):
-        measured = speculative.Costs(costs["draft_over_target"][str(vocab)], costs["verify"], costs["catch_up"][str(vocab)])
+        measured = speculative.Costs(costs["draft_over_target"][str(vocab)], costs["verify"],
+                                     costs["catch_up"][str(vocab)])
         for a in args.e2e_alphas:
             for K in dict.fromkeys([args.K, speculative.best_K(a, measured, args.K_max)]):
                 config = speculative.SpeculativeConfig(K=K, draft_vocab=vocab)
@@ -367,7 +369,8 @@ def bench_breakdown(draft, target, args):
     """Where a speculative step's time goes, against the cost model with costs timed in
     the same minute: per decode step (the first, with both prefills, left out), the
     seconds drafting and verifying, and what c, the draft's catch-up pass and verify(K+1),
-    timed right before and after the run, predict for them (drafting at the run's alpha). Each K and a from --K and --e2e_alphas."""
+    timed right before and after the run, predict for them (drafting at the run's
+    alpha). Each K and a from --K and --e2e_alphas."""
     n, L = args.n_tokens * 2, args.prompt_len
     prompt = prompt_ids(L)
     truth = prompt + greedy([prompt], target, n)[0][0]

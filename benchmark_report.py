@@ -96,8 +96,9 @@ def breakdown_table(b):
     lines = ["", f"### Where a speculative step's time goes: draft {b['draft']} -> target {b['target']}", "",
              "Controlled drafter, greedy; per decode step after the first, against c, the draft's catch-up pass "
              "and verify(K+1) timed right before and after each run (drafting predicted at the run's alpha):", "",
-             "| a | K | target step ms | c | catch-up | verify / step | speculative step ms | drafting ms (predicted) | "
-             "verifying ms (predicted) | rest ms | tokens / step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| a | K | target step ms | c | catch-up | verify / step | speculative step ms | "
+             "drafting ms (predicted) | verifying ms (predicted) | rest ms | tokens / step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['a']} | {r['K']} | {r['target_step_ms']:.1f} | {r['c']:.3f} | {r['catch_up']:.2f} | "
               f"{r['verify_over_step']:.2f} | "
               f"{r['step_ms']:.1f} | {r['draft_ms']:.1f} ({r['draft_ms_predicted']:.1f}) | "
