@@ -312,10 +312,10 @@ def controlled_drafter(draft, truth, a, vocab=0, seed=0):
     return propose
 
 
-def controlled_run(draft, target, truth, a, config, n):
+def controlled_run(draft, target, truth, a, config, n, seed=0):
     """One greedy speculative run with the controlled drafter: its Stats."""
     prompt = truth[:len(truth) - n]
-    drafter = controlled_drafter(draft, truth, a, config.draft_vocab)
+    drafter = controlled_drafter(draft, truth, a, config.draft_vocab, seed)
     config = speculative.resolve(config, target, draft)
     out, stats = batching.run(batching.requests([prompt], n, GREEDY), {"target": target, "draft": draft},
                               lambda batch: speculative.speculative_step(batch, target, drafter, config))
@@ -323,14 +323,35 @@ def controlled_run(draft, target, truth, a, config, n):
     return stats
 
 
+def costs_beside(draft, target, L, K, head=None):
+    """(target step seconds, Costs) timed right before or after a run, so that the run and
+    its prediction see the same machine: c, verify(K+1) (the only entry of the verify table
+    that is filled in, at index K) and the draft's catch-up pass, the best of 3 passes each."""
+    step = speculative.pass_seconds(target, L, reps=3)
+    draft_step = speculative.pass_seconds(draft, L, head=head, reps=3)
+    verify = speculative.pass_seconds(target, L, K + 1, reps=3) / step
+    catch_up = speculative.pass_seconds(draft, L, 2, head, reps=3, n_logits=1) / draft_step
+    return step, speculative.Costs(draft_step / step, (1.0,) + (float("nan"),) * (K - 1) + (verify,), catch_up)
+
+
+def mean_costs(before, after):
+    """The mean of two costs_beside results: what the run between them saw."""
+    (s0, c0), (s1, c1) = before, after
+    verify = tuple((x + y) / 2 for x, y in zip(c0.verify, c1.verify))
+    return (s0 + s1) / 2, speculative.Costs((c0.draft + c1.draft) / 2, verify, (c0.catch_up + c1.catch_up) / 2)
+
+
 def bench_speculative_end_to_end(draft, target, costs, args):
     """Measured speedup of speculative decoding with the controlled drafter at each
     acceptance rate a, at K = args.K and at the K the measured costs recommend: each
     speculative run is timed right after a plain greedy run of the same text, and the
-    speedup is the median of those paired ratios. Next to it, the speedup the costs
-    predict, at a and at the alpha the runs really had (64 tokens are few draws)."""
-    n = args.n_tokens * 2
-    prompt = prompt_ids(args.prompt_len)
+    speedup is the median of those paired ratios. Each repetition draws its own
+    acceptances (seed), since 64 tokens are few draws. Next to it, what the cost model
+    predicts: from the cost table at a, and from the costs timed right before and after
+    each run at the acceptance rate that run drew (the model's own error, without the
+    machine's drift between the table and the run)."""
+    n, L = args.n_tokens * 2, args.prompt_len
+    prompt = prompt_ids(L)
     truth = prompt + greedy([prompt], target, n)[0][0]
     plain_runs = []
 
@@ -341,25 +362,31 @@ def bench_speculative_end_to_end(draft, target, costs, args):
     for vocab in dict.fromkeys([0, args.draft_vocab]):
         measured = speculative.Costs(costs["draft_over_target"][str(vocab)], costs["verify"],
                                      costs["catch_up"][str(vocab)])
+        head = speculative.vocab_subset_head(draft[0]["wte"], [prompt], vocab) if vocab else None
         for a in args.e2e_alphas:
             for K in dict.fromkeys([args.K, speculative.best_K(a, measured, args.K_max)]):
                 config = speculative.SpeculativeConfig(K=K, draft_vocab=vocab)
-                runs, ratios = [], []
+                runs, ratios, beside = [], [], []
                 controlled_run(draft, target, truth, a, config, n)  # warm-up
-                for _ in range(args.reps):
+                for rep in range(args.reps):
+                    before = costs_beside(draft, target, L, K, head)
                     base = plain()
-                    runs.append(controlled_run(draft, target, truth, a, config, n))
+                    runs.append(controlled_run(draft, target, truth, a, config, n, seed=rep))
                     ratios.append(runs[-1].decode_tokens_per_s / base)
+                    alpha = speculative.estimate_alpha(runs[-1].accepted, runs[-1].rejections)
+                    beside.append(speculative.speedup(alpha, K, mean_costs(before, costs_beside(
+                        draft, target, L, K, head))[1]))
                 alpha = float(np.median([speculative.estimate_alpha(s.accepted, s.rejections) for s in runs]))
                 rows.append({"decoder": "speculative", "a": a, "K": K, "draft_vocab": vocab,
                              "tok_s": float(np.median([s.decode_tokens_per_s for s in runs])),
                              "speedup": float(np.median(ratios)), "speedup_min": min(ratios),
                              "speedup_max": max(ratios), "predicted": speculative.speedup(a, K, measured),
-                             "alpha": alpha, "predicted_at_alpha": speculative.speedup(alpha, K, measured),
-                             "tokens_per_target_pass": runs[-1].tokens_per_target_pass})
+                             "alpha": alpha, "predicted_beside": float(np.median(beside)),
+                             "model_error": float(np.median([r / b - 1 for r, b in zip(ratios, beside)])),
+                             "tokens_per_target_pass": float(np.median([s.tokens_per_target_pass for s in runs]))})
                 print(f"  a={a} K={K} draft_vocab={vocab}: {rows[-1]['speedup']:.2f}x measured, "
-                      f"{rows[-1]['predicted']:.2f}x predicted ({rows[-1]['predicted_at_alpha']:.2f}x at the "
-                      f"measured alpha {alpha:.2f})", flush=True)
+                      f"{rows[-1]['predicted']:.2f}x predicted by the table, {rows[-1]['predicted_beside']:.2f}x by "
+                      f"the costs beside each run at its alpha (median {alpha:.2f})", flush=True)
     plain_tok_s = float(np.median(plain_runs))
     return [{"decoder": "autoregressive", "a": None, "K": 0, "draft_vocab": None, "tok_s": plain_tok_s,
              "speedup": 1.0}] + rows
@@ -375,26 +402,23 @@ def bench_breakdown(draft, target, args):
     prompt = prompt_ids(L)
     truth = prompt + greedy([prompt], target, n)[0][0]
     rows = []
-
-    def costs():  # (target step s, c, verify(K+1) in steps, catch-up in draft tokens)
-        step, draft_step = speculative.pass_seconds(target, L, reps=3), speculative.pass_seconds(draft, L, reps=3)
-        return step, draft_step / step, speculative.pass_seconds(target, L, args.K + 1, reps=3) / step, \
-            speculative.pass_seconds(draft, L, 2, reps=3, n_logits=1) / draft_step
     for a in args.e2e_alphas:
         config = speculative.SpeculativeConfig(K=args.K)
         controlled_run(draft, target, truth, a, config, n)  # warm-up
-        for _ in range(args.reps):
-            before, s, after = costs(), controlled_run(draft, target, truth, a, config, n), costs()
-            step, c, verify, catch_up = np.mean([before, after], axis=0)
+        for rep in range(args.reps):
+            before = costs_beside(draft, target, L, args.K)
+            s = controlled_run(draft, target, truth, a, config, n, seed=rep)
+            step, costs = mean_costs(before, costs_beside(draft, target, L, args.K))
             steps = len(s.step_times) - 1
             alpha = speculative.estimate_alpha(s.accepted, s.rejections)
-            drafting = speculative.draft_cost(alpha, args.K, speculative.Costs(c, (), catch_up))
-            rows.append({"a": a, "K": args.K, "target_step_ms": step * 1e3, "c": c, "verify_over_step": verify,
-                         "catch_up": catch_up, "alpha": alpha,
+            verify = costs.verify[args.K]
+            rows.append({"a": a, "K": args.K, "target_step_ms": step * 1e3, "c": costs.draft,
+                         "verify_over_step": verify, "catch_up": costs.catch_up, "alpha": alpha,
                          "step_ms": (s.seconds - s.ttft_s) / steps * 1e3,
                          "draft_ms": sum(s.step_draft_s[1:]) / steps * 1e3,
                          "verify_ms": sum(s.step_verify_s[1:]) / steps * 1e3,
-                         "draft_ms_predicted": drafting * step * 1e3, "verify_ms_predicted": verify * step * 1e3,
+                         "draft_ms_predicted": speculative.draft_cost(alpha, args.K, costs) * step * 1e3,
+                         "verify_ms_predicted": verify * step * 1e3,
                          "tokens_per_step": (s.n_tokens - s.step_tokens[0]) / steps})
             print(f"  a={a} K={args.K}: step {rows[-1]['step_ms']:.0f} ms, drafting {rows[-1]['draft_ms']:.0f} "
                   f"({rows[-1]['draft_ms_predicted']:.0f} predicted), verifying {rows[-1]['verify_ms']:.0f} "

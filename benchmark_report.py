@@ -71,17 +71,19 @@ def speculative_costs_table(s):
 def end_to_end_table(s):
     e2e = s["end_to_end"]
     lines = ["", f"Measured end to end (greedy, controlled drafter: the {s['draft']} draft runs, then each proposal "
-             f"is the target's own token with probability a). Each speculative run is paired with a plain greedy run "
-             f"right before it (plain decoding: {e2e[0]['tok_s']:.1f} tok/s, median); the speedup is the median of "
-             "the paired ratios, with their range:",
-             "", "| a | K | draft vocabulary | tok/s | measured speedup (range) | predicted at a | alpha measured | "
-             "predicted at it | tokens / target pass |", "|---|---|---|---|---|---|---|---|---|"]
+             f"is the target's own token with probability a, each repetition with its own draws). Each speculative "
+             f"run is paired with a plain greedy run right before it (plain decoding: {e2e[0]['tok_s']:.1f} tok/s, "
+             "median); the speedup is the median of the paired ratios, with their range. Predicted: by the cost "
+             "table above at a, and by costs timed right before and after each run at the acceptance rate the run "
+             "drew (median); model error: measured / predicted beside - 1, median over the runs:",
+             "", "| a | K | draft vocabulary | tok/s | measured speedup (range) | predicted at a | alpha drawn | "
+             "predicted beside | model error | tokens / target pass |", "|---|---|---|---|---|---|---|---|---|---|"]
     for e in e2e[1:]:
         vocab = "all" if not e["draft_vocab"] else f"{e['draft_vocab']}"
         lines.append(f"| {e['a']} | {e['K']} | {vocab} | {e['tok_s']:.1f} | {e['speedup']:.2f}x "
                      f"({e['speedup_min']:.2f}-{e['speedup_max']:.2f}) | "
-                     f"{e['predicted']:.2f}x | {e['alpha']:.2f} | {e['predicted_at_alpha']:.2f}x | "
-                     f"{e['tokens_per_target_pass']:.2f} |")
+                     f"{e['predicted']:.2f}x | {e['alpha']:.2f} | {e['predicted_beside']:.2f}x | "
+                     f"{e['model_error']:+.0%} | {e['tokens_per_target_pass']:.2f} |")
     if s.get("coverage"):
         Ns = [k for k in s["coverage"][0] if k not in ("text", "tokens")]
         lines += ["", "Tokens of real text a vocabulary-subset draft cannot propose (id >= N, not earlier in the "
