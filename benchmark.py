@@ -324,14 +324,21 @@ def controlled_run(draft, target, truth, a, config, n, seed=0):
     return stats
 
 
+def typical_pass(model, L, T=1, head=None, n_logits=None, reps=3):
+    """The median of reps single passes, each after a warm-up: what a pass inside a run
+    takes. The best of a few passes is the best case, about 10% less than a 1558M run's
+    passes take (breakdown-1558M)."""
+    return float(np.median([speculative.pass_seconds(model, L, T, head, 1, n_logits) for _ in range(reps)]))
+
+
 def costs_beside(draft, target, L, K, head=None):
     """(target step seconds, Costs) timed right before or after a run, so that the run and
     its prediction see the same machine: c, verify(K+1) (the only entry of the verify table
-    that is filled in, at index K) and the draft's catch-up pass, the best of 3 passes each."""
-    step = speculative.pass_seconds(target, L, reps=3)
-    draft_step = speculative.pass_seconds(draft, L, head=head, reps=3)
-    verify = speculative.pass_seconds(target, L, K + 1, reps=3) / step
-    catch_up = speculative.pass_seconds(draft, L, 2, head, reps=3, n_logits=1) / draft_step
+    that is filled in, at index K) and the draft's catch-up pass, typical passes each."""
+    step = typical_pass(target, L)
+    draft_step = typical_pass(draft, L, head=head)
+    verify = typical_pass(target, L, K + 1) / step
+    catch_up = typical_pass(draft, L, 2, head, n_logits=1) / draft_step
     return step, speculative.Costs(draft_step / step, (1.0,) + (float("nan"),) * (K - 1) + (verify,), catch_up)
 
 
