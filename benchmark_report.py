@@ -196,7 +196,8 @@ def plots(results, img_dir):
             rows = [e for e in s["end_to_end"][1:] if e["draft_vocab"] == vocab and e["K"] == s["K"]]
             label = "full draft head" if not vocab else f"draft head over {vocab} tokens"
             a1.plot([e["a"] for e in rows], [e["speedup"] for e in rows], "o-", label=f"measured, {label}")
-            a1.plot([e["a"] for e in rows], [e["predicted"] for e in rows], "x--", label=f"predicted by the table, {label}")
+            a1.plot([e["a"] for e in rows], [e["predicted"] for e in rows], "x--",
+                    label=f"predicted by the table, {label}")
             a1.plot([e["a"] for e in rows], [e["predicted_beside"] for e in rows], "s:", markersize=3,
                     label=f"predicted beside each run, {label}")
         a1.axhline(1, color="grey", lw=0.5)
