@@ -19,13 +19,12 @@ So the weights' location decides where every step runs. Host and device meet
 only at small index arrays and the chosen token ids.
 """
 
-import contextlib
-import time
 
 import numpy as np
 
 import batching
 import kv_cache
+import rowwise
 import sampling
 
 
@@ -49,92 +48,51 @@ def layer_norm(x, g, b, eps=1e-5):
     return (g * (h / np.sqrt(variance + eps)) + b).astype(x.dtype, copy=False)
 
 
-# How a linear layer runs a pass over n rows (tokens), n -> "matmul" (one matrix
-# product), "pad" (padded to 8 rows, one product) or "blocks" (blockwise_matmul).
-# OpenBLAS runs a product of 2-8 rows about 2-3x slower than one row, although the
-# weights are read once either way; which way is cheapest depends on n, and is
-# measured on whole passes by `python benchmark.py` ("row strategy" table).
-ROW_STRATEGY = {2: "blocks", 3: "blocks", 4: "blocks", 5: "blocks", 6: "blocks", 7: "pad"}
-BLOCK_BYTES = 4 << 20  # stays in the 32 MiB L3 while every row uses it; 2-8 MiB measured alike
-
-
-def linear(x, w, b):
-    """x @ w + b over the last axis, with the rows of the batch flattened together."""
+def linear(x, w, b, shared=False):
+    """x @ w + b over the last axis, the rows of the batch flattened together. shared: the
+    pass serves several requests, so each row must come out as it would alone (rowwise.py)."""
     rows = x.reshape(-1, x.shape[-1])  # [n, n_in]
-    n = rows.shape[0]
-    how = ROW_STRATEGY.get(n, "matmul") if isinstance(rows, np.ndarray) else "matmul"  # a GPU: one product
-    if how == "blocks":
-        out = blockwise_matmul(rows, w) + b
-    elif how == "pad":
-        out = (np.concatenate([rows, np.zeros((8 - n, rows.shape[1]), rows.dtype)]) @ w + b)[:n]
-    else:
-        out = rows @ w + b
-    return out.reshape(*x.shape[:-1], w.shape[-1])  # [B, T, n_out]
+    return (rowwise.matmul(rows, w, shared) + b).reshape(*x.shape[:-1], w.shape[-1])  # [B, T, n_out]
 
 
-def blockwise_matmul(rows, w):
-    """rows @ w, one row at a time, block by block of w. One row streams w at the
-    speed of memory, so n rows one at a time read w n times; here each block of
-    BLOCK_BYTES is read from memory by the first row and from cache by the others.
-    A block is a contiguous run of w: output columns of a column-major w (each row's
-    products are outputs), input rows of a row-major w (partial sums, added up)."""
-    (n, n_in), n_out = rows.shape, w.shape[1]
-    if w.flags.f_contiguous:
-        width = max(16, BLOCK_BYTES // (w.itemsize * n_in))
-        out = np.empty((n, n_out), rows.dtype)  # [n, n_out]
-        for j in range(0, n_out, width):
-            for i in range(n):
-                np.matmul(rows[i], w[:, j:j + width], out=out[i, j:j + width])  # [width]
-        return out
-    height = max(16, BLOCK_BYTES // (w.itemsize * n_out))
-    out, part = np.zeros((n, n_out), rows.dtype), np.empty(n_out, rows.dtype)  # [n, n_out], [n_out]
-    for k in range(0, n_in, height):
-        for i in range(n):
-            out[i] += np.matmul(rows[i, k:k + height], w[k:k + height], out=part)
-    return out
+def ffn(x, c_fc, c_proj, shared=False):
+    h = gelu(linear(x, **c_fc, shared=shared))  # [B, T, 4*n_embd]
+    return linear(h, **c_proj, shared=shared)  # [B, T, n_embd]
 
 
-@contextlib.contextmanager
-def row_strategy(table):
-    """Run the linear layers with another n -> strategy table inside a with block
-    (the benchmark measures each one)."""
-    global ROW_STRATEGY
-    saved, ROW_STRATEGY = ROW_STRATEGY, table
-    try:
-        yield
-    finally:
-        ROW_STRATEGY = saved
-
-
-def ffn(x, c_fc, c_proj):
-    return linear(gelu(linear(x, **c_fc)), **c_proj)  # [B, T, n_embd] -> [B, T, 4*n_embd] -> [B, T, n_embd]
-
-
-def attention(q, k, v, mask):
-    """softmax(q k^T / sqrt(d_head) + mask) v, with mask 0 (see) or -inf (hide)."""
+def attention(q, k, v, mask, shared=False):
+    """softmax(q k^T / sqrt(d_head) + mask) v, with mask 0 (see) or -inf (hide).
+    shared: one matrix-vector product per query, so that no query's sums depend on how
+    many queries share the pass (rowwise.py says why); else one product per head."""
     scale = 1.0 / float(np.sqrt(q.shape[-1]))
     # the mask is float32, so a float16 model's scores (and its softmax) become float32 here
-    scores = (q @ k.swapaxes(-1, -2)) * scale + mask  # [B, n_head, T, S]
-    return softmax(scores).astype(v.dtype, copy=False) @ v  # [B, n_head, T, d_head]
+    if not shared:
+        scores = (q @ k.swapaxes(-1, -2)) * scale + mask  # [B, n_head, T, S]
+        return softmax(scores).astype(v.dtype, copy=False) @ v  # [B, n_head, T, d_head]
+    scores = np.matmul(k[:, :, None], q[..., None])[..., 0] * scale + mask  # [B, n_head, T, S]
+    p = softmax(scores).astype(v.dtype, copy=False)  # [B, n_head, T, S]
+    return np.matmul(p[..., None, :], v[:, :, None])[..., 0, :]  # [B, n_head, T, d_head]
 
 
 def mha(x, c_attn, c_proj, n_head, kv):
     """Causal multi-head self-attention. kv: this layer's view of the pass (kv_cache.begin_pass):
-    the mask, and with a cache, where these keys and values go."""
+    the mask, with a cache where these keys and values go, and which rows share a length."""
     B, T, n_embd = x.shape
-    qkv = linear(x, **c_attn)  # [B, T, 3*n_embd]
+    qkv = linear(x, **c_attn, shared=kv["shared"])  # [B, T, 3*n_embd]
     qkv = qkv.reshape(B, T, 3, n_head, n_embd // n_head).transpose(2, 0, 3, 1, 4)  # [3, B, n_head, T, d_head]
     q, k, v = qkv[0], qkv[1], qkv[2]  # [B, n_head, T, d_head]
     if "k" in kv:  # cached: store these keys and values, attend over everything cached
         k, v = kv_cache.append(kv, k, v)  # [B, n_head, S, d_head]
-    out = attention(q, k, v, kv["mask"])  # [B, n_head, T, d_head]
+    out = np.empty_like(q)  # [B, n_head, T, d_head]
+    for S, rows in kv["groups"]:  # each row attends over its own S keys: a sum's length is the row's own
+        out[rows] = attention(q[rows], k[rows, :, :S], v[rows, :, :S], kv["mask"][rows, ..., :S], kv["shared"])
     out = out.transpose(0, 2, 1, 3).reshape(B, T, n_embd)  # [B, T, n_embd]
-    return linear(out, **c_proj)
+    return linear(out, **c_proj, shared=kv["shared"])
 
 
 def transformer_block(x, mlp, attn, ln_1, ln_2, n_head, kv):
     x = x + mha(layer_norm(x, **ln_1), **attn, n_head=n_head, kv=kv)
-    x = x + ffn(layer_norm(x, **ln_2), **mlp)
+    x = x + ffn(layer_norm(x, **ln_2), **mlp, shared=kv["shared"])
     return x  # [B, T, n_embd]
 
 
@@ -158,19 +116,40 @@ def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, kv=None):
     """Logits [B, T, n_vocab] at every position, as picoGPT (or [B, n, n_vocab] where kv says).
     The head is the token embedding again (tied weights); the 50257-wide head is the
     largest matmul of a step, so it runs only where logits are needed."""
-    return linear(hidden(inputs, wte, wpe, blocks, ln_f, n_head, kv), wte.T, 0.0)  # [B, n, n_vocab]
+    x = hidden(inputs, wte, wpe, blocks, ln_f, n_head, kv)  # [B, n, n_embd]
+    return linear(x, wte.T, 0.0)  # [B, n, n_vocab]
+
+
+# A row's tokens that need no logits (a prompt but its last token, a window refilled
+# after a restart) run in a pass of the row's own when there are more than this: one
+# product then costs less than a gemv per token, and its rounding depends on that row alone.
+ALONE_ABOVE = 8
 
 
 def next_logits(model, cache, texts, n_logits=1, head=None):
     """One pass that brings every text up to date: with a cache, only the tokens it
     has not seen; without, the whole window again. Returns logits [B, n, n_vocab] at
     each row's last n_logits[b] tokens (n = the largest n_logits), through head(x)
-    if given (a draft's vocabulary subset), else the full tied head."""
+    if given (a draft's vocabulary subset), else the full tied head. With a cache the
+    pass is shared: every row comes out bitwise as it would alone (rowwise.py)."""
+    params, hparams = model
+    if cache is not None:
+        prefill_alone(model, cache, texts, n_logits)
+    inputs, n_new = kv_cache.pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
+    kv = kv_cache.begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wte"], shared=cache is not None)
+    x = hidden(inputs, **params, n_head=hparams["n_head"], kv=kv)  # [B, n, n_embd]
+    return head(x) if head else linear(x, params["wte"].T, 0.0, shared=kv["shared"])  # [B, n, n_vocab]
+
+
+def prefill_alone(model, cache, texts, n_logits):
+    """Cache each row's tokens that need no logits in a pass of the row's own, where
+    there are more than ALONE_ABOVE of them; the shared pass then runs only the rest."""
     params, hparams = model
     inputs, n_new = kv_cache.pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
-    kv = kv_cache.begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wte"])
-    x = hidden(inputs, **params, n_head=hparams["n_head"], kv=kv)  # [B, n, n_embd]
-    return head(x) if head else linear(x, params["wte"].T, 0.0)  # [B, n, n_vocab]
+    m = n_new - np.broadcast_to(n_logits, n_new.shape)  # [B]: tokens before the first that needs logits
+    for b in np.nonzero(m > ALONE_ABOVE)[0]:
+        kv = kv_cache.begin_pass(kv_cache.rows(cache, b, b + 1), m[b:b + 1], int(m[b]), 1, like=params["wte"])
+        hidden(inputs[b:b + 1, :m[b]], **params, n_head=hparams["n_head"], kv=kv)  # [1, m, ...]: fills the cache
 
 
 def autoregressive_step(batch, model):

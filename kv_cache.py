@@ -89,11 +89,13 @@ def pad_right(rows, pad=0):
     return inputs, n_new
 
 
-def begin_pass(cache, n_new, T, n_logits, like):
+def begin_pass(cache, n_new, T, n_logits, like, shared=False):
     """What one model pass over inputs [B, T] (row b: n_new[b] real tokens) needs to know:
     each token's position, the causal mask, where each layer stores its keys and values
     (with a cache), and which positions need logits: row b's last n_logits[b] real
-    tokens, the rest of its n_logits.max() entries repeating its last token."""
+    tokens, the rest of its n_logits.max() entries repeating its last token.
+    shared: the pass serves several requests, so each row attends over exactly its own
+    keys (`groups`: rows of one length together), never the longest row's."""
     B = len(n_new)
     start = cache["lengths"] if cache is not None else np.zeros(B, dtype=np.int64)
     positions = start[:, None] + np.arange(T)  # [B, T]: a token's position is its slot
@@ -103,13 +105,26 @@ def begin_pass(cache, n_new, T, n_logits, like):
     mask = np.asarray(mask, like=like)  # built on the host, used where the weights are
     n_logits = np.broadcast_to(n_logits, (B,))
     at = n_new[:, None] - n_logits[:, None] + np.arange(n_logits.max())  # [B, n_logits.max()]
-    kv = {"positions": positions, "cache": cache, "n_new": n_new,
+    groups = row_groups(start + n_new) if shared else [(S, slice(None))]
+    kv = {"positions": positions, "cache": cache, "n_new": n_new, "shared": shared,
           "logits_at": np.clip(at, 0, (n_new - 1).clip(0)[:, None]),
-          "layers": itertools.repeat({"mask": mask})}  # every layer: the same mask, nothing to store
+          "layers": itertools.repeat({"mask": mask, "groups": groups, "shared": shared})}  # nothing to store
     if cache is not None:
         where = write_slots(start, n_new, T)
-        kv["layers"] = [dict(layer, where=where, S=S, mask=mask) for layer in cache["layers"]]
+        kv["layers"] = [dict(layer, where=where, S=S, mask=mask, groups=groups, shared=shared)
+                        for layer in cache["layers"]]
     return kv
+
+
+def row_groups(lengths):
+    """[(S, rows)]: the rows whose texts are S tokens long, for each S; rows is a slice
+    when they are neighbours (a view), else an index array."""
+    groups = []
+    for S in np.unique(lengths):
+        rows = np.nonzero(lengths == S)[0]
+        contiguous = rows[-1] - rows[0] + 1 == len(rows)
+        groups.append((int(S), slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else rows))
+    return groups
 
 
 def write_slots(lengths, n_new, T):

@@ -173,7 +173,7 @@ def vocab_subset_head(wte, texts, N):
     max(0, p - q) = p there. Returns head(x [B, 1, n_embd]) -> logits [B, 1, n_vocab]."""
     def head(x):
         logits = np.full((x.shape[0], 1, wte.shape[0]), -np.inf, dtype=np.float32, like=x)
-        logits[:, 0, :N] = gpt2.linear(x[:, 0], wte[:N].T, 0.0)  # [B, N]: reads N rows of wte only
+        logits[:, 0, :N] = gpt2.linear(x[:, 0], wte[:N].T, 0.0, shared=True)  # [B, N]: reads N rows of wte only
         for b, text in enumerate(texts):
             extra = np.unique(np.asarray(text)[np.asarray(text) >= N])  # the text's rarer tokens
             if extra.size:

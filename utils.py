@@ -3,8 +3,8 @@
 `load_encoder_hparams_and_params(size)` downloads whatever is missing (resumable,
 atomic: a file gets its final name only when complete), builds GPT-2's byte-level
 BPE with tiktoken from the downloaded files, and reads the weights through
-checkpoint.py (which parses the formats). Two kinds of tensor are then copied
-once, into the memory order that decoding reads fastest (`decode_layout`), and
+checkpoint.py (which parses the formats). The blocks' weight matrices are then
+copied once, into the memory order that decoding reads fastest (`decode_layout`), and
 `to_backend` moves the params to a GPU (CuPy) when asked.
 """
 import hashlib
@@ -168,20 +168,22 @@ def sha256_of(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 def decode_layout(params):
-    """params with the tied embedding wte and every MLP down-projection copied into
-    column-major (Fortran) order; every other tensor stays memory-mapped.
+    """params with every weight matrix of the blocks copied into column-major (Fortran)
+    order; wte and the other tensors stay memory-mapped as the checkpoint stores them.
 
     Shapes and values do not change, so gpt2.py reads the same; only the byte order
-    does, and it decides which OpenBLAS kernel a matmul runs: the copied matrices
-    stream faster in one-row and few-row matmuls (benchmark.py's "weight layout"
-    rows measure by how much). The attention weights gain little at one row and
-    lose at eight rows, so they are not copied. The price: a copy of wte and the
-    down-projections at load (270 MB for 124M, 2.3 GB for 1558M).
+    does. Column-major w [n_in, n_out] keeps each output's weights together, which is
+    what rowwise.py needs: its blocks of output columns are then contiguous runs of
+    memory (views, no second copy), and one row's gemv streams it fastest. The head
+    is wte.T, column-major already since wte [n_vocab, n_embd] is stored row by row.
+    The price: a copy of the blocks' matrices at load (most of the model's bytes).
     """
-    def mlp(m):
-        return {**m, "c_proj": {**m["c_proj"], "w": column_major(m["c_proj"]["w"])}}  # [4*n_embd, n_embd]
-    blocks = [{**block, "mlp": mlp(block["mlp"])} for block in params["blocks"]]
-    return {**params, "wte": column_major(params["wte"]), "blocks": blocks}  # wte: [n_vocab, n_embd]
+    def copied(layer):
+        return {**layer, "w": column_major(layer["w"])}  # [n_in, n_out]
+    blocks = [{"attn": {name: copied(block["attn"][name]) for name in ("c_attn", "c_proj")},
+               "mlp": {name: copied(block["mlp"][name]) for name in ("c_fc", "c_proj")},
+               "ln_1": block["ln_1"], "ln_2": block["ln_2"]} for block in params["blocks"]]
+    return {**params, "blocks": blocks}
 
 
 def column_major(w, rows=256):

@@ -51,31 +51,6 @@ def test_hot_path_stays_float32(tiny, reference):
     assert sampling.probabilities(logits[:, -1], counts, s).dtype == np.float32
 
 
-@pytest.mark.parametrize("how", ["matmul", "pad", "blocks"])
-def test_every_row_strategy_computes_the_same_product(how):
-    rng = np.random.default_rng(1)
-    w, b = rng.standard_normal((16, 48)).astype(np.float32), rng.standard_normal(48).astype(np.float32)
-    with gpt2.row_strategy({n: how for n in range(2, 8)}):
-        for T in range(1, 11):
-            x = rng.standard_normal((1, T, 16)).astype(np.float32)
-            np.testing.assert_allclose(gpt2.linear(x, w, b), x @ w + b, rtol=1e-5, atol=1e-5)
-    assert gpt2.ROW_STRATEGY[2] == "blocks"  # restored after the with block
-
-
-@pytest.mark.parametrize("order", ["C", "F"])
-def test_blockwise_matmul_covers_every_block(monkeypatch, order):
-    """Blocks of 16 columns (column-major) or 16 input rows (row-major), the last one
-    partial: every output is computed once and every partial sum is added."""
-    rng = np.random.default_rng(2)
-    w = np.asarray(rng.standard_normal((40, 50)), np.float32, order=order)  # [n_in, n_out]
-    monkeypatch.setattr(gpt2, "BLOCK_BYTES", 16 * 4 * (40 if order == "F" else 50))
-    for n in (1, 2, 5):
-        rows = rng.standard_normal((n, 40)).astype(np.float32)
-        out = gpt2.blockwise_matmul(rows, w)
-        assert out.dtype == np.float32
-        np.testing.assert_allclose(out, rows.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
-
-
 def test_greedy_generate_reproduces_transformers(reference, tiny):
     prompt = reference["input_ids"].tolist()
     for use_cache in (True, False):

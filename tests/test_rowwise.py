@@ -1,0 +1,116 @@
+"""Rows multiply the weights exactly as they would alone (rowwise.py), and so a
+request's logits are bitwise the same whatever shares its pass (batch invariance)."""
+import numpy as np
+import pytest
+
+import batching
+import benchmark
+import gpt2
+import kv_cache
+import rowwise
+import sampling
+import scheduler
+import speculative
+
+WIDTHS = [(768, 2304), (1024, 4096), (4096, 1024), (1024, 50257)]  # GPT-2's matrices and its head
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_every_output_of_every_row_is_computed_once(monkeypatch, order):
+    """Blocks of 16 outputs and a narrower last one, or (row-major w) a gemv per row."""
+    rng = np.random.default_rng(2)
+    w = np.asarray(rng.standard_normal((40, 50)), np.float32, order=order)  # [n_in, n_out]
+    monkeypatch.setattr(rowwise, "BLOCK_BYTES", 16 * 4 * 40)
+    for n in (1, 2, 5, 9):
+        rows = rng.standard_normal((n, 40)).astype(np.float32)
+        out = rowwise.gemv_rows(rows, w)
+        assert out.dtype == np.float32 and out.shape == (n, 50)
+        np.testing.assert_allclose(out, rows.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_in, n_out", WIDTHS)
+def test_each_row_is_bitwise_what_it_is_alone(n_in, n_out):
+    rng = np.random.default_rng(n_out)
+    w = np.asfortranarray(rng.standard_normal((n_in, n_out), dtype=np.float32))
+    rows = rng.standard_normal((12, n_in), dtype=np.float32)
+    alone = [rowwise.matmul(rows[i:i + 1], w)[0] for i in range(12)]
+    for n in (2, 3, 4, 5, 8, 12):
+        out = rowwise.matmul(rows[:n], w)
+        assert all(np.array_equal(out[i], alone[i]) for i in range(n)), f"a row of {n} differs from itself alone"
+    np.testing.assert_allclose(alone[0], rows[0].astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
+
+
+def test_one_product_is_the_baseline_and_blas_threads_come_back():
+    rng = np.random.default_rng(3)
+    w = np.asfortranarray(rng.standard_normal((64, 96), dtype=np.float32))
+    rows = rng.standard_normal((5, 64), dtype=np.float32)
+    before = rowwise._blas() and rowwise._blas().get_num_threads()
+    with rowwise.strategy("product"):
+        np.testing.assert_array_equal(rowwise.matmul(rows, w), rows @ w)
+    assert rowwise.STRATEGY == "rows"
+    np.testing.assert_allclose(rowwise.matmul(rows, w), rows @ w, rtol=1e-5, atol=1e-5)
+    assert (rowwise._blas() and rowwise._blas().get_num_threads()) == before
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """A random GPT-2 with 124M's widths (768, 12 heads) but 2 layers and a 256-token
+    window: real BLAS kernels, small enough for a test."""
+    params, hparams = benchmark.random_params("124M", seed=5, n_ctx=256)
+    params = dict(params, blocks=params["blocks"][:2])
+    return params, dict(hparams, n_layer=2)
+
+
+def passes(model, texts_per_step, n_logits_per_step):
+    """Run next_logits step by step on one cache; returns each step's logits."""
+    cache = kv_cache.init_cache(model[1], len(texts_per_step[0]), 256, like=model[0]["wte"])
+    return [gpt2.next_logits(model, cache, texts, n_logits) for texts, n_logits in zip(texts_per_step, n_logits_per_step)]
+
+
+def test_a_rows_logits_are_bitwise_the_same_in_any_company(wide):
+    """Row A: a 12-token prompt (part of it in a pass of its own), then 1 token, then a
+    verification of 4. Beside it: nobody, rows of other lengths, rows verifying more or
+    fewer tokens, a row prefilling a long prompt."""
+    rng = np.random.default_rng(0)
+    A = rng.integers(0, 50257, 12).tolist()
+    steps = [A, A + [7], A + [7, 8, 9, 10, 11]]
+    n_logits = [1, 1, 4]
+    alone = passes(wide, [[s] for s in steps], n_logits)
+    others = [rng.integers(0, 50257, n).tolist() for n in (3, 40, 1, 17)]
+    companies = [[0, 1], [2, 0], [3, 0, 4, 1]]  # row A's index in each, and the other rows
+    for company in companies:
+        row_a = company.index(0) if 0 in company else 0
+        texts = [[steps[i] if who == 0 else others[who - 1] + [5] * (i * (who + 1)) for who in company]
+                 for i in range(3)]
+        n_log = [np.array([n_logits[i] if who == 0 else 1 + (who + i) % 5 for who in company]) for i in range(3)]
+        got = passes(wide, texts, n_log)
+        for i in range(3):
+            np.testing.assert_array_equal(got[i][row_a, :n_logits[i]], alone[i][0, :n_logits[i]],
+                                          err_msg=f"step {i}, company {company}")
+
+
+SAMPLED = sampling.SamplingSettings(temperature=1.0, repetition_penalty=1.3)
+
+
+def requests(n, seed):
+    rng = np.random.default_rng(seed)
+    return [batching.Request(tuple(rng.integers(0, 50257, rng.integers(1, 30)).tolist()), int(rng.integers(1, 25)),
+                             SAMPLED, seed=i) for i in range(n)]
+
+
+@pytest.mark.parametrize("decoder", ["autoregressive", "speculative"])
+def test_served_sampled_text_equals_the_text_alone(wide, decoder):
+    """Full-vocabulary sampling with a repetition penalty, max_batch 2-8, rows joining
+    and leaving: every request's text is its text alone (speculative: draft = 1 layer)."""
+    draft = (dict(wide[0], blocks=wide[0]["blocks"][:1]), dict(wide[1], n_layer=1))
+    config = speculative.SpeculativeConfig(K=3)
+    if decoder == "autoregressive":
+        serve_with, alone = scheduler.autoregressive(wide), lambda r: gpt2.generate([r], wide)[0][0]
+    else:
+        serve_with = scheduler.speculative_decoder(wide, draft, config)
+        alone = lambda r: speculative.speculative_generate([r], wide, draft, config)[0][0]  # noqa: E731
+    reqs = requests(12, seed=1)
+    want = [alone(r) for r in reqs]
+    for max_batch in (2, 5, 8):
+        finished = {e.index: e.tokens for e in scheduler.serve(reqs, serve_with, max_batch) if e.kind == "finished"}
+        assert [finished[i] for i in range(len(reqs))] == want, f"max_batch {max_batch}"
