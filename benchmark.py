@@ -29,6 +29,7 @@ import batching
 import benchmark_report
 import checkpoint
 import gpt2
+import rowwise
 import sampling
 import scheduler
 import speculative
@@ -195,10 +196,10 @@ def bench_context(params, hparams, args):
 def checkpoint_layout(params):
     """The params as the checkpoint stores them (every matrix row-major): what
     utils.decode_layout changed, undone, to measure what it buys."""
-    def mlp(m):
-        return {**m, "c_proj": {**m["c_proj"], "w": np.ascontiguousarray(m["c_proj"]["w"])}}
-    blocks = [{**block, "mlp": mlp(block["mlp"])} for block in params["blocks"]]
-    return {**params, "wte": np.ascontiguousarray(params["wte"]), "blocks": blocks}
+    def c_order(group):
+        return {name: {**layer, "w": np.ascontiguousarray(layer["w"])} for name, layer in group.items()}
+    blocks = [{**block, "attn": c_order(block["attn"]), "mlp": c_order(block["mlp"])} for block in params["blocks"]]
+    return {**params, "blocks": blocks}
 
 
 def bench_layout(params, hparams, args):
@@ -218,24 +219,24 @@ def bench_layout(params, hparams, args):
     return rows
 
 
-STRATEGIES = ("matmul", "pad", "blocks")
+ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
 
 
 def bench_rows(model, args):
-    """gpt2.ROW_STRATEGY's measurement: a whole cached pass over n = 1..8 tokens with each
-    way of running the linear layers (one product, padded to 8 rows, one product per
-    row within each cache-sized block of weights), all in turns, in ms; "best" is the
-    cheapest per n."""
+    """rowwise.py's measurement: a whole cached pass over n tokens of one request (a
+    verification of n - 1 drafts), every row its own gemv block by block ("rows", the
+    batch-invariant way decoding uses) against one product per weight matrix ("product",
+    OpenBLAS's sgemm), in turns, in ms; "best" is the cheaper per n."""
     ms = {}
     for _ in range(args.reps):
-        for n in range(1, 9):
-            for how in STRATEGIES:
-                with gpt2.row_strategy({n: how}):
+        for n in ROW_COUNTS:
+            for how in rowwise.STRATEGIES:
+                with rowwise.strategy(how):
                     ms.setdefault((n, how), []).append(1e3 * speculative.pass_seconds(model, args.prompt_len, n, reps=1))
     rows = []
-    for n in range(1, 9):
-        row = {"n": n, **{how: float(np.median(ms[(n, how)])) for how in STRATEGIES}}
-        row["best"] = min(STRATEGIES, key=lambda how: row[how])
+    for n in ROW_COUNTS:
+        row = {"n": n, **{how: float(np.median(ms[(n, how)])) for how in rowwise.STRATEGIES}}
+        row["best"] = min(rowwise.STRATEGIES, key=lambda how: row[how])
         rows.append(row)
     return rows
 
@@ -629,7 +630,7 @@ def main(argv=None):
     bandwidth = measure_bandwidth(probe)
     results = {"command": command, "prompt_len": args.prompt_len, "n_tokens": args.n_tokens, "machine": {
         "cpu_count": os.cpu_count(), "platform": platform.platform(), "numpy": np.__version__,
-        "bandwidth_GBs": bandwidth}, "models": {}, "row_strategy": dict(gpt2.ROW_STRATEGY)}
+        "bandwidth_GBs": bandwidth}, "models": {}, "gemv_is_exact": rowwise.gemv_is_exact()}
     print(f"one-row matmul bandwidth: {bandwidth:.1f} GB/s", flush=True)
     wanted = args.sizes if "decode" in args.only else []
     wanted += [args.target] if "rows" in args.only else []

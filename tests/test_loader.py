@@ -74,20 +74,23 @@ def test_tiny_checkpoint_crc32c_verifies(tmp_path):
 
 def test_params_are_memory_mapped_except_the_decode_layout_copies(tiny):
     params = tiny[2]
-    c_attn = params["blocks"][0]["attn"]["c_attn"]["w"]
-    assert isinstance(c_attn, np.memmap) or isinstance(c_attn.base, np.memmap)
-    # copied once into column-major order, same shape and values (utils.decode_layout)
-    for w in (params["wte"], params["blocks"][1]["mlp"]["c_proj"]["w"]):
-        assert w.flags.f_contiguous and not w.flags.c_contiguous and not isinstance(w, np.memmap)
+    assert isinstance(params["wte"], np.memmap) or isinstance(params["wte"].base, np.memmap)
+    assert params["wte"].T.flags.f_contiguous  # the head: column-major as stored
+    # every matrix of the blocks copied once into column-major order (utils.decode_layout)
+    for block in params["blocks"]:
+        for w in (block[m][name]["w"] for m, name in (("attn", "c_attn"), ("attn", "c_proj"),
+                                                     ("mlp", "c_fc"), ("mlp", "c_proj"))):
+            assert w.flags.f_contiguous and not w.flags.c_contiguous and not isinstance(w, np.memmap)
 
 
 def test_decode_layout_keeps_shapes_and_values(models_dir):
     raw = checkpoint.load_params(os.path.join(models_dir, "124M"), 2)
     fast = utils.decode_layout(raw)
-    np.testing.assert_array_equal(fast["wte"], raw["wte"])
-    np.testing.assert_array_equal(fast["blocks"][1]["mlp"]["c_proj"]["w"], raw["blocks"][1]["mlp"]["c_proj"]["w"])
-    assert fast["blocks"][1]["mlp"]["c_fc"] is raw["blocks"][1]["mlp"]["c_fc"]  # untouched, still the memmap
-    assert raw["wte"].flags.c_contiguous  # the input is not modified
+    assert fast["wte"] is raw["wte"]  # untouched, still the memmap
+    for m, name in (("attn", "c_attn"), ("mlp", "c_proj")):
+        np.testing.assert_array_equal(fast["blocks"][1][m][name]["w"], raw["blocks"][1][m][name]["w"])
+        assert fast["blocks"][1][m][name]["b"] is raw["blocks"][1][m][name]["b"]
+    assert raw["blocks"][1]["mlp"]["c_fc"]["w"].flags.c_contiguous  # the input is not modified
 
 
 def test_corrupt_index_is_a_clear_error(tmp_path):
