@@ -60,7 +60,9 @@ def gemv_rows(rows, w):
     if not w.T.flags.c_contiguous:
         return np.matmul(rows[:, None, :], w)[:, 0]  # [n, n_out]: per row, w read n times
     wT = w.T  # [n_out, n_in]: row j holds output j's weights
-    nb = max(8, BLOCK_BYTES // (w.itemsize * n_in))  # outputs per block
+    nb = 16  # outputs per block: a power of two, so that blocks start where gemv's own groups of outputs do
+    while nb * 2 * w.itemsize * n_in <= BLOCK_BYTES:
+        nb *= 2
     n_blocks = n_out // nb
     out = np.empty((n, n_out), rows.dtype)  # [n, n_out]
     x = rows[None, :, :, None]  # [1, n, n_in, 1]
@@ -112,7 +114,7 @@ def gemv_is_exact():
     the same bits as gemv_rows's block-by-block gemvs on our threads, at GPT-2's widths.
     If not, a lone row goes through gemv_rows too, and rows stay batch invariant."""
     rng = np.random.default_rng(0)
-    for n_in, n_out in ((768, 2304), (1024, 4096), (4096, 1024)):
+    for n_in, n_out in ((768, 2304), (1024, 4096), (1280, 3840), (1600, 4800), (4096, 1024), (6400, 1600)):
         w = np.asfortranarray(rng.standard_normal((n_in, n_out), dtype=np.float32))
         rows = rng.standard_normal((3, n_in), dtype=np.float32)
         if not np.array_equal(rows[:1] @ w, gemv_rows(rows, w)[:1]):
