@@ -48,8 +48,29 @@ def matmul(rows, w, shared=True):
     if not isinstance(rows, np.ndarray) or not shared or STRATEGY == "product":
         return rows @ w  # a GPU (CuPy), or a pass of one request's own: one product
     if rows.shape[0] == 1 and gemv_is_exact():
-        return rows @ w  # one gemv over the whole matrix, with OpenBLAS's threads
+        return gemv_one(rows, w)
     return gemv_rows(rows, w)
+
+
+def block_width(w):
+    """Outputs per block: a power of two, so that blocks start where gemv's own groups of
+    outputs do, and as many as fit in BLOCK_BYTES."""
+    nb = 16
+    while nb * 2 * w.itemsize * w.shape[0] <= BLOCK_BYTES:
+        nb *= 2
+    return nb
+
+
+def gemv_one(row, w):
+    """One row [1, n_in]: one gemv over the whole blocks with OpenBLAS's threads (they
+    split it at a whole block), and the narrower last block exactly as gemv_rows runs it."""
+    whole = w.shape[1] // block_width(w) * block_width(w)
+    if whole == w.shape[1] or not w.T.flags.c_contiguous:
+        return row @ w
+    out = np.empty((1, w.shape[1]), row.dtype)  # [1, n_out]
+    out[:, :whole] = row @ w[:, :whole]
+    out[:, whole:] = row @ w[:, whole:]
+    return out
 
 
 def gemv_rows(rows, w):
@@ -60,9 +81,7 @@ def gemv_rows(rows, w):
     if not w.T.flags.c_contiguous:
         return np.matmul(rows[:, None, :], w)[:, 0]  # [n, n_out]: per row, w read n times
     wT = w.T  # [n_out, n_in]: row j holds output j's weights
-    nb = 16  # outputs per block: a power of two, so that blocks start where gemv's own groups of outputs do
-    while nb * 2 * w.itemsize * n_in <= BLOCK_BYTES:
-        nb *= 2
+    nb = block_width(w)
     n_blocks = n_out // nb
     out = np.empty((n, n_out), rows.dtype)  # [n, n_out]
     x = rows[None, :, :, None]  # [1, n, n_in, 1]
@@ -110,14 +129,15 @@ def blas_threads(n):
 
 @functools.cache
 def gemv_is_exact():
-    """Whether one row's gemv over a whole column-major matrix (OpenBLAS's threads) gives
-    the same bits as gemv_rows's block-by-block gemvs on our threads, at GPT-2's widths.
-    If not, a lone row goes through gemv_rows too, and rows stay batch invariant."""
+    """Whether gemv_one (OpenBLAS's threads over the whole blocks) gives the same bits as
+    gemv_rows's block-by-block gemvs on our threads, at GPT-2's widths and a ragged one
+    like the head's 50257. If not, a lone row goes through gemv_rows too."""
     rng = np.random.default_rng(0)
-    for n_in, n_out in ((768, 2304), (1024, 4096), (1280, 3840), (1600, 4800), (4096, 1024), (6400, 1600)):
+    for n_in, n_out in ((768, 2304), (1024, 4096), (1280, 3840), (1600, 4800), (4096, 1024), (6400, 1600),
+                         (1024, 4097)):
         w = np.asfortranarray(rng.standard_normal((n_in, n_out), dtype=np.float32))
         rows = rng.standard_normal((3, n_in), dtype=np.float32)
-        if not np.array_equal(rows[:1] @ w, gemv_rows(rows, w)[:1]):
+        if not np.array_equal(gemv_one(rows[:1], w), gemv_rows(rows, w)[:1]):
             return False
     return True
 
