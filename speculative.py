@@ -55,9 +55,10 @@ class Costs:
     catch_up: float = 1.0
 
 
-# verify(K+1) / one decode step for K = 0..8 on a 2-core CPU with the row strategy, 355M target:
-# `python benchmark.py --only speculative --target 355M` (benchmark_results/speculative-355M)
-CPU_VERIFY = (1.0, 1.41, 1.69, 1.98, 2.40, 2.76, 3.20, 2.79, 3.17)
+# verify(K+1) / one decode step for K = 0..8 on a 2-core CPU, 355M target, one gemv per row
+# (rowwise.py): `python benchmark.py --only rows --target 355M` (benchmark_results/rows-355M).
+# Each cost at least the one before: adaptive K must never see a longer pass as cheaper.
+CPU_VERIFY = (1.0, 1.63, 1.63, 1.82, 2.03, 2.31, 2.48, 2.67, 3.24)
 
 
 @dataclass(frozen=True)
