@@ -16,6 +16,7 @@ Rows stay packed at the front of the caches: when a row finishes, the last row
 moves into its place (one row's cache is copied), so every pass reads rows
 0..B-1 as plain array views, with no gathering of scattered rows.
 """
+import collections
 import time
 from dataclasses import dataclass, field
 
@@ -41,15 +42,36 @@ def requests(prompts, max_new_tokens, settings=sampling.SamplingSettings(), seed
 
 
 def check_request(r, n_vocab):
-    """A request the model can answer, or a ValueError that says why not."""
-    if not r.prompt:
-        raise ValueError(f"a prompt is empty: start it with <|endoftext|> (token {n_vocab - 1}) for unconditional text")
-    if min(r.prompt) < 0 or max(r.prompt) >= n_vocab:
-        raise ValueError(f"a prompt holds a token id outside the vocabulary [0, {n_vocab})")
-    if r.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {r.max_new_tokens}")
-    if r.seed < 0:
-        raise ValueError(f"seed must be >= 0, got {r.seed}")
+    """A request the model can answer, or a ValueError that names the wrong field and says
+    what it should be. Every way in (generate, serve, main.py, the server) asks this before
+    a request takes a row, so one bad request is refused alone and never breaks a step."""
+    if not isinstance(r, Request):
+        raise ValueError(f"request must be a batching.Request, got {type(r).__name__}")
+    if isinstance(r.prompt, (str, bytes)) or not isinstance(r.prompt, (tuple, list, np.ndarray)):
+        raise ValueError(f"prompt must be a sequence of token ids (encode text first), got {type(r.prompt).__name__}")
+    if len(r.prompt) == 0:
+        raise ValueError(f"prompt is empty: start it with <|endoftext|> (token {n_vocab - 1}) for unconditional text")
+    if not all(is_int(t) and 0 <= t < n_vocab for t in r.prompt):
+        raise ValueError(f"prompt must hold integer token ids in [0, {n_vocab})")
+    if not is_int(r.max_new_tokens) or r.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {r.max_new_tokens!r}")
+    if not isinstance(r.settings, sampling.SamplingSettings):
+        raise ValueError(f"settings must be a sampling.SamplingSettings, got {type(r.settings).__name__}")
+    if not is_int(r.seed) or r.seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {r.seed!r}")
+    if r.eos_id is not None and not (is_int(r.eos_id) and 0 <= r.eos_id < n_vocab):
+        raise ValueError(f"eos_id must be None or a token id in [0, {n_vocab}), got {r.eos_id!r}")
+    if not is_real(r.arrival_s) or not 0 <= r.arrival_s < float("inf"):
+        raise ValueError(f"arrival_s must be a finite number of seconds >= 0, got {r.arrival_s!r}")
+
+
+def is_int(x):
+    """An integer (Python's or NumPy's), not a bool and not a float that happens to be whole."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def is_real(x):
+    return (is_int(x) or isinstance(x, (float, np.floating))) and not isinstance(x, (bool, np.bool_))
 
 
 @dataclass
@@ -72,12 +94,22 @@ class Sequence:
         return len(self.tokens) - len(self.request.prompt)
 
 
+# Latency percentiles read the gaps between the latest WINDOW steps: a server runs for
+# days, and its bookkeeping must cost the same and weigh the same at step 10 and step 10^7.
+WINDOW = 4096
+
+
 @dataclass
 class Stats:
-    """What a decode did and how long it took. The speculative counters stay 0 for plain decoding."""
+    """What a decode did and how long it took: counters, running sums and a window of
+    recent steps, so it stays the same size however long it runs. The speculative
+    counters stay 0 for plain decoding."""
     start: float = field(default_factory=time.perf_counter)
-    step_times: list = field(default_factory=list)  # when each step's tokens came out
-    step_tokens: list = field(default_factory=list)  # how many tokens each step emitted
+    n_steps: int = 0
+    first_step_at: float = 0.0  # time.perf_counter() when the first step ended (the prefill) ...
+    first_step_tokens: int = 0  # ... and the tokens it had emitted
+    last_step_at: float = 0.0
+    step_gaps_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
     n_tokens: int = 0
     kv_cache_bytes: int = 0  # as allocated
     target_passes: int = 0
@@ -86,46 +118,45 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     rejections: int = 0  # row-steps that rejected a draft
-    step_draft_s: list = field(default_factory=list)  # each step's seconds spent drafting
-    step_verify_s: list = field(default_factory=list)  # ... and scoring and verifying
-    proposed_at: list = field(default_factory=list)  # [i]: drafts proposed at draft position i
+    draft_s: float = 0.0  # seconds spent drafting, over every step ...
+    verify_s: float = 0.0  # ... and scoring and verifying
+    first_draft_s: float = 0.0  # ... of which the first step's (the prefill)
+    first_verify_s: float = 0.0
+    proposed_at: list = field(default_factory=list)  # [i]: drafts proposed at draft position i (i < K_max)
     accepted_at: list = field(default_factory=list)
-    K_trace: list = field(default_factory=list)  # drafts per step (the most any row drafted)
+    K_trace: collections.deque = field(default_factory=lambda: collections.deque(maxlen=WINDOW))  # drafts per step
 
     def step_done(self):
-        """A step of the decoder ended: when, and how many tokens it emitted."""
-        self.step_times.append(time.perf_counter())
-        self.step_tokens.append(self.n_tokens - sum(self.step_tokens))
-
-    @property
-    def draft_s(self):
-        return sum(self.step_draft_s)
-
-    @property
-    def verify_s(self):
-        return sum(self.step_verify_s)
+        """A step of the decoder ended: its tokens are counted; when is kept for the latencies."""
+        now = time.perf_counter()
+        if self.n_steps == 0:
+            self.first_step_at, self.first_step_tokens = now, self.n_tokens
+        else:
+            self.step_gaps_s.append(now - self.last_step_at)
+        self.last_step_at = now
+        self.n_steps += 1
 
     @property
     def decode_tokens_per_s(self):
         """Tokens/s after the first step (the prefill), which may emit several tokens."""
-        span = self.seconds - self.ttft_s
-        return (self.n_tokens - self.step_tokens[0]) / span if span > 0 else 0.0
+        span = self.last_step_at - self.first_step_at
+        return (self.n_tokens - self.first_step_tokens) / span if self.n_steps > 1 and span > 0 else 0.0
 
     @property
     def seconds(self):
-        return self.step_times[-1] - self.start if self.step_times else 0.0
+        return self.last_step_at - self.start if self.n_steps else 0.0
 
     @property
     def ttft_s(self):
-        return self.step_times[0] - self.start if self.step_times else 0.0
+        return self.first_step_at - self.start if self.n_steps else 0.0
 
     @property
     def tokens_per_s(self):
         return self.n_tokens / self.seconds if self.seconds > 0 else 0.0
 
     def itl_ms(self, q):
-        """Inter-token latency: the q-th percentile of the time between steps, in ms."""
-        return float(np.percentile(np.diff(self.step_times), q) * 1e3) if len(self.step_times) > 1 else 0.0
+        """Inter-token latency: the q-th percentile of the time between the latest steps, in ms."""
+        return float(np.percentile(self.step_gaps_s, q) * 1e3) if self.step_gaps_s else 0.0
 
     @property
     def acceptance_rate(self):
@@ -171,7 +202,8 @@ def cache_slots(reqs, extra=0):
 def join(batch, request, index):
     """A request starts: it takes the next free row of the batch."""
     b = len(batch.seqs)
-    batch.seqs.append(Sequence(request, index, list(request.prompt), np.random.default_rng(request.seed)))
+    batch.seqs.append(Sequence(request, index, [int(t) for t in request.prompt],
+                               np.random.default_rng(request.seed)))
     batch.counts[b] = batch.prompt_counts[b] = sampling.token_counts([request.prompt], batch.counts.shape[1])[0]
     for cache in batch.caches.values():
         kv_cache.clear_row(cache, b)

@@ -418,17 +418,17 @@ def bench_breakdown(draft, target, args):
             before = costs_beside(draft, target, L, args.K)
             s = controlled_run(draft, target, truth, a, config, n, seed=rep)
             step, costs = mean_costs(before, costs_beside(draft, target, L, args.K))
-            steps = len(s.step_times) - 1
+            steps = s.n_steps - 1
             alpha = speculative.estimate_alpha(s.accepted, s.rejections)
             verify = costs.verify[args.K]
             rows.append({"a": a, "K": args.K, "target_step_ms": step * 1e3, "c": costs.draft,
                          "verify_over_step": verify, "catch_up": costs.catch_up, "alpha": alpha,
                          "step_ms": (s.seconds - s.ttft_s) / steps * 1e3,
-                         "draft_ms": sum(s.step_draft_s[1:]) / steps * 1e3,
-                         "verify_ms": sum(s.step_verify_s[1:]) / steps * 1e3,
+                         "draft_ms": (s.draft_s - s.first_draft_s) / steps * 1e3,
+                         "verify_ms": (s.verify_s - s.first_verify_s) / steps * 1e3,
                          "draft_ms_predicted": speculative.draft_cost(alpha, args.K, costs) * step * 1e3,
                          "verify_ms_predicted": verify * step * 1e3,
-                         "tokens_per_step": (s.n_tokens - s.step_tokens[0]) / steps})
+                         "tokens_per_step": (s.n_tokens - s.first_step_tokens) / steps})
             print(f"  a={a} K={args.K}: step {rows[-1]['step_ms']:.0f} ms, drafting {rows[-1]['draft_ms']:.0f} "
                   f"({rows[-1]['draft_ms_predicted']:.0f} predicted), verifying {rows[-1]['verify_ms']:.0f} "
                   f"({rows[-1]['verify_ms_predicted']:.0f} predicted)", flush=True)

@@ -118,7 +118,7 @@ def read_prompts(args):
     prompts = list(args.prompt or [])
     if args.prompts_file:
         try:
-            with open(args.prompts_file, encoding="utf-8") as f:
+            with open(args.prompts_file, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not text
                 lines = [line.rstrip("\n") for line in f if line.strip()]
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read --prompts_file {args.prompts_file}: {e}")
@@ -199,12 +199,13 @@ def decode(title, generate, encoder, prompts, args):
 def serve(title, decoder, reqs, encoder, args):
     """Serve the requests with continuous batching, printing each one as it finishes."""
     print(f"\n=== {title}, continuous batching of up to {args.max_batch} ===")
-    out, finished = [None] * len(reqs), []
+    out, finished, errors = [None] * len(reqs), [], []
     with tqdm(total=len(reqs), unit="request", leave=False) as bar:
         for e in scheduler.serve(reqs, decoder, args.max_batch):
             if e.kind == "token":
                 continue
             if e.kind == "error":
+                errors.append(e.error)
                 bar.write(f"--- request {e.index}: error: {e.error}")
             else:
                 out[e.index] = e.tokens
@@ -220,6 +221,8 @@ def serve(title, decoder, reqs, encoder, args):
         print(f"{s['requests']} requests, {s['tokens']} tokens in {s['seconds']:.2f}s = {s['tokens_per_s']:.1f} "
               f"tokens/s; first token p50 {s['ttft_s_p50']:.2f}s / p95 {s['ttft_s_p95']:.2f}s, "
               f"request done p50 {s['e2e_s_p50']:.2f}s / p95 {s['e2e_s_p95']:.2f}s")
+    if errors:
+        raise ValueError(f"{len(errors)} of {len(reqs)} requests were refused; the first: {errors[0]}")
     return {"texts": [encoder.decode(o) if o is not None else None for o in out], "tokens": out,
             "tokens_per_s": s["tokens_per_s"]}
 

@@ -63,9 +63,14 @@ class SamplingSettings:
 
 def validate(s):
     """Every setting in its range, so the arithmetic below stays finite."""
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        if not np.isfinite(getattr(s, name)):
-            raise BadSetting(name, f"must be a finite number, got {getattr(s, name)}")
+    for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        value = getattr(s, name)
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                or not np.isfinite(value):
+            raise BadSetting(name, f"must be a finite number, got {value!r}")
+    if not isinstance(s.penalize_prompt, (bool, np.bool_)):
+        raise BadSetting("penalize_prompt", f"must be True or False, got {s.penalize_prompt!r}")
     if s.temperature < 0:
         raise BadSetting("temperature", f"must be >= 0 (0 = greedy), got {s.temperature}")
     if not float(s.top_k).is_integer() or s.top_k < 0:

@@ -60,11 +60,28 @@ def speculative_decoder(target, drafter, config=speculative.SpeculativeConfig())
 def serve(requests, decoder, max_batch=8, max_len=None, static=False):
     """Answer requests (batching.Request, each with its arrival_s) as they arrive, with
     at most max_batch in flight; yields Events as tokens come and requests finish.
-    max_len: the most tokens (prompt + new) a request may need; default: the window."""
+    max_len: the most tokens (prompt + new) a row holds; at the window (the default)
+    every request fits, a longer text sliding its window as in every other path.
+    A request that cannot be served gets an "error" event at once; the others go on.
+    max_batch and max_len are checked here, before the first event is asked for."""
     step, models = decoder
+    n_ctx = models["target"][1]["n_ctx"]
+    if not batching.is_int(max_batch) or max_batch < 1:
+        raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+    if max_len is not None and (not batching.is_int(max_len) or max_len < 1):
+        raise ValueError(f"max_len must be None (the window) or an integer >= 1, got {max_len!r}")
+    return serving(requests, step, models, max_batch, min(max_len or n_ctx, n_ctx), static)
+
+
+def serving(requests, step, models, max_batch, max_len, static):
+    """serve's loop: admit what has arrived into free rows, run one step, let finished rows leave."""
     hparams = models["target"][1]
-    max_len = max_len or hparams["n_ctx"]
-    waiting = collections.deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival_s))
+    problems = [refusal(r, hparams, max_len) for r in requests]
+    for i, problem in enumerate(problems):
+        if problem:
+            yield Event("error", i, error=problem)
+    waiting = collections.deque(sorted((i for i, problem in enumerate(problems) if not problem),
+                                       key=lambda i: requests[i].arrival_s))
     events = []
     batch = batching.new_batch(models, max_batch, max_len,
                                callback=lambda seq, token, accepted: events.append(
@@ -77,10 +94,6 @@ def serve(requests, decoder, max_batch=8, max_len=None, static=False):
         while waiting and requests[waiting[0]].arrival_s <= now and len(batch.seqs) < max_batch \
                 and not (static and n_before):
             i = waiting.popleft()
-            problem = refusal(requests[i], hparams["n_vocab"], max_len)
-            if problem:
-                yield Event("error", i, error=problem)
-                continue
             batching.join(batch, requests[i], i)
             joined[i] = time.perf_counter()
         if len(batch.seqs) > n_before:
@@ -92,21 +105,22 @@ def serve(requests, decoder, max_batch=8, max_len=None, static=False):
             continue
         yield from events
         events.clear()
-        n_done = len(batch.done)
         batching.leave(batch)
-        for seq in batch.done[n_done:]:
-            yield Event("finished", seq.index, tokens=seq.generated, metrics=metrics(seq, start, joined[seq.index]))
+        for seq in batch.done:  # a finished request takes its tokens and timings with it
+            yield Event("finished", seq.index, tokens=seq.generated, metrics=metrics(seq, start, joined.pop(seq.index)))
+        batch.done.clear()
 
 
-def refusal(request, n_vocab, max_len):
+def refusal(request, hparams, max_len):
     """Why this request cannot be served (None if it can)."""
     try:
-        batching.check_request(request, n_vocab)
+        batching.check_request(request, hparams["n_vocab"])
     except ValueError as e:
         return str(e)
     need = len(request.prompt) + request.max_new_tokens
-    if need > max_len:
-        return f"the request needs {need} tokens (prompt + new), more than this server's max_len {max_len}"
+    if need > max_len < hparams["n_ctx"]:
+        return (f"the request needs {need} tokens (prompt + new), more than this server's max_len {max_len} "
+                f"(at max_len {hparams['n_ctx']}, the window, any length is served)")
     return None
 
 

@@ -125,6 +125,32 @@ def test_serving_a_prompts_file_with_continuous_batching(capsys, models_dir, tmp
     assert served["autoregressive"]["texts"] == static["autoregressive"]["texts"]
 
 
+def test_a_prompts_file_with_a_byte_order_mark_reads_as_without(models_dir, tmp_path):
+    """Windows editors start UTF-8 files with a BOM (and end lines with CRLF): it is not text."""
+    plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+    plain.write_text("Hello, world!\nIn a shocking finding\n", encoding="utf-8")
+    marked.write_bytes(b"\xef\xbb\xbfHello, world!\r\nIn a shocking finding\r\n")
+    want, got = (results(models_dir, "--target_model_size", "124M", "--prompts_file", str(f), "--mode",
+                         "autoregressive", *GREEDY)["autoregressive"]["texts"] for f in (plain, marked))
+    assert got == want
+
+
+def test_a_prompt_longer_than_the_window_is_served_as_it_is_decoded(capsys, models_dir, tmp_path):
+    """80 tokens into the tiny model's 64-token window: with and without --max_batch the
+    window slides, the same note is printed, the same text comes out, and the exit is 0."""
+    f = tmp_path / "prompts.txt"
+    f.write_text(" x" * 80 + "\nHello, world!\n")
+    outs = []
+    for extra in ([], ["--max_batch", "2"]):
+        rc, out, err = run_main(capsys, "--models_dir", models_dir, "--target_model_size", "124M", "--prompts_file",
+                                str(f), *GREEDY, *extra)
+        assert rc == 0, err
+        assert "note: a prompt is 80 tokens, more than GPT-2's 64-token window" in out and "error" not in out + err
+        outs.append(out)
+    texts = [[line for line in out.splitlines() if line.startswith(" x x")] for out in outs]
+    assert texts[0] == texts[1] and len(texts[0]) == 2  # both decoders, same text in both paths
+
+
 def test_empty_prompt_is_unconditional_generation(models_dir):
     r = results(models_dir, "--prompt", "", "--target_model_size", "124M", *GREEDY)
     assert r["autoregressive"]["tokens"] == r["speculative"]["tokens"] and len(r["autoregressive"]["tokens"][0]) > 0

@@ -81,6 +81,8 @@ def test_sampler_refuses_what_is_not_a_distribution(bad):
     ({"frequency_penalty": float("inf")}, "frequency_penalty"), ({"frequency_penalty": 1e39}, "frequency_penalty"),
     ({"presence_penalty": -1e39}, "presence_penalty"), ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"repetition_penalty": 1e-40}, "repetition_penalty"), ({"repetition_penalty": 101}, "repetition_penalty"),
+    ({"temperature": "hot"}, "temperature"), ({"top_p": None}, "top_p"), ({"top_k": "40"}, "top_k"),
+    ({"min_p": True}, "min_p"), ({"penalize_prompt": "yes"}, "penalize_prompt"),
 ])
 def test_settings_out_of_range_are_refused_by_name(kw, name):
     with pytest.raises(sampling.BadSetting, match=f"^{name} must") as e:

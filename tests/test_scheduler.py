@@ -1,5 +1,9 @@
 """Continuous batching: every request's text is what it would be alone, whoever shares
 its batch and whenever it joins; rows are reused; bad requests fail alone."""
+import dataclasses
+import threading
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -97,19 +101,114 @@ def test_eos_and_max_tokens_end_a_row_and_free_it(models):
     assert order.index(2) > order.index(1)  # request 2 waited for a free row
 
 
-def test_bad_requests_get_an_error_and_the_others_go_on(models):
+def finishes_within(seconds, fn):
+    """fn() in a thread of its own: its result or its exception, or a failure if it hangs."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append((True, fn()))
+        except Exception as e:
+            outcome.append((False, e))
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not outcome:
+        pytest.fail(f"still running after {seconds} s: a hang")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def bad_requests():
+    """Every field wrong in every way a caller can get it wrong, each with the field its error names."""
+    r = batching.Request((464, 2068), 5, GREEDY)
+    nan, inf = float("nan"), float("inf")
+    return [(dataclasses.replace(r, prompt="The quick"), "prompt"), (dataclasses.replace(r, prompt=()), "prompt"),
+            (dataclasses.replace(r, prompt=(2068.5,)), "prompt"), (dataclasses.replace(r, prompt=(50257,)), "prompt"),
+            (dataclasses.replace(r, prompt=(-1,)), "prompt"), (dataclasses.replace(r, prompt=((1, 2),)), "prompt"),
+            (dataclasses.replace(r, prompt=np.array([[464, 2068]])), "prompt"),
+            (dataclasses.replace(r, prompt=None), "prompt"),
+            (dataclasses.replace(r, max_new_tokens=None), "max_new_tokens"),
+            (dataclasses.replace(r, max_new_tokens=2.5), "max_new_tokens"),
+            (dataclasses.replace(r, max_new_tokens=0), "max_new_tokens"),
+            (dataclasses.replace(r, max_new_tokens=True), "max_new_tokens"),
+            (dataclasses.replace(r, seed=None), "seed"), (dataclasses.replace(r, seed=-1), "seed"),
+            (dataclasses.replace(r, seed=1.5), "seed"), (dataclasses.replace(r, settings=None), "settings"),
+            (dataclasses.replace(r, eos_id=-1), "eos_id"), (dataclasses.replace(r, eos_id=2.0), "eos_id"),
+            (dataclasses.replace(r, arrival_s=nan), "arrival_s"), (dataclasses.replace(r, arrival_s=inf), "arrival_s"),
+            (dataclasses.replace(r, arrival_s=-1.0), "arrival_s"), (dataclasses.replace(r, arrival_s="soon"), "arrival_s"),
+            ({"prompt": (464,), "max_new_tokens": 5}, "request")]
+
+
+@pytest.mark.parametrize("decoder", ["autoregressive", "speculative"])
+def test_each_bad_request_gets_one_error_and_the_good_ones_their_solo_text(models, decoder):
+    """Bad requests among good ones: an error event naming the field for each, at once;
+    the good ones (a NumPy prompt among them) finish with the text they get alone."""
+    serve_with, alone = decoders(models)[decoder]
+    good = mixed_requests(4, SAMPLED, seed=3) + [batching.Request(np.array([464, 2068]), 6, SAMPLED, seed=9)]
+    reqs, fields = [], {}  # bad and good alternate, then the rest of the bad ones
+    for i, (r, field) in enumerate(bad_requests()):
+        fields[len(reqs)] = field
+        reqs += [r] + good[i:i + 1]
+    events, finished = finishes_within(60, lambda: served(reqs, serve_with, max_batch=3))
+    errors = {e.index: e.error for e in events if e.kind == "error"}
+    assert sorted(errors) == sorted(fields) and sorted(finished) == [1, 3, 5, 7, 9]
+    assert all(errors[i].startswith(field) for i, field in fields.items())
+    assert [finished[i].tokens for i in (1, 3, 5, 7)] == [alone(r) for r in good[:4]]
+    assert finished[9].tokens == alone(dataclasses.replace(good[4], prompt=(464, 2068)))
+
+
+def test_library_arguments_are_checked_when_serve_is_called(models):
     target, _ = models
-    reqs = mixed_requests(5, GREEDY)
-    reqs[1] = batching.Request((464,), 0, GREEDY)  # zero new tokens
-    reqs[2] = batching.Request(tuple(range(100, 160)), 10, GREEDY)  # 60 + 10 tokens > the 64-token window
-    reqs[3] = batching.Request((), 5, GREEDY)  # empty prompt
-    for decoder, _ in decoders(models).values():
-        events, finished = served(reqs, decoder, max_batch=2)
-        errors = {e.index: e.error for e in events if e.kind == "error"}
-        assert sorted(errors) == [1, 2, 3] and sorted(finished) == [0, 4]
-        assert "max_new_tokens must be >= 1" in errors[1] and "max_len 64" in errors[2] and "empty" in errors[3]
-    _, finished = served(reqs[2:3], scheduler.autoregressive(target), max_len=200)
-    assert finished[0].tokens == gpt2.generate(reqs[2:3], target)[0][0]  # a longer max_len serves it
+    reqs = mixed_requests(2, GREEDY)
+    for kw, field in (({"max_batch": 0}, "max_batch"), ({"max_batch": -1}, "max_batch"),
+                      ({"max_batch": 2.5}, "max_batch"), ({"max_batch": None}, "max_batch"),
+                      ({"max_len": 0}, "max_len"), ({"max_len": "64"}, "max_len")):
+        with pytest.raises(ValueError, match=f"^{field} must be"):
+            finishes_within(10, lambda: scheduler.serve(reqs, scheduler.autoregressive(target), **kw))
+
+
+def test_long_prompts_slide_the_window_as_alone_unless_max_len_is_smaller(models):
+    """A request longer than the 64-token window is served as generate serves it (the
+    window slides); only a max_len below the window refuses what does not fit in it."""
+    target, _ = models
+    reqs = mixed_requests(3, GREEDY)
+    reqs[1] = batching.Request(tuple(range(100, 180)), 10, GREEDY)  # 80 + 10 tokens > the 64-token window
+    for decoder, alone in decoders(models).values():
+        _, finished = served(reqs, decoder, max_batch=2)
+        assert [finished[i].tokens for i in range(3)] == [alone(r) for r in reqs]
+    events, finished = served(reqs, scheduler.autoregressive(target), max_len=61)
+    errors = {e.index: e.error for e in events if e.kind == "error"}
+    assert sorted(errors) == [1] and "max_len 61" in errors[1] and sorted(finished) == [0, 2]
+
+
+def test_a_long_run_keeps_its_bookkeeping_flat():
+    """200k steps of a stub decoder (no model: it emits token 1): the Stats, the finished
+    requests and the scheduler's own state weigh the same at step 200k as at step 10k."""
+    hparams = {"n_vocab": 8, "n_ctx": 64, "n_layer": 1, "n_head": 1, "n_embd": 2}
+    models = {"target": ({"wte": np.zeros((8, 2), np.float32)}, hparams)}
+    seen = {}
+
+    def step(batch):
+        for b in range(len(batch.seqs)):
+            batching.emit(batch, b, [1])
+        batch.stats.step_done()
+        if batch.stats.n_steps in (10_000, 200_000):
+            sizes = {name: len(value) for name, value in vars(batch.stats).items() if hasattr(value, "__len__")}
+            seen[batch.stats.n_steps] = sizes, tracemalloc.get_traced_memory()[0]
+
+    reqs = [batching.Request((1,), 199, GREEDY) for _ in range(1010)]  # 199 steps each, one row at a time
+    tracemalloc.start()
+    try:
+        n_finished = sum(e.kind == "finished" for e in scheduler.serve(reqs, (step, models), max_batch=1))
+    finally:
+        tracemalloc.stop()
+    assert n_finished == len(reqs) and sorted(seen) == [10_000, 200_000]
+    (sizes_early, bytes_early), (sizes_late, bytes_late) = seen[10_000], seen[200_000]
+    assert sizes_early == sizes_late and max(sizes_late.values()) <= batching.WINDOW
+    assert bytes_late - bytes_early < 256 << 10  # the old per-step lists grew by ~30 bytes a step: 5.7 MB here
 
 
 def test_summary_of_a_run(models):
