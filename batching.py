@@ -183,13 +183,15 @@ class Batch:
     done: list = field(default_factory=list)  # finished sequences
 
 
-def new_batch(models, max_rows, n_slots, use_cache=True, callback=None):
+def new_batch(models, max_rows, n_slots, use_cache=True, callback=None, stats=None):
     """An empty batch with room for max_rows rows of up to n_slots cached tokens each.
-    models: name -> (params, hparams) of every model whose cache the decoder needs."""
+    models: name -> (params, hparams) of every model whose cache the decoder needs.
+    stats: a Stats to count in (a server reads it while the batch runs); default a new one."""
     n_vocab = next(iter(models.values()))[1]["n_vocab"]
     caches = {name: kv_cache.init_cache(hparams, max_rows, min(hparams["n_ctx"], n_slots), like=params["wte"])
               for name, (params, hparams) in models.items()} if use_cache else {}
-    stats = Stats(kv_cache_bytes=sum(kv_cache.cache_nbytes(c) for c in caches.values()))
+    stats = stats or Stats()
+    stats.kv_cache_bytes = sum(kv_cache.cache_nbytes(c) for c in caches.values())
     zeros = np.zeros((max_rows, n_vocab), dtype=np.int32)
     return Batch([], zeros, zeros.copy(), caches, stats, callback)
 

@@ -44,17 +44,7 @@ def parse_args(argv=None):
     ap.add_argument("--prompt", action="append", help="a prompt ('' = unconditional); repeat the flag for a batch")
     ap.add_argument("--prompts_file", help="a file with one prompt per line (a batch; blank lines are skipped)")
     ap.add_argument("--n_tokens_to_generate", type=int, default=40)
-    ap.add_argument("--target_model_size", default="355M", choices=utils.MODEL_SIZES)
-    ap.add_argument("--draft_model_size", default="124M", choices=utils.MODEL_SIZES)
-    ap.add_argument("--mode", choices=["autoregressive", "speculative", "both"], default="both")
-    ap.add_argument("--K", type=int, default=4, help="draft tokens per target pass")
-    ap.add_argument("--adaptive_K", action="store_true",
-                    help="each row picks its K before each step from its acceptance so far (up to --K_max)")
-    ap.add_argument("--K_max", type=int, help="the bound for --adaptive_K (default: max(K, 7))")
-    ap.add_argument("--drafter", choices=["model", "prompt_lookup"], default="model")
-    ap.add_argument("--draft_vocab", type=int, default=0,
-                    help="the draft model computes logits only for the N most frequent tokens and the text's "
-                         "own (a cheaper draft step; still exact); 0 = all")
+    add_decoder_flags(ap, modes=("autoregressive", "speculative", "both"), default="both")
     ap.add_argument("--temperature", type=float, default=0.8, help=f"0 (or below {sampling.GREEDY_BELOW}) = greedy")
     ap.add_argument("--top_k", type=int, default=0, help="0 = off")
     ap.add_argument("--top_p", type=float, default=0.9, help="in (0, 1]; 1 = off")
@@ -75,6 +65,27 @@ def parse_args(argv=None):
     ap.add_argument("--max_batch", type=int,
                     help="serve the prompts with continuous batching, at most this many at once, and print each "
                          "request with its timings as it finishes")
+    add_model_flags(ap)
+    return ap.parse_args(argv)
+
+
+def add_decoder_flags(ap, modes, default):
+    """The models and how they decode (main.py and server.py share these)."""
+    ap.add_argument("--target_model_size", default="355M", choices=utils.MODEL_SIZES)
+    ap.add_argument("--draft_model_size", default="124M", choices=utils.MODEL_SIZES)
+    ap.add_argument("--mode", choices=modes, default=default)
+    ap.add_argument("--K", type=int, default=4, help="draft tokens per target pass")
+    ap.add_argument("--adaptive_K", action="store_true",
+                    help="each row picks its K before each step from its acceptance so far (up to --K_max)")
+    ap.add_argument("--K_max", type=int, help="the bound for --adaptive_K (default: max(K, 7))")
+    ap.add_argument("--drafter", choices=["model", "prompt_lookup"], default="model")
+    ap.add_argument("--draft_vocab", type=int, default=0,
+                    help="the draft model computes logits only for the N most frequent tokens and the text's "
+                         "own (a cheaper draft step; still exact); 0 = all")
+
+
+def add_model_flags(ap):
+    """Where the models come from and what runs them (main.py and server.py share these)."""
     ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy",
                     help="cupy: the same code on an NVIDIA GPU (pip install cupy-cuda12x)")
     ap.add_argument("--dtype", choices=["float32", "float16"], default="float32",
@@ -83,7 +94,6 @@ def parse_args(argv=None):
     ap.add_argument("--source", choices=list(utils.SOURCES), default="openai",
                     help="openai: OpenAI's TensorFlow checkpoints; hf: the Hugging Face safetensors")
     ap.add_argument("--base_url", help=f"download from this mirror instead (or set ${utils.BASE_URL_ENV})")
-    return ap.parse_args(argv)
 
 
 def check_args(args):

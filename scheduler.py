@@ -22,6 +22,7 @@ own random stream, so its text is the same whoever shares the batch, and
 `static=True` gives the static baseline: admit requests only into an empty batch.
 """
 import collections
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -65,49 +66,74 @@ def serve(requests, decoder, max_batch=8, max_len=None, static=False):
     A request that cannot be served gets an "error" event at once; the others go on.
     max_batch and max_len are checked here, before the first event is asked for."""
     step, models = decoder
-    n_ctx = models["target"][1]["n_ctx"]
+    max_len = check_limits(models["target"][1], max_batch, max_len)
+    problems = [refusal(r, models["target"][1], max_len) for r in requests]
+    errors = [Event("error", i, error=problem) for i, problem in enumerate(problems) if problem]
+    good = sorted((i for i, problem in enumerate(problems) if not problem), key=lambda i: requests[i].arrival_s)
+    return itertools.chain(errors, serving(from_list(requests, good), step, models, max_batch, max_len, static))
+
+
+def check_limits(hparams, max_batch, max_len):
+    """max_len (None: the window) as serving uses it, or a ValueError naming what is wrong."""
     if not batching.is_int(max_batch) or max_batch < 1:
         raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
     if max_len is not None and (not batching.is_int(max_len) or max_len < 1):
         raise ValueError(f"max_len must be None (the window) or an integer >= 1, got {max_len!r}")
-    return serving(requests, step, models, max_batch, min(max_len or n_ctx, n_ctx), static)
+    return min(max_len or hparams["n_ctx"], hparams["n_ctx"])
 
 
-def serving(requests, step, models, max_batch, max_len, static):
-    """serve's loop: admit what has arrived into free rows, run one step, let finished rows leave."""
-    hparams = models["target"][1]
-    problems = [refusal(r, hparams, max_len) for r in requests]
-    for i, problem in enumerate(problems):
-        if problem:
-            yield Event("error", i, error=problem)
-    waiting = collections.deque(sorted((i for i, problem in enumerate(problems) if not problem),
-                                       key=lambda i: requests[i].arrival_s))
+def from_list(requests, order):
+    """serving's intake for a list of requests known in advance: those in order (sorted by
+    arrival_s) arrive at their times; while nothing runs, it sleeps until the next."""
+    waiting = collections.deque(order)
+
+    def intake(now, idle):
+        if idle and waiting:
+            time.sleep(max(0.0, requests[waiting[0]].arrival_s - now))
+            now = requests[waiting[0]].arrival_s
+        arrived = []
+        while waiting and requests[waiting[0]].arrival_s <= now:
+            i = waiting.popleft()
+            arrived.append((i, requests[i]))
+        return arrived, (), not waiting
+    return intake
+
+
+def serving(intake, step, models, max_batch, max_len, static=False, stats=None):
+    """The loop: take in what has arrived, admit it into free rows, run one step, let finished
+    rows leave. intake(now, idle) -> (arrivals [(index, request)], indices cancelled, whether
+    no more will come); idle: nothing runs or waits, so intake may block until something comes.
+    Requests come checked (refusal). stats: a batching.Stats to keep the run's counts in."""
     events = []
-    batch = batching.new_batch(models, max_batch, max_len,
+    batch = batching.new_batch(models, max_batch, max_len, stats=stats,
                                callback=lambda seq, token, accepted: events.append(
                                    Event("token", seq.index, token, accepted)))
-    start = batch.stats.start = time.perf_counter()
-    joined = {}
-    while waiting or batch.seqs:
-        now = time.perf_counter() - start
+    start = batch.stats.start
+    waiting, joined, closed = collections.deque(), {}, False
+    while True:
+        arrived, cancelled, closed = intake(time.perf_counter() - start, idle=not (waiting or batch.seqs))
+        waiting.extend(arrived)
+        for i in set(cancelled):  # a client that left: its row finishes now, or it never starts
+            waiting = collections.deque((j, r) for j, r in waiting if j != i)
+            for seq in batch.seqs:
+                seq.finished |= seq.index == i
         n_before = len(batch.seqs)
-        while waiting and requests[waiting[0]].arrival_s <= now and len(batch.seqs) < max_batch \
-                and not (static and n_before):
-            i = waiting.popleft()
-            batching.join(batch, requests[i], i)
+        while waiting and len(batch.seqs) < max_batch and not (static and n_before):
+            i, request = waiting.popleft()
+            batching.join(batch, request, i)
             joined[i] = time.perf_counter()
         if len(batch.seqs) > n_before:
             step(batching.rows(batch, n_before, len(batch.seqs)))  # prefill: the new rows alone
-        elif batch.seqs:
+        elif batch.seqs and not any(seq.finished for seq in batch.seqs):
             step(batch)  # decode: every row one step
-        elif waiting:
-            time.sleep(max(0.0, start + requests[waiting[0]].arrival_s - time.perf_counter()))
-            continue
+        elif closed and not waiting and not batch.seqs:
+            return
         yield from events
         events.clear()
         batching.leave(batch)
         for seq in batch.done:  # a finished request takes its tokens and timings with it
-            yield Event("finished", seq.index, tokens=seq.generated, metrics=metrics(seq, start, joined.pop(seq.index)))
+            yield Event("finished", seq.index, tokens=seq.generated,
+                        metrics=metrics(seq, start, joined.pop(seq.index)))
         batch.done.clear()
 
 

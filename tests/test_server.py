@@ -1,0 +1,232 @@
+"""server.py through the official `openai` client and raw HTTP, on 127.0.0.1 with the tiny
+GPT-2: texts equal main.py's, streams add up to the whole text, stop strings never leak,
+bad requests get OpenAI's error body, a client that leaves frees its rows."""
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import ThreadingHTTPServer
+
+import openai
+import pytest
+
+import main
+import server
+from conftest import ROOT
+
+PROMPTS = ["Alan Turing theorized that", "The quick brown fox", "In a shocking finding, scientists"]
+
+
+def start(models_dir, *flags):
+    args = server.parse_args(["--models_dir", models_dir, "--target_model_size", "124M", "--port", "0", *flags])
+    httpd, engine = server.start(args)
+    return httpd, engine, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+@pytest.fixture(scope="module", params=["autoregressive", "speculative"])
+def running(request, models_dir):
+    """A server per decoder (the tiny model drafts for itself in speculative mode)."""
+    httpd, engine, url = start(models_dir, "--mode", request.param, "--draft_model_size", "355M", "--K", "3")
+    yield request.param, engine, url
+    server.stop(httpd, engine)
+
+
+def client(url, key="unused"):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def post(url, path, body, headers=None):
+    """(status, parsed JSON) of a raw POST."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", path, body if isinstance(body, (bytes, str)) else json.dumps(body),
+                 {"Content-Type": "application/json", **(headers or {})})
+    response = conn.getresponse()
+    return response.status, json.loads(response.read())
+
+
+def get(url, path):
+    """(status, body text) of a raw GET."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("GET", path)
+    response = conn.getresponse()
+    return response.status, response.read().decode()
+
+
+def test_texts_are_what_main_prints_for_the_same_prompt_settings_and_seed(running, models_dir):
+    mode, _, url = running
+    want = main.run(main.parse_args(["--models_dir", models_dir, "--target_model_size", "124M", "--draft_model_size",
+                                     "355M", "--K", "3", "--mode", mode, "--n_tokens_to_generate", "12",
+                                     "--temperature", "0.8", "--top_p", "0.9", "--seed", "5", "--ignore_eos",
+                                     *[x for p in PROMPTS for x in ("--prompt", p)]]))[mode]["texts"]
+    got = client(url).completions.create(model="gpt2", prompt=PROMPTS, max_tokens=12, temperature=0.8, top_p=0.9,
+                                         seed=5, extra_body={"ignore_eos": True})
+    assert [c.index for c in got.choices] == [0, 1, 2] and [c.text for c in got.choices] == want
+    assert all(c.finish_reason == "length" for c in got.choices)
+    assert got.usage.completion_tokens == 36 and got.usage.prompt_tokens == sum(len(main.tokenize(
+        running[1]["encoder"], [p], 64)[0]) for p in PROMPTS)
+
+
+def test_a_stream_adds_up_to_the_whole_text_and_ends_with_usage(running):
+    _, _, url = running
+    kw = dict(model="gpt2", prompt=PROMPTS[:2], max_tokens=10, n=2, seed=7, temperature=1.0)
+    whole = client(url).completions.create(**kw)
+    parts, usage = {}, None
+    for chunk in client(url).completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            parts.setdefault(c.index, []).append(c.text)
+    assert {i: "".join(p) for i, p in parts.items()} == {c.index: c.text for c in whole.choices}
+    assert sorted(parts) == [0, 1, 2, 3] and usage == whole.usage and usage.completion_tokens == 40
+    again = client(url).completions.create(**kw)
+    assert [c.text for c in again.choices] == [c.text for c in whole.choices]  # same seed, same choices
+    assert whole.choices[0].text != whole.choices[1].text  # choice i samples from its own stream
+
+
+def test_stop_strings_end_the_text_before_them_even_in_a_stream(running):
+    _, _, url = running
+    kw = dict(model="gpt2", prompt=PROMPTS[0], max_tokens=20, temperature=0)
+    full = client(url).completions.create(**kw).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]  # three characters from the middle
+    cut = client(url).completions.create(**kw, stop=[stop, "never appears"]).choices[0]
+    assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client(url).completions.create(**kw, stop=stop, stream=True))
+    assert streamed == cut.text
+    echoed = client(url).completions.create(**kw, echo=True).choices[0].text
+    assert echoed == PROMPTS[0] + full
+
+
+def test_many_clients_at_once_each_get_their_own_text(running):
+    """A small load test: 12 streaming requests on 12 threads share the batch; each text is
+    the one its seed gives when it runs alone."""
+    _, _, url = running
+    alone = [client(url).completions.create(model="gpt2", prompt=PROMPTS[i % 3], max_tokens=8, seed=i).choices[0].text
+             for i in range(12)]
+    got = [None] * 12
+
+    def ask(i):
+        got[i] = "".join(c.choices[0].text for c in client(url).completions.create(
+            model="gpt2", prompt=PROMPTS[i % 3], max_tokens=8, seed=i, stream=True))
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == alone
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"), ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"), ({"prompt": "x", "n": 100}, 400, "n"),
+    ({"prompt": 123}, 400, "prompt"), ({"prompt": [[]]}, 400, "prompt"), ({"prompt": [70000]}, 400, "prompt"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"), ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "seed": -1}, 400, "seed"), ({"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"), ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "model": "gpt2-xl"}, 404, "model"),
+])
+def test_bad_requests_get_openais_error_body(running, body, status, param):
+    got_status, got = post(running[2], "/v1/completions", body)
+    assert got_status == status and got["error"]["param"] == param and got["error"]["message"]
+
+
+def test_bad_json_and_unknown_paths(running):
+    url = running[2]
+    assert post(url, "/v1/completions", b"{not json")[0] == 400
+    assert post(url, "/v1/chat/completions", {"prompt": "x"})[0] == 404
+    with pytest.raises(openai.NotFoundError):
+        client(url).completions.create(model="davinci-002", prompt="x")
+
+
+def test_models_health_and_metrics(running):
+    mode, _, url = running
+    assert [m.id for m in client(url).models.list().data] == ["gpt2"]
+    client(url).completions.create(model="gpt2", prompt="Hello", max_tokens=5)
+    assert get(url, "/health") == (200, '{"status": "ok"}')
+    status, text = get(url, "/metrics")
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert values["gpt2_generation_tokens_total"] >= 5 and values["gpt2_prompt_tokens_total"] >= 1
+    assert values['gpt2_time_to_first_token_seconds_bucket{le="+Inf"}'] >= 1
+    assert values["gpt2_e2e_request_latency_seconds_count"] >= 1 and "gpt2_num_requests_running" in values
+    if mode == "speculative":
+        assert 0 < values["gpt2_spec_decode_num_accepted_tokens_total"] <= values[
+            "gpt2_spec_decode_num_draft_tokens_total"]
+    else:
+        assert "gpt2_spec_decode_num_drafts_total" not in values
+
+
+def test_a_client_that_leaves_frees_its_rows(running):
+    _, engine, url = running
+    host, port = url.removeprefix("http://").split(":")
+    for stream in (True, False):
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 100000, "stream": stream,
+                                                            "ignore_eos": True}))
+        if stream:
+            response = conn.getresponse()
+            assert response.fp.readline()  # the first chunk came
+        else:
+            deadline = time.monotonic() + 10
+            while not engine["running"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+        conn.sock.shutdown(2)
+        conn.close()
+        deadline = time.monotonic() + 10
+        while (engine["running"] or engine["waiting"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine["running"] and not engine["waiting"]
+    assert client(url).completions.create(model="gpt2", prompt="still here", max_tokens=3).choices[0].text
+
+
+def test_an_api_key_is_asked_for_when_set(models_dir):
+    httpd, engine, url = start(models_dir, "--api_key", "sesame")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            client(url, "wrong").completions.create(model="gpt2", prompt="x", max_tokens=2)
+        assert client(url, "sesame").completions.create(model="gpt2", prompt="x", max_tokens=2).choices[0].text
+    finally:
+        server.stop(httpd, engine)
+
+
+def test_health_is_503_while_loading(models_dir):
+    args = server.parse_args(["--models_dir", models_dir, "--target_model_size", "124M", "--port", "0"])
+    engine = server.new_engine(args)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), server.handler_for(engine))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        assert post(url, "/v1/completions", {"prompt": "x"})[0] == 503
+        assert get(url, "/health") == (503, '{"status": "loading"}')
+        server.load(engine)
+        assert get(url, "/health")[0] == 200
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_ctrl_c_ends_requests_in_flight_and_exits_0(models_dir):
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--models_dir", models_dir,
+                             "--target_model_size", "124M", "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving gpt2 (autoregressive) at http://127.0.0.1:")
+        url = line.split(" at ")[1].split("/v1")[0]
+        chunks = []
+        stream = client(url).completions.create(model="gpt2", prompt="x", max_tokens=100000, stream=True,
+                                                extra_body={"ignore_eos": True})
+        reader = threading.Thread(target=lambda: chunks.extend(stream.response.iter_lines()))
+        reader.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        reader.join(30)
+        lines = [c for c in chunks if c]
+        assert any("shutting down" in c for c in lines) and lines[-1] == "data: [DONE]"
+    finally:
+        proc.kill()
