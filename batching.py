@@ -179,7 +179,7 @@ class Batch:
     prompt_counts: np.ndarray  # [max_rows, n_vocab] occurrences in each row's prompt
     caches: dict  # model name ("target", "draft") -> KV cache with max_rows rows; empty without caches
     stats: Stats
-    callback: object = None  # callback(seq, token, accepted) sees each token as it is emitted
+    callback: object = None  # callback(seq, token, accepted, logits) sees each token as it is emitted
     done: list = field(default_factory=list)  # finished sequences
 
 
@@ -211,9 +211,10 @@ def join(batch, request, index):
         kv_cache.clear_row(cache, b)
 
 
-def emit(batch, b, tokens, n_accepted=0):
+def emit(batch, b, tokens, n_accepted=0, logits=None):
     """Append tokens to row b's text (the first n_accepted of them were accepted drafts),
-    stopping exactly at max_new_tokens or at EOS."""
+    stopping exactly at max_new_tokens or at EOS. logits [len(tokens), n_vocab]: the
+    target's logits that each token was drawn after, for the callback (a server's logprobs)."""
     seq = batch.seqs[b]
     r = seq.request
     tokens = tokens[:r.max_new_tokens - seq.n_generated]
@@ -225,7 +226,7 @@ def emit(batch, b, tokens, n_accepted=0):
         seq.times.append(now)
         batch.counts[b, token] += 1
         if batch.callback:
-            batch.callback(seq, token, j < n_accepted)
+            batch.callback(seq, token, j < n_accepted, None if logits is None else logits[j])
     batch.stats.n_tokens += len(tokens)
     seq.finished = seq.n_generated == r.max_new_tokens or tokens[-1] == r.eos_id
 

@@ -158,7 +158,7 @@ def autoregressive_step(batch, model):
     p = batching.probabilities(batch, logits)  # [B, n_vocab]
     tokens = sampling.sample(p, batching.uniforms(batch, 1)[:, 0]).tolist()  # [B]: only these leave a GPU
     for b, token in enumerate(tokens):
-        batching.emit(batch, b, [token])
+        batching.emit(batch, b, [token], logits=logits[b:b + 1])
     batch.stats.step_done()
 
 

@@ -21,6 +21,7 @@ from tqdm import tqdm
 import batching
 import gpt2
 import kv_cache
+import rowwise
 import sampling
 import scheduler
 import speculative
@@ -147,6 +148,7 @@ def load(size, args):
 def load_models(args):
     """(encoder, target, drafter): the drafter is the draft model, or "prompt_lookup"."""
     encoder, target = load(args.target_model_size, args)
+    rowwise.gemv_is_exact()  # its one-time probe (about a second) belongs to loading, not to the first token
     drafter = args.drafter
     if args.mode != "autoregressive" and args.drafter == "model":
         drafter = target if args.draft_model_size == args.target_model_size else load(args.draft_model_size, args)[1]
@@ -172,7 +174,7 @@ def streamer(encoder, colour, write=sys.stdout.write):
     text. Accepted draft tokens are written in colour on a terminal."""
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def show(seq, token, accepted=False):
+    def show(seq, token, accepted=False, logits=None):
         text = utf8.decode(encoder.decode_single_token_bytes(token))
         if text:
             write(f"{GREEN}{text}{RESET}" if accepted and colour else text)

@@ -42,6 +42,7 @@ class Event:
     tokens: list = None  # "finished": every new token, and the request's timings
     metrics: dict = None
     error: str = None  # "error": why the request was refused (the others go on)
+    logits: object = None  # "token": the target's logits [n_vocab] it was drawn after (a view of the step's)
 
 
 def autoregressive(model):
@@ -106,8 +107,8 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None):
     Requests come checked (refusal). stats: a batching.Stats to keep the run's counts in."""
     events = []
     batch = batching.new_batch(models, max_batch, max_len, stats=stats,
-                               callback=lambda seq, token, accepted: events.append(
-                                   Event("token", seq.index, token, accepted)))
+                               callback=lambda seq, token, accepted, logits: events.append(
+                                   Event("token", seq.index, token, accepted, logits=logits)))
     start = batch.stats.start
     waiting, joined, closed = collections.deque(), {}, False
     while True:

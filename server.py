@@ -31,6 +31,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
+
 import batching
 import main
 import sampling
@@ -169,8 +171,11 @@ def parse_completion(body, engine):
     prompts = read_prompts(body.get("prompt"), encoder, n_vocab)
     n = field(body, "n", int, 1, lambda v: 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]")
     max_tokens = field(body, "max_tokens", int, 16, lambda v: v >= 1, "an integer >= 1")
-    if body.get("logprobs") is not None:
-        raise BadRequest("logprobs are not served yet: leave the field out", "logprobs")
+    logprobs = field(body, "logprobs", int, None, lambda v: 0 <= v <= 5, "an integer in [0, 5]")
+    echo = field(body, "echo", bool, False)
+    if logprobs is not None and echo:
+        raise BadRequest("echo with logprobs would need the prompt's logprobs, which this server does not compute: "
+                         "leave out one of them", "logprobs")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
@@ -196,7 +201,7 @@ def parse_completion(body, engine):
             raise BadRequest(problem, "prompt")
     return reqs, {"prompts": [prompts[k // n] for k in range(len(reqs))], "stop": stop, "eos": eos,
                   "prompt_tokens": sum(len(p) for p in prompts),  # once per prompt, whatever n (as OpenAI)
-                  "echo": field(body, "echo", bool, False), "stream": field(body, "stream", bool, False),
+                  "echo": echo, "logprobs": logprobs, "stream": field(body, "stream", bool, False),
                   "usage": bool((body.get("stream_options") or {}).get("include_usage"))}
 
 
@@ -233,15 +238,18 @@ def read_prompts(prompt, encoder, n_vocab):
     return ids
 
 
-def new_choice(index, prompt_ids, encoder, echo):
+def new_choice(index, prompt_ids, encoder, how):
     """A choice as it grows: its tokens, its visible text, what has been streamed of it."""
-    text = encoder.decode(prompt_ids) if echo else ""
+    text = encoder.decode(prompt_ids) if how["echo"] else ""
+    logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     return {"index": index, "tokens": [], "text": text, "generated_from": len(text), "sent": 0,
+            "logprobs": logprobs if how["logprobs"] is not None else None, "logprobs_sent": 0,
             "utf8": codecs.getincrementaldecoder("utf-8")(errors="replace"), "finish_reason": None}
 
 
-def grow(choice, event, encoder, stop, eos):
+def grow(choice, event, encoder, how):
     """One event into a choice; True when the choice has just finished."""
+    stop, eos = how["stop"], how["eos"]
     if choice["finish_reason"]:
         return False  # tokens the engine made before it saw this choice's cancellation
     if event.kind == "token":
@@ -249,6 +257,8 @@ def grow(choice, event, encoder, stop, eos):
         if event.token == eos:
             choice["finish_reason"] = "stop"
             return True
+        if choice["logprobs"] is not None:
+            add_logprobs(choice, event, encoder, how["logprobs"])
         before = len(choice["text"])
         choice["text"] += choice["utf8"].decode(encoder.decode_single_token_bytes(event.token))
         # a new stop string ends after `before`, and never starts inside an echoed prompt
@@ -261,6 +271,33 @@ def grow(choice, event, encoder, stop, eos):
     choice["text"] += choice["utf8"].decode(b"", final=True)
     choice["finish_reason"] = "length"
     return True
+
+
+def add_logprobs(choice, event, encoder, n_top):
+    """The token's log-probability under the target's own distribution (the log-softmax of
+    its logits, before temperature, penalties and top-k/p: what vLLM returns by default), with
+    the n_top likeliest tokens. Speculative decoding reports the same numbers: they come from
+    the target's logits at each position of its verify pass."""
+    logits = event.logits.get() if hasattr(event.logits, "get") else event.logits  # CuPy: to the host
+    logp = np.asarray(logits, dtype=np.float64)
+    logp = logp - logp.max()
+    logp -= np.log(np.exp(logp).sum())  # [n_vocab]
+    top = np.argpartition(-logp, n_top)[:n_top] if n_top else []
+    top = sorted(top, key=lambda t: -logp[t])
+    lp = choice["logprobs"]
+    lp["tokens"].append(encoder.decode([event.token]))
+    lp["token_logprobs"].append(float(logp[event.token]))
+    lp["top_logprobs"].append({encoder.decode([int(t)]): float(logp[t]) for t in top})
+    lp["text_offset"].append(len(choice["text"]))  # where this token's text starts
+
+
+def new_logprobs(choice):
+    """The logprobs of the tokens not yet streamed (all of them for a whole response)."""
+    lp, k = choice["logprobs"], choice["logprobs_sent"]
+    if lp is None:
+        return None
+    choice["logprobs_sent"] = len(lp["tokens"])
+    return {key: values[k:] for key, values in lp.items()}
 
 
 def ready_text(choice, stop):
@@ -371,7 +408,7 @@ def handler_for(engine):
 
         def complete(self, box, indices, how):
             encoder = engine["encoder"]
-            choices = [new_choice(k, p, encoder, how["echo"]) for k, p in enumerate(how["prompts"])]
+            choices = [new_choice(k, p, encoder, how) for k, p in enumerate(how["prompts"])]
             where = dict(zip(indices, choices))
             head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
                     "model": engine["model"]}
@@ -394,22 +431,22 @@ def handler_for(engine):
                         return self.end_stream([{"error": {"message": e.error, "type": "server_error"}}])
                     return self.send_error_json(BadRequest(e.error, status=500, kind="server_error"))
                 choice = where[e.index]
-                if grow(choice, e, encoder, how["stop"], how["eos"]):
+                if grow(choice, e, encoder, how):
                     release(engine, [e.index])
                 if how["stream"]:
                     text = ready_text(choice, how["stop"])
                     if text or choice["finish_reason"]:
                         self.send_event({**head, "choices": [
-                            {"index": choice["index"], "text": text, "logprobs": None,
+                            {"index": choice["index"], "text": text, "logprobs": new_logprobs(choice),
                              "finish_reason": choice["finish_reason"]}]})
             completion_tokens = sum(len(c["tokens"]) for c in choices)
             usage = {"prompt_tokens": how["prompt_tokens"], "completion_tokens": completion_tokens,
                      "total_tokens": how["prompt_tokens"] + completion_tokens}
             if how["stream"]:
                 return self.end_stream([{**head, "choices": [], "usage": usage}] if how["usage"] else [])
-            self.send_json(200, {**head, "choices": [{"index": c["index"], "text": c["text"], "logprobs": None,
-                                                      "finish_reason": c["finish_reason"]} for c in choices],
-                                 "usage": usage})
+            self.send_json(200, {**head, "usage": usage, "choices": [
+                {"index": c["index"], "text": c["text"], "logprobs": c["logprobs"], "finish_reason": c["finish_reason"]}
+                for c in choices]})
 
         def client_gone(self):
             """Whether the client closed its end (a readable socket with nothing to read)."""
@@ -456,12 +493,16 @@ def handler_for(engine):
     return Handler
 
 
+class Listener(ThreadingHTTPServer):
+    request_queue_size = 1024  # connections the kernel holds until accepted (5 by default: a burst gets resets)
+    daemon_threads = True
+
+
 def start(args):
     """Listen at once (/health says 503 while loading), load the models, start the engine.
     Returns (the HTTP server, serving on its own thread, and the engine)."""
     engine = new_engine(args)
-    httpd = ThreadingHTTPServer((args.host, args.port), handler_for(engine))
-    httpd.daemon_threads = True
+    httpd = Listener((args.host, args.port), handler_for(engine))
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     load(engine)
     threading.Thread(target=run_engine, args=(engine,), daemon=True).start()
@@ -476,6 +517,9 @@ def stop(httpd, engine):
     for i, box in boxes:
         box.put(scheduler.Event("error", i, error="the server is shutting down"))
     engine["inbox"].put(("stop", None, None))
+    deadline = time.monotonic() + 5.0
+    while engine["outboxes"] and time.monotonic() < deadline:  # each handler writes its error, then releases
+        time.sleep(0.01)
     httpd.server_close()
 
 

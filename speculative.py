@@ -88,7 +88,7 @@ def speculative_generate(requests, target, drafter, config=SpeculativeConfig(), 
 
     target: (params, hparams). drafter: a draft model (params, hparams); "prompt_lookup";
       or a function propose(batch, k) -> (drafts, q) (the benchmark's oracle and
-      controlled drafters). callback(seq, token, accepted) sees each token as it comes.
+      controlled drafters). callback(seq, token, accepted, logits) sees each token as it comes.
     Returns (each request's new tokens, batching.Stats).
     """
     draft = drafter if isinstance(drafter, tuple) else None
@@ -112,13 +112,13 @@ def speculative_step(batch, target, drafter, config):
     drafts, q = propose(batch, drafter, k, config.draft_vocab)  # 1. d_1..d_k, sampled from q_1..q_k
     k = np.array([len(d) for d in drafts])  # [B]
     t1 = time.perf_counter()
-    p = score_with_target(batch, target, drafts)  # 2. p_1..p_{k+1}, from ONE target pass
+    logits, p = score_with_target(batch, target, drafts)  # 2. p_1..p_{k+1}, from ONE target pass
     n, token = verify(p, q, kv_cache.pad_right(drafts)[0][:, :q.shape[1]], k,  # 3-4. accept n drafts,
                       batching.uniforms(batch, k)[:, :q.shape[1]], batching.uniforms(batch, 1)[:, 0])  # then 1 token
     n, token = n.tolist(), token.tolist()  # only these leave a GPU
     t2 = time.perf_counter()
     for b, seq in enumerate(batch.seqs):  # 5. emit; each row remembers how its drafts fared
-        batching.emit(batch, b, drafts[b][:n[b]] + [token[b]], n[b])
+        batching.emit(batch, b, drafts[b][:n[b]] + [token[b]], n[b], logits[b])
         seq.accepted, seq.rejected = seq.accepted + n[b], seq.rejected + (n[b] < k[b])
         batch.stats.rejections += n[b] < k[b]
     for name in batch.caches:  # 6. every cache forgets the rejected drafts
@@ -194,14 +194,14 @@ def draft_deterministic(batch, propose_fn, k):
 
 
 def score_with_target(batch, model, drafts):
-    """The target's distributions p [B, K+1, n_vocab] after each prefix of every row's
-    drafts (row b: its first k[b]+1 entries), all from ONE forward pass."""
+    """The target's logits and distributions p [B, K+1, n_vocab] after each prefix of every
+    row's drafts (row b: its first k[b]+1 entries), all from ONE forward pass."""
     n_logits = np.array([len(d) + 1 for d in drafts])
     logits = gpt2.next_logits(model, batching.cache(batch, "target"), batching.texts(batch, drafts), n_logits)
     counts = None
     if batching.penalized(batch):
         counts = counts_along_drafts(batch.counts[:len(drafts)], drafts, logits.shape[1])  # [B, K+1, n_vocab]
-    return batching.probabilities(batch, logits, counts)  # [B, K+1, n_vocab]
+    return logits, batching.probabilities(batch, logits, counts)  # [B, K+1, n_vocab] twice
 
 
 def counts_along_drafts(counts, drafts, n_positions):

@@ -66,6 +66,6 @@ def test_generate_stops_at_eos_and_streams(tiny, reference):
     eos = full[0][3]  # pretend the 4th greedy token is end-of-text
     seen = []
     out, _ = gpt2.generate(batching.requests([prompt], 10, GREEDY, eos_id=eos), (params, hparams),
-                           callback=lambda seq, tok, accepted: seen.append((seq.index, tok, accepted)))
+                           callback=lambda seq, tok, accepted, logits: seen.append((seq.index, tok, accepted)))
     assert out[0] == full[0][:full[0].index(eos) + 1]
     assert seen == [(0, t, False) for t in out[0]]
