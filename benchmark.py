@@ -21,6 +21,7 @@ import resource
 import struct
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -498,6 +499,62 @@ def bench_serving(model, args, size):
     return rows
 
 
+def bench_http(model, args, size):
+    """The serving workload (all at once, continuous batching) through server.py over
+    loopback HTTP, one streaming client thread per request, against scheduler.serve in
+    this process, in turns: what the HTTP path adds to throughput and time to first token."""
+    import server  # only this section needs it
+    encoder = utils.load_encoder(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "fixtures",
+                                              "gpt2-tokenizer"))
+    max_batch = args.max_batches[0]
+    reqs = serving_workload(args.n_requests, seed=0)
+    flags = ["--target_model_size", size if size in utils.MODEL_SIZES else "124M", "--max_batch", str(max_batch),
+             "--port", "0",
+             "--max_queue", str(len(reqs))]
+    httpd, engine = server.start(server.parse_args(flags), loaded=(encoder, model, None))
+    port = httpd.server_address[1]
+    rows = []
+    try:
+        for rep in range(args.reps):
+            summary, _ = serve_once(reqs, model, max_batch, static=False)
+            rows.append({"path": "in-process serve()", "rep": rep, "tokens_per_s": summary["tokens_per_s"],
+                         "ttft_s_p50": summary["ttft_s_p50"], "ttft_s_p95": summary["ttft_s_p95"]})
+            rows.append({"path": "HTTP (server.py)", "rep": rep, **http_run(reqs, port)})
+            print(f"  HTTP / in-process: throughput {rows[-1]['tokens_per_s'] / rows[-2]['tokens_per_s']:.3f}x, "
+                  f"p50 TTFT {1e3 * (rows[-1]['ttft_s_p50'] - rows[-2]['ttft_s_p50']):+.1f} ms", flush=True)
+    finally:
+        server.stop(httpd, engine)
+    return {"size": size, "max_batch": max_batch, "n_requests": len(reqs), "runs": rows}
+
+
+def http_run(reqs, port):
+    """Every request at once as a streaming POST: tokens/s over the run, TTFT percentiles."""
+    import http.client
+    ttft, tokens = [None] * len(reqs), [0] * len(reqs)
+    start = time.perf_counter()
+
+    def ask(k):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        r = reqs[k]
+        conn.request("POST", "/v1/completions", json.dumps({
+            "prompt": list(r.prompt), "max_tokens": r.max_new_tokens, "temperature": 0, "seed": r.seed,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}))
+        for line in conn.getresponse():
+            if line.startswith(b"data: {") and ttft[k] is None:
+                ttft[k] = time.perf_counter() - start
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                tokens[k] = json.loads(line[6:])["usage"]["completion_tokens"]
+        conn.close()
+    threads = [threading.Thread(target=ask, args=(k,)) for k in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - start
+    return {"tokens_per_s": sum(tokens) / seconds, "ttft_s_p50": float(np.percentile(ttft, 50)),
+            "ttft_s_p95": float(np.percentile(ttft, 95)), "tokens": sum(tokens)}
+
+
 def bench_transformers(size, args, device="cpu"):
     """Hugging Face transformers' generate() on the same shapes, if it is installed."""
     try:
@@ -589,7 +646,7 @@ def parse_args(argv=None):
     ap.add_argument("--max_batches", nargs="+", type=int, default=[8, 16], help="serving: rows in flight")
     ap.add_argument("--serve_sizes", nargs="+", choices=list(SHAPES), help="serving: default 124M (none with --target "
                     "only runs)")
-    ap.add_argument("--only", nargs="+", choices=["decode", "rows", "speculative", "serving", "breakdown"],
+    ap.add_argument("--only", nargs="+", choices=["decode", "rows", "speculative", "serving", "breakdown", "http"],
                     help="run only these parts (default: all but breakdown)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--models_dir", default="models")
@@ -602,7 +659,7 @@ def parse_args(argv=None):
     gpu = args.backend == "cupy"
     defaults = {"sizes": list(SHAPES)[:4] if gpu else ["124M", "355M"], "batch_sizes": [1, 8] if gpu else [1, 8, 32],
                 "n_tokens": 128 if gpu else 32, "target": "1558M" if gpu else "355M", "serve_sizes": ["124M"],
-                "only": ["decode", "rows", "speculative", "serving"]}
+                "only": ["decode", "rows", "speculative", "serving", "http"]}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -635,7 +692,7 @@ def main(argv=None):
     wanted = args.sizes if "decode" in args.only else []
     wanted += [args.target] if "rows" in args.only else []
     wanted += [args.target, args.draft] if {"speculative", "breakdown"} & set(args.only) else []
-    wanted += args.serve_sizes if "serving" in args.only else []
+    wanted += args.serve_sizes if {"serving", "http"} & set(args.only) else []
     loaded = {}
     for size in dict.fromkeys(wanted):
         params, hparams, info = load_or_random(size, args.models_dir, seed=len(loaded))
@@ -661,6 +718,8 @@ def main(argv=None):
         results["breakdown"] = bench_breakdown(loaded[args.draft], loaded[args.target], args)
     if "serving" in args.only:
         results["serving"] = [row for size in args.serve_sizes for row in bench_serving(loaded[size], args, size)]
+    if "http" in args.only:
+        results["http"] = bench_http(loaded[args.serve_sizes[0]], args, args.serve_sizes[0])
     for size, r in results["models"].items():
         if r["load_s"] is None:
             # last: writing a GB-sized temp file leaves the OS flushing and reclaiming for

@@ -119,6 +119,21 @@ def serving_table(rows):
     return lines
 
 
+def http_table(h):
+    runs = h["runs"]
+    lines = [f"\n### The HTTP path: server.py against in-process serve() (GPT-2 {h['size']}, {h['n_requests']} requests "
+             f"at once, max_batch {h['max_batch']}, in turns)\n",
+             "| rep | path | tokens/s | TTFT p50 / p95 s | HTTP / in-process throughput | HTTP - in-process p50 TTFT |",
+             "|---|---|---|---|---|---|"]
+    for inproc, http in zip(runs[::2], runs[1::2]):
+        for r in (inproc, http):
+            ratio = f"{http['tokens_per_s'] / inproc['tokens_per_s']:.3f}x" if r is http else ""
+            delta = f"{1e3 * (http['ttft_s_p50'] - inproc['ttft_s_p50']):+.0f} ms" if r is http else ""
+            lines.append(f"| {r['rep']} | {r['path']} | {r['tokens_per_s']:.1f} | {r['ttft_s_p50']:.2f} / "
+                         f"{r['ttft_s_p95']:.2f} | {ratio} | {delta} |")
+    return lines
+
+
 def markdown(results):
     """The tables the README quotes."""
     m = results["machine"]
@@ -135,6 +150,8 @@ def markdown(results):
         lines += breakdown_table(results["breakdown"])
     if "serving" in results:
         lines += serving_table(results["serving"])
+    if "http" in results:
+        lines += http_table(results["http"])
     lines.append(f"\nPeak RSS {results['peak_rss_mib']:.0f} MiB.")
     return "\n".join(lines)
 

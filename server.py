@@ -75,10 +75,11 @@ def new_engine(args):
             "decoder": None, "encoder": None, "hparams": None, "model": MODEL_NAMES[args.target_model_size]}
 
 
-def load(engine):
-    """Load the models (downloading what is missing) and build the decoder the engine runs."""
+def load(engine, loaded=None):
+    """Load the models (downloading what is missing) and build the decoder the engine runs.
+    loaded: (encoder, target, drafter) already in memory (the benchmark's random models)."""
     args = engine["args"]
-    encoder, target, drafter = main.load_models(args)
+    encoder, target, drafter = loaded or main.load_models(args)
     if args.mode == "speculative":
         config = speculative.SpeculativeConfig(K=args.K, adaptive=args.adaptive_K, K_max=args.K_max,
                                                draft_vocab=args.draft_vocab)
@@ -498,13 +499,13 @@ class Listener(ThreadingHTTPServer):
     daemon_threads = True
 
 
-def start(args):
-    """Listen at once (/health says 503 while loading), load the models, start the engine.
-    Returns (the HTTP server, serving on its own thread, and the engine)."""
+def start(args, loaded=None):
+    """Listen at once (/health says 503 while loading), load the models (or take loaded, as
+    load does), start the engine. Returns (the HTTP server, serving on its own thread, and the engine)."""
     engine = new_engine(args)
     httpd = Listener((args.host, args.port), handler_for(engine))
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    load(engine)
+    load(engine, loaded)
     threading.Thread(target=run_engine, args=(engine,), daemon=True).start()
     return httpd, engine
 
