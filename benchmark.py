@@ -29,6 +29,7 @@ import numpy as np
 import batching
 import benchmark_report
 import checkpoint
+import cost_model
 import gpt2
 import rowwise
 import sampling
@@ -186,7 +187,7 @@ def bench_context(params, hparams, args):
     """Per-token cost at growing context: one cached step vs recomputing the window."""
     rows = []
     for L in args.contexts:
-        cached = speculative.pass_seconds((params, hparams), L, reps=args.reps)
+        cached = cost_model.pass_seconds((params, hparams), L, reps=args.reps)
         ids = np.array([prompt_ids(L + 1)])
         uncached = timed(lambda: gpt2.gpt2(ids, **params, n_head=hparams["n_head"]), max(1, args.reps // 2))[0]
         rows.append({"context": L, "cached_ms": cached * 1e3, "uncached_ms": uncached * 1e3,
@@ -213,7 +214,7 @@ def bench_layout(params, hparams, args):
         ms = {name: [] for name in layouts}
         for _ in range(args.reps):
             for name, model in layouts.items():
-                ms[name].append(1e3 * speculative.pass_seconds(model, args.prompt_len, T, reps=args.reps))
+                ms[name].append(1e3 * cost_model.pass_seconds(model, args.prompt_len, T, reps=args.reps))
         checkpoint_ms, decode_ms = float(np.median(ms["checkpoint"])), float(np.median(ms["decode"]))
         rows.append({"tokens": T, "checkpoint_ms": checkpoint_ms, "decode_ms": decode_ms,
                      "speedup": checkpoint_ms / decode_ms})
@@ -233,7 +234,7 @@ def bench_rows(model, args):
         for n in ROW_COUNTS:
             for how in rowwise.STRATEGIES:
                 with rowwise.strategy(how):
-                    ms.setdefault((n, how), []).append(1e3 * speculative.pass_seconds(model, args.prompt_len, n, reps=1))
+                    ms.setdefault((n, how), []).append(1e3 * cost_model.pass_seconds(model, args.prompt_len, n, reps=1))
     rows = []
     for n in ROW_COUNTS:
         row = {"n": n, **{how: float(np.median(ms[(n, how)])) for how in rowwise.STRATEGIES}}
@@ -245,11 +246,11 @@ def bench_rows(model, args):
 def break_even_alpha(costs, K):
     """The acceptance rate at which speculative decoding with this K just pays (bisection)."""
     lo, hi = 0.0, 1.0
-    if speculative.speedup(hi, K, costs) < 1:
+    if cost_model.speedup(hi, K, costs) < 1:
         return None
     for _ in range(40):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if speculative.speedup(mid, K, costs) < 1 else (lo, mid)
+        lo, hi = (mid, hi) if cost_model.speedup(mid, K, costs) < 1 else (lo, mid)
     return hi
 
 
@@ -273,23 +274,23 @@ def bench_speculative_costs(draft, target, args):
     L = args.prompt_len
 
     def step():
-        return speculative.pass_seconds(target, L, reps=3)
-    verify = (1.0,) + tuple(paired(lambda: speculative.pass_seconds(target, L, K + 1, reps=3), step, args.reps)
+        return cost_model.pass_seconds(target, L, reps=3)
+    verify = (1.0,) + tuple(paired(lambda: cost_model.pass_seconds(target, L, K + 1, reps=3), step, args.reps)
                             for K in range(1, args.K_max + 1))
     drafts, catch_up = {}, {}
     for N in [0] + args.draft_vocabs:
         head = speculative.vocab_subset_head(draft[0]["wte"], [prompt_ids(L)], N) if N else None
-        drafts[N] = paired(lambda: speculative.pass_seconds(draft, L, head=head, reps=3), step, args.reps)
-        catch_up[N] = paired(lambda: speculative.pass_seconds(draft, L, 2, head, reps=3, n_logits=1),
-                             lambda: speculative.pass_seconds(draft, L, head=head, reps=3), args.reps)
+        drafts[N] = paired(lambda: cost_model.pass_seconds(draft, L, head=head, reps=3), step, args.reps)
+        catch_up[N] = paired(lambda: cost_model.pass_seconds(draft, L, 2, head, reps=3, n_logits=1),
+                             lambda: cost_model.pass_seconds(draft, L, head=head, reps=3), args.reps)
     step_s = float(np.median([step() for _ in range(args.reps)]))
     rows = []
     for K in range(1, args.K_max + 1):
-        costs = speculative.Costs(drafts[0], verify, catch_up[0])
+        costs = cost_model.Costs(drafts[0], verify, catch_up[0])
         row = {"K": K, "verify_ms": verify[K] * step_s * 1e3, "verify_over_step": verify[K],
                "break_even_alpha": break_even_alpha(costs, K)}
         for a in args.alphas:
-            row[f"predicted_a{a}"] = speculative.speedup(a, K, costs)
+            row[f"predicted_a{a}"] = cost_model.speedup(a, K, costs)
         rows.append(row)
     return {"draft": args.draft, "target": args.target, "target_step_ms": step_s * 1e3, "verify": verify,
             "draft_over_target": {str(N): c for N, c in drafts.items()},
@@ -330,7 +331,7 @@ def typical_pass(model, L, T=1, head=None, n_logits=None, reps=3):
     """The median of reps single passes, each after a warm-up: what a pass inside a run
     takes. The best of a few passes is the best case, about 10% less than a 1558M run's
     passes take (breakdown-1558M)."""
-    return float(np.median([speculative.pass_seconds(model, L, T, head, 1, n_logits) for _ in range(reps)]))
+    return float(np.median([cost_model.pass_seconds(model, L, T, head, 1, n_logits) for _ in range(reps)]))
 
 
 def costs_beside(draft, target, L, K, head=None):
@@ -341,14 +342,14 @@ def costs_beside(draft, target, L, K, head=None):
     draft_step = typical_pass(draft, L, head=head)
     verify = typical_pass(target, L, K + 1) / step
     catch_up = typical_pass(draft, L, 2, head, n_logits=1) / draft_step
-    return step, speculative.Costs(draft_step / step, (1.0,) + (float("nan"),) * (K - 1) + (verify,), catch_up)
+    return step, cost_model.Costs(draft_step / step, (1.0,) + (float("nan"),) * (K - 1) + (verify,), catch_up)
 
 
 def mean_costs(before, after):
     """The mean of two costs_beside results: what the run between them saw."""
     (s0, c0), (s1, c1) = before, after
     verify = tuple((x + y) / 2 for x, y in zip(c0.verify, c1.verify))
-    return (s0 + s1) / 2, speculative.Costs((c0.draft + c1.draft) / 2, verify, (c0.catch_up + c1.catch_up) / 2)
+    return (s0 + s1) / 2, cost_model.Costs((c0.draft + c1.draft) / 2, verify, (c0.catch_up + c1.catch_up) / 2)
 
 
 def bench_speculative_end_to_end(draft, target, costs, args):
@@ -370,11 +371,11 @@ def bench_speculative_end_to_end(draft, target, costs, args):
         return plain_runs[-1]
     rows = []
     for vocab in dict.fromkeys([0, args.draft_vocab]):
-        measured = speculative.Costs(costs["draft_over_target"][str(vocab)], costs["verify"],
+        measured = cost_model.Costs(costs["draft_over_target"][str(vocab)], costs["verify"],
                                      costs["catch_up"][str(vocab)])
         head = speculative.vocab_subset_head(draft[0]["wte"], [prompt], vocab) if vocab else None
         for a in args.e2e_alphas:
-            for K in dict.fromkeys([args.K, speculative.best_K(a, measured, args.K_max)]):
+            for K in dict.fromkeys([args.K, cost_model.best_K(a, measured, args.K_max)]):
                 config = speculative.SpeculativeConfig(K=K, draft_vocab=vocab)
                 runs, ratios, beside = [], [], []
                 controlled_run(draft, target, truth, a, config, n)  # warm-up
@@ -383,14 +384,14 @@ def bench_speculative_end_to_end(draft, target, costs, args):
                     base = plain()
                     runs.append(controlled_run(draft, target, truth, a, config, n, seed=rep))
                     ratios.append(runs[-1].decode_tokens_per_s / base)
-                    alpha = speculative.estimate_alpha(runs[-1].accepted, runs[-1].rejections)
-                    beside.append(speculative.speedup(alpha, K, mean_costs(before, costs_beside(
+                    alpha = cost_model.estimate_alpha(runs[-1].accepted, runs[-1].rejections)
+                    beside.append(cost_model.speedup(alpha, K, mean_costs(before, costs_beside(
                         draft, target, L, K, head))[1]))
-                alpha = float(np.median([speculative.estimate_alpha(s.accepted, s.rejections) for s in runs]))
+                alpha = float(np.median([cost_model.estimate_alpha(s.accepted, s.rejections) for s in runs]))
                 rows.append({"decoder": "speculative", "a": a, "K": K, "draft_vocab": vocab,
                              "tok_s": float(np.median([s.decode_tokens_per_s for s in runs])),
                              "speedup": float(np.median(ratios)), "speedup_min": min(ratios),
-                             "speedup_max": max(ratios), "predicted": speculative.speedup(a, K, measured),
+                             "speedup_max": max(ratios), "predicted": cost_model.speedup(a, K, measured),
                              "alpha": alpha, "predicted_beside": float(np.median(beside)),
                              "model_error": float(np.median([r / b - 1 for r, b in zip(ratios, beside)])),
                              "tokens_per_target_pass": float(np.median([s.tokens_per_target_pass for s in runs]))})
@@ -420,14 +421,14 @@ def bench_breakdown(draft, target, args):
             s = controlled_run(draft, target, truth, a, config, n, seed=rep)
             step, costs = mean_costs(before, costs_beside(draft, target, L, args.K))
             steps = s.n_steps - 1
-            alpha = speculative.estimate_alpha(s.accepted, s.rejections)
+            alpha = cost_model.estimate_alpha(s.accepted, s.rejections)
             verify = costs.verify[args.K]
             rows.append({"a": a, "K": args.K, "target_step_ms": step * 1e3, "c": costs.draft,
                          "verify_over_step": verify, "catch_up": costs.catch_up, "alpha": alpha,
                          "step_ms": (s.seconds - s.ttft_s) / steps * 1e3,
                          "draft_ms": (s.draft_s - s.first_draft_s) / steps * 1e3,
                          "verify_ms": (s.verify_s - s.first_verify_s) / steps * 1e3,
-                         "draft_ms_predicted": speculative.draft_cost(alpha, args.K, costs) * step * 1e3,
+                         "draft_ms_predicted": cost_model.draft_cost(alpha, args.K, costs) * step * 1e3,
                          "verify_ms_predicted": verify * step * 1e3,
                          "tokens_per_step": (s.n_tokens - s.first_step_tokens) / steps})
             print(f"  a={a} K={args.K}: step {rows[-1]['step_ms']:.0f} ms, drafting {rows[-1]['draft_ms']:.0f} "

@@ -121,8 +121,8 @@ def serving_table(rows):
 
 def http_table(h):
     runs = h["runs"]
-    lines = [f"\n### The HTTP path: server.py against in-process serve() (GPT-2 {h['size']}, {h['n_requests']} requests "
-             f"at once, max_batch {h['max_batch']}, in turns)\n",
+    lines = [f"\n### The HTTP path: server.py against in-process serve() (GPT-2 {h['size']}, "
+             f"{h['n_requests']} requests at once, max_batch {h['max_batch']}, in turns)\n",
              "| rep | path | tokens/s | TTFT p50 / p95 s | HTTP / in-process throughput | HTTP - in-process p50 TTFT |",
              "|---|---|---|---|---|---|"]
     for inproc, http in zip(runs[::2], runs[1::2]):

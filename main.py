@@ -19,6 +19,7 @@ import sys
 from tqdm import tqdm
 
 import batching
+import cost_model
 import gpt2
 import kv_cache
 import rowwise
@@ -243,14 +244,14 @@ def advise_K(stats, target, drafter, config):
     """After a run: the K that this run's acceptance and costs measured now recommend."""
     if not stats.drafted:
         return
-    alpha = speculative.estimate_alpha(stats.accepted, stats.rejections)
+    alpha = cost_model.estimate_alpha(stats.accepted, stats.rejections)
     draft = drafter if isinstance(drafter, tuple) else None
-    costs = speculative.measure_costs(target, draft, config.K_max, config.draft_vocab)
-    K = speculative.best_K(alpha, costs, config.K_max)
+    costs = cost_model.measure_costs(target, draft, config.K_max, config.draft_vocab)
+    K = cost_model.best_K(alpha, costs, config.K_max)
     print(f"advice: at this run's acceptance (alpha = {alpha:.2f}) and costs measured now (a draft token "
           f"{costs.draft:.2f} of a target step; verifying K+1 tokens {min(costs.verify[1:]):.2f}-"
           f"{max(costs.verify[1:]):.2f} steps), K = {K} is expected fastest: "
-          f"{speculative.speedup(alpha, K, costs):.2f}x plain decoding")
+          f"{cost_model.speedup(alpha, K, costs):.2f}x plain decoding")
 
 
 def run(args):

@@ -37,28 +37,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 import batching
+import cost_model
 import gpt2
 import kv_cache
 import sampling
-
-
-@dataclass(frozen=True)
-class Costs:
-    """What a step costs, in target decode steps: `draft` is one draft-model token (the
-    papers' c), `verify[K]` one target pass over K+1 tokens. `catch_up`: the draft's
-    pass over two tokens, in draft tokens; after a step that accepted all K drafts the
-    draft has yet to read its own last draft and the target's extra token, so its next
-    pass covers both. Fixed numbers rather than this run's clock, so that adaptive K,
-    and with it the text, is the same every run."""
-    draft: float
-    verify: tuple
-    catch_up: float = 1.0
-
-
-# verify(K+1) / one decode step for K = 0..8 on a 2-core CPU, 355M target, one gemv per row
-# (rowwise.py): `python benchmark.py --only rows --target 355M` (benchmark_results/rows-355M).
-# Each cost at least the one before: adaptive K must never see a longer pass as cheaper.
-CPU_VERIFY = (1.0, 1.63, 1.63, 1.82, 2.03, 2.31, 2.48, 2.67, 3.24)
 
 
 @dataclass(frozen=True)
@@ -66,7 +48,7 @@ class SpeculativeConfig:
     K: int = 4  # drafts per target pass (the papers' gamma)
     adaptive: bool = False  # before each step, each row picks its K from its own acceptance so far
     K_max: int = None  # the largest K adaptive K picks; None: max(K, 7)
-    costs: Costs = None  # for adaptive K; None: estimated from the models' sizes (default_costs)
+    costs: cost_model.Costs = None  # for adaptive K; None: estimated from the models' sizes (default_costs)
     draft_vocab: int = 0  # the draft's head covers the N most frequent tokens (+ the text's); 0: all
 
 
@@ -102,7 +84,7 @@ def speculative_generate(requests, target, drafter, config=SpeculativeConfig(), 
 def resolve(config, target, draft):
     """config with its defaults filled in: K_max = max(K, 7), costs from the models' sizes."""
     return replace(config, K_max=config.K_max or max(config.K, 7),
-                   costs=config.costs or default_costs(target, draft, config.draft_vocab))
+                   costs=config.costs or cost_model.default_costs(target, draft, config.draft_vocab))
 
 
 def speculative_step(batch, target, drafter, config):
@@ -271,90 +253,9 @@ def record(stats, k, n, draft_s, verify_s):
             stats.accepted_at[i] += i < nb
 
 
-def expected_tokens(alpha, K):
-    """E[tokens per target pass] = (1 - alpha^(K+1)) / (1 - alpha) (Leviathan et al. eq. 1):
-    drafts are accepted left to right with probability alpha each, plus one target token."""
-    return K + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (K + 1)) / (1.0 - alpha)
-
-
-def verify_cost(costs, K):
-    """verify(K+1) in target steps; past the table, growing with the rows like a compute-bound pass."""
-    table = costs.verify
-    return table[K] if K < len(table) else table[-1] * (K + 1) / len(table)
-
-
-def best_K(alpha, costs, K_max):
-    """The K with the most expected tokens per unit of time: E[tokens](alpha, K) over the
-    cost of K draft tokens and one verification of K+1 tokens."""
-    return max(range(1, K_max + 1), key=lambda K: speedup(alpha, K, costs))
-
-
 def adaptive_K(seq, config):
     """A row's K from its own history: alpha estimated from its drafts so far (with one
     optimistic success to start), then best_K on the fixed costs."""
     if seq.accepted + seq.rejected == 0:
         return config.K  # no history yet
-    return best_K(estimate_alpha(seq.accepted + 1, seq.rejected), config.costs, config.K_max)
-
-
-def estimate_alpha(accepted, rejections):
-    """alpha from drafts seen: each accepted draft a success, each step that rejected one
-    a failure (the maximum-likelihood estimate for the papers' geometric model)."""
-    return accepted / (accepted + rejections) if accepted + rejections else 0.0
-
-
-def step_parameters(hparams, vocab=0):
-    """Weights one decode step streams: 12 n_embd^2 per layer (attention 4, MLP 8) plus
-    the head (only `vocab` rows of it for a vocabulary-subset draft)."""
-    head = min(vocab, hparams["n_vocab"]) if vocab else hparams["n_vocab"]
-    return 12 * hparams["n_layer"] * hparams["n_embd"] ** 2 + head * hparams["n_embd"]
-
-
-def pass_seconds(model, context, T=1, head=None, reps=3, n_logits=None):
-    """Seconds of one cached pass over T new tokens after `context` cached tokens (the
-    best of reps), with logits at the last n_logits of them (default: all T): T = 1 is
-    a decode step, T = K+1 a verification. Token values do not change the time, so the
-    text is 0, 1, 2, ..."""
-    params, hparams = model
-    text = [i % hparams["n_vocab"] for i in range(context + T)]
-    cache = kv_cache.init_cache(hparams, 1, context + T, like=params["wte"])
-    gpt2.next_logits(model, cache, [text[:context]])
-    times = []
-    for _ in range(reps + 1):  # the first is a warm-up
-        cache["lengths"][:] = context  # roll back, so every pass sees the same context
-        start = time.perf_counter()
-        float(gpt2.next_logits(model, cache, [text], n_logits=n_logits or T, head=head)[0, 0, 0])  # waits for a GPU too
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
-
-
-def measure_costs(target, draft, K_max, draft_vocab=0, context=32):
-    """Costs measured on this machine: a draft token and verify(K+1) for K = 0..K_max, in
-    target decode steps. A few passes of each model; used to advise, never to decide
-    (a decision on the clock would change the text from run to run)."""
-    step = pass_seconds(target, context)
-    verify = (1.0,) + tuple(pass_seconds(target, context, K + 1) / step for K in range(1, K_max + 1))
-    if draft is None:
-        return Costs(0.0, verify)
-    head = vocab_subset_head(draft[0]["wte"], [list(range(context))], draft_vocab) if draft_vocab else None
-    draft_step = pass_seconds(draft, context, head=head)
-    return Costs(draft_step / step, verify, pass_seconds(draft, context, 2, head, n_logits=1) / draft_step)
-
-
-def draft_cost(alpha, K, costs):
-    """K draft tokens in target steps, the first of them a two-token catch-up pass when
-    the step before accepted all its drafts (probability alpha^K)."""
-    return costs.draft * (K + alpha ** K * (costs.catch_up - 1.0))
-
-
-def speedup(alpha, K, costs):
-    """Expected speedup over plain decoding: tokens per step over the step's cost in target steps."""
-    return expected_tokens(alpha, K) / (draft_cost(alpha, K, costs) + verify_cost(costs, K))
-
-
-def default_costs(target, draft, draft_vocab=0):
-    """Costs estimated from sizes: decoding is bound by reading the weights, so a draft
-    token costs its model's share of the bytes (0 for a drafter without a model), and
-    verification follows the CPU table CPU_VERIFY (and so does the draft's two-token pass)."""
-    c = step_parameters(draft[1], draft_vocab) / step_parameters(target[1]) if draft else 0.0
-    return Costs(draft=c, verify=CPU_VERIFY, catch_up=CPU_VERIFY[1])
+    return cost_model.best_K(cost_model.estimate_alpha(seq.accepted + 1, seq.rejected), config.costs, config.K_max)

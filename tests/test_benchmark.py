@@ -5,6 +5,7 @@ import sys
 import pytest
 
 import benchmark
+import cost_model
 import speculative
 
 
@@ -56,24 +57,24 @@ def test_controlled_drafter_hits_its_acceptance_rate(tiny):
     prompt = benchmark.prompt_ids(8)
     truth = prompt + benchmark.greedy([prompt], model, 400)[0][0]
     stats = benchmark.controlled_run(model, model, truth, 0.7, speculative.SpeculativeConfig(K=3), 400)
-    assert abs(speculative.estimate_alpha(stats.accepted, stats.rejections) - 0.7) < 0.06
+    assert abs(cost_model.estimate_alpha(stats.accepted, stats.rejections) - 0.7) < 0.06
 
 
 def test_break_even_alpha():
-    costs = speculative.Costs(0.5, (1.0, 1.5, 2.0))
+    costs = cost_model.Costs(0.5, (1.0, 1.5, 2.0))
     a = benchmark.break_even_alpha(costs, 1)
-    assert speculative.speedup(a, 1, costs) == pytest.approx(1.0, abs=1e-6)
-    assert benchmark.break_even_alpha(speculative.Costs(1.0, (1.0, 3.0)), 1) is None  # never pays
+    assert cost_model.speedup(a, 1, costs) == pytest.approx(1.0, abs=1e-6)
+    assert benchmark.break_even_alpha(cost_model.Costs(1.0, (1.0, 3.0)), 1) is None  # never pays
 
 
 def test_speedup_counts_the_drafts_catch_up_pass():
     """After a step that accepted all K drafts (probability alpha^K) the draft's next
     pass reads two tokens: with catch_up = 2, that pass costs one more draft token."""
-    plain, caught = speculative.Costs(0.5, (1.0, 1.5, 2.0)), speculative.Costs(0.5, (1.0, 1.5, 2.0), catch_up=2.0)
-    assert speculative.draft_cost(0.8, 2, caught) == pytest.approx(0.5 * (2 + 0.8 ** 2))
-    assert speculative.speedup(0.8, 2, caught) == pytest.approx(
-        speculative.expected_tokens(0.8, 2) / (0.5 * (2 + 0.64) + 2.0))
-    assert speculative.speedup(0.0, 2, caught) == speculative.speedup(0.0, 2, plain)  # never all accepted
+    plain, caught = cost_model.Costs(0.5, (1.0, 1.5, 2.0)), cost_model.Costs(0.5, (1.0, 1.5, 2.0), catch_up=2.0)
+    assert cost_model.draft_cost(0.8, 2, caught) == pytest.approx(0.5 * (2 + 0.8 ** 2))
+    assert cost_model.speedup(0.8, 2, caught) == pytest.approx(
+        cost_model.expected_tokens(0.8, 2) / (0.5 * (2 + 0.64) + 2.0))
+    assert cost_model.speedup(0.0, 2, caught) == cost_model.speedup(0.0, 2, plain)  # never all accepted
 
 
 def test_random_params_have_the_real_shapes():

@@ -1,6 +1,5 @@
 """The forward pass against transformers' reference logits, and its float32 hot path."""
 import numpy as np
-import pytest
 
 import batching
 import gpt2

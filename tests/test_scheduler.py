@@ -138,7 +138,8 @@ def bad_requests():
             (dataclasses.replace(r, seed=1.5), "seed"), (dataclasses.replace(r, settings=None), "settings"),
             (dataclasses.replace(r, eos_id=-1), "eos_id"), (dataclasses.replace(r, eos_id=2.0), "eos_id"),
             (dataclasses.replace(r, arrival_s=nan), "arrival_s"), (dataclasses.replace(r, arrival_s=inf), "arrival_s"),
-            (dataclasses.replace(r, arrival_s=-1.0), "arrival_s"), (dataclasses.replace(r, arrival_s="soon"), "arrival_s"),
+            (dataclasses.replace(r, arrival_s=-1.0), "arrival_s"),
+            (dataclasses.replace(r, arrival_s="soon"), "arrival_s"),
             ({"prompt": (464,), "max_new_tokens": 5}, "request")]
 
 

@@ -228,7 +228,8 @@ def test_load_64_streaming_clients_some_leaving_some_malformed(running):
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"), ({"prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"prompt": "x", "seed": -1}, 400, "seed"), ({"prompt": "x", "logprobs": 6}, 400, "logprobs"),
     ({"prompt": "x", "logprobs": 2, "echo": True}, 400, "logprobs"),
-    ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"), ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
     ({"prompt": "x", "model": "gpt2-xl"}, 404, "model"),
 ])
 def test_bad_requests_get_openais_error_body(running, body, status, param):

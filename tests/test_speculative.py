@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import batching
+import cost_model
 import gpt2
 import kv_cache
 import sampling
@@ -140,34 +141,34 @@ def test_prompt_lookup_greedy_equals_greedy(models, greedy_reference, use_cache)
 
 
 def test_expected_tokens_and_best_K_follow_the_paper():
-    assert speculative.expected_tokens(0.8, 4) == pytest.approx((1 - 0.8 ** 5) / 0.2)
-    assert speculative.expected_tokens(1.0, 4) == 5
-    flat = speculative.Costs(draft=0.36, verify=(1.0,) + (2.0,) * 8)  # c = 0.36, verification 2 steps
-    assert speculative.best_K(0.8, flat, 7) == 4
-    assert speculative.best_K(0.95, flat, 7) == 7
-    assert speculative.best_K(0.1, flat, 7) == 1
-    assert speculative.best_K(0.3, speculative.Costs(0.0, flat.verify), 7) == 7  # free drafts never hurt
-    rising = speculative.Costs(draft=0.1, verify=(1.0, 1.1, 1.2, 5.0, 5.0, 5.0))
-    assert speculative.best_K(0.99, rising, 5) == 2  # a verification that costs more per K caps K
+    assert cost_model.expected_tokens(0.8, 4) == pytest.approx((1 - 0.8 ** 5) / 0.2)
+    assert cost_model.expected_tokens(1.0, 4) == 5
+    flat = cost_model.Costs(draft=0.36, verify=(1.0,) + (2.0,) * 8)  # c = 0.36, verification 2 steps
+    assert cost_model.best_K(0.8, flat, 7) == 4
+    assert cost_model.best_K(0.95, flat, 7) == 7
+    assert cost_model.best_K(0.1, flat, 7) == 1
+    assert cost_model.best_K(0.3, cost_model.Costs(0.0, flat.verify), 7) == 7  # free drafts never hurt
+    rising = cost_model.Costs(draft=0.1, verify=(1.0, 1.1, 1.2, 5.0, 5.0, 5.0))
+    assert cost_model.best_K(0.99, rising, 5) == 2  # a verification that costs more per K caps K
 
 
 def test_default_costs_follow_the_weights_read_per_step(models):
     target, draft = models
-    c = speculative.default_costs(target, draft).draft
+    c = cost_model.default_costs(target, draft).draft
     h = target[1]
     assert c == pytest.approx((12 * 16 ** 2 + h["n_vocab"] * 16) / (24 * 16 ** 2 + h["n_vocab"] * 16))
-    c_subset = speculative.default_costs(target, draft, draft_vocab=8000).draft
+    c_subset = cost_model.default_costs(target, draft, draft_vocab=8000).draft
     assert c_subset == pytest.approx((12 * 16 ** 2 + 8000 * 16) / (24 * 16 ** 2 + h["n_vocab"] * 16))
-    assert speculative.default_costs(target, None).draft == 0.0
+    assert cost_model.default_costs(target, None).draft == 0.0
     sizes = [{"n_layer": L, "n_embd": E, "n_vocab": 50257} for L, E in ((12, 768), (24, 1024), (48, 1600))]
-    assert speculative.step_parameters(sizes[0]) / speculative.step_parameters(sizes[1]) == pytest.approx(0.35, abs=0.01)
-    assert speculative.step_parameters(sizes[0]) / speculative.step_parameters(sizes[2]) == pytest.approx(0.08, abs=0.01)
+    assert cost_model.step_parameters(sizes[0]) / cost_model.step_parameters(sizes[1]) == pytest.approx(0.35, abs=0.01)
+    assert cost_model.step_parameters(sizes[0]) / cost_model.step_parameters(sizes[2]) == pytest.approx(0.08, abs=0.01)
 
 
 def test_adaptive_K_grows_for_a_perfect_draft_and_shrinks_for_a_useless_one(models, greedy_reference):
     target, _ = models
     params, hparams = target
-    cheap = speculative.Costs(draft=0.1, verify=(1.0,) + (2.0,) * 8)  # drafts that cost little, flat verification
+    cheap = cost_model.Costs(draft=0.1, verify=(1.0,) + (2.0,) * 8)  # drafts that cost little, flat verification
     out, stats = spec(PROMPTS[:1], target, target, 30, K=2, adaptive=True, K_max=6, costs=cheap)
     assert out[0] == greedy_reference[0] and stats.K_trace[-2] == 6  # the last step drafts only what is left
     contrary = (dict(params, ln_f=dict(params["ln_f"], g=-params["ln_f"]["g"])), hparams)  # drafts the argmin

@@ -1,0 +1,123 @@
+"""When speculative decoding pays: what a step costs, and the K that makes it fastest.
+
+A step of draft-verify decoding (speculative.py) emits, on average, E = (1 - alpha^(K+1)) /
+(1 - alpha) tokens, where alpha is the chance that the target accepts a draft
+(Leviathan et al. 2023, eq. 1, https://arxiv.org/abs/2211.17192). It costs, in target
+decode steps, K draft tokens (c each) plus one target pass over K+1 tokens, verify(K+1):
+
+    speedup(alpha, K) = E(alpha, K) / (c * K + verify(K+1))
+
+(the first draft token after a fully accepted step covers two tokens, `catch_up`). On a
+GPU verify(K+1) stays near 1 up to K ~ 7, so a large K pays; on a 2-core CPU a pass over
+K+1 tokens costs 1.6-2.7 steps (rowwise.py, CPU_VERIFY), so K stays small and alpha must
+be high. `best_K` picks the K with the largest speedup; adaptive K (speculative.py) asks it
+before every step with each row's own alpha. The costs are fixed numbers, never this run's
+clock, so the same seed gives the same text; `measure_costs` times them on the machine at
+hand to advise (main.py prints the K it recommends).
+"""
+import time
+from dataclasses import dataclass
+
+import gpt2
+import kv_cache
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What a step costs, in target decode steps: `draft` is one draft-model token (the
+    papers' c), `verify[K]` one target pass over K+1 tokens. `catch_up`: the draft's
+    pass over two tokens, in draft tokens; after a step that accepted all K drafts the
+    draft has yet to read its own last draft and the target's extra token, so its next
+    pass covers both. Fixed numbers rather than this run's clock, so that adaptive K,
+    and with it the text, is the same every run."""
+    draft: float
+    verify: tuple
+    catch_up: float = 1.0
+
+
+# verify(K+1) / one decode step for K = 0..8 on a 2-core CPU, 355M target, one gemv per row
+# (rowwise.py): `python benchmark.py --only rows --target 355M` (benchmark_results/rows-355M).
+# Each cost at least the one before: adaptive K must never see a longer pass as cheaper.
+CPU_VERIFY = (1.0, 1.63, 1.63, 1.82, 2.03, 2.31, 2.48, 2.67, 3.24)
+
+
+def expected_tokens(alpha, K):
+    """E[tokens per target pass] = (1 - alpha^(K+1)) / (1 - alpha) (Leviathan et al. eq. 1):
+    drafts are accepted left to right with probability alpha each, plus one target token."""
+    return K + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (K + 1)) / (1.0 - alpha)
+
+
+def verify_cost(costs, K):
+    """verify(K+1) in target steps; past the table, growing with the rows like a compute-bound pass."""
+    table = costs.verify
+    return table[K] if K < len(table) else table[-1] * (K + 1) / len(table)
+
+
+def best_K(alpha, costs, K_max):
+    """The K with the most expected tokens per unit of time: E[tokens](alpha, K) over the
+    cost of K draft tokens and one verification of K+1 tokens."""
+    return max(range(1, K_max + 1), key=lambda K: speedup(alpha, K, costs))
+
+
+def estimate_alpha(accepted, rejections):
+    """alpha from drafts seen: each accepted draft a success, each step that rejected one
+    a failure (the maximum-likelihood estimate for the papers' geometric model)."""
+    return accepted / (accepted + rejections) if accepted + rejections else 0.0
+
+
+def step_parameters(hparams, vocab=0):
+    """Weights one decode step streams: 12 n_embd^2 per layer (attention 4, MLP 8) plus
+    the head (only `vocab` rows of it for a vocabulary-subset draft)."""
+    head = min(vocab, hparams["n_vocab"]) if vocab else hparams["n_vocab"]
+    return 12 * hparams["n_layer"] * hparams["n_embd"] ** 2 + head * hparams["n_embd"]
+
+
+def pass_seconds(model, context, T=1, head=None, reps=3, n_logits=None):
+    """Seconds of one cached pass over T new tokens after `context` cached tokens (the
+    best of reps), with logits at the last n_logits of them (default: all T): T = 1 is
+    a decode step, T = K+1 a verification. Token values do not change the time, so the
+    text is 0, 1, 2, ..."""
+    params, hparams = model
+    text = [i % hparams["n_vocab"] for i in range(context + T)]
+    cache = kv_cache.init_cache(hparams, 1, context + T, like=params["wte"])
+    gpt2.next_logits(model, cache, [text[:context]])
+    times = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        cache["lengths"][:] = context  # roll back, so every pass sees the same context
+        start = time.perf_counter()
+        float(gpt2.next_logits(model, cache, [text], n_logits=n_logits or T, head=head)[0, 0, 0])  # waits for a GPU too
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def measure_costs(target, draft, K_max, draft_vocab=0, context=32):
+    """Costs measured on this machine: a draft token and verify(K+1) for K = 0..K_max, in
+    target decode steps. A few passes of each model; used to advise, never to decide
+    (a decision on the clock would change the text from run to run)."""
+    step = pass_seconds(target, context)
+    verify = (1.0,) + tuple(pass_seconds(target, context, K + 1) / step for K in range(1, K_max + 1))
+    if draft is None:
+        return Costs(0.0, verify)
+    import speculative  # which imports this file: the draft's head is needed here only
+    head = speculative.vocab_subset_head(draft[0]["wte"], [list(range(context))], draft_vocab) if draft_vocab else None
+    draft_step = pass_seconds(draft, context, head=head)
+    return Costs(draft_step / step, verify, pass_seconds(draft, context, 2, head, n_logits=1) / draft_step)
+
+
+def draft_cost(alpha, K, costs):
+    """K draft tokens in target steps, the first of them a two-token catch-up pass when
+    the step before accepted all its drafts (probability alpha^K)."""
+    return costs.draft * (K + alpha ** K * (costs.catch_up - 1.0))
+
+
+def speedup(alpha, K, costs):
+    """Expected speedup over plain decoding: tokens per step over the step's cost in target steps."""
+    return expected_tokens(alpha, K) / (draft_cost(alpha, K, costs) + verify_cost(costs, K))
+
+
+def default_costs(target, draft, draft_vocab=0):
+    """Costs estimated from sizes: decoding is bound by reading the weights, so a draft
+    token costs its model's share of the bytes (0 for a drafter without a model), and
+    verification follows the CPU table CPU_VERIFY (and so does the draft's two-token pass)."""
+    c = step_parameters(draft[1], draft_vocab) / step_parameters(target[1]) if draft else 0.0
+    return Costs(draft=c, verify=CPU_VERIFY, catch_up=CPU_VERIFY[1])
