@@ -95,7 +95,16 @@ def begin_pass(cache, n_new, T, n_logits, like, shared=False):
     (with a cache), and which positions need logits: row b's last n_logits[b] real
     tokens, the rest of its n_logits.max() entries repeating its last token.
     shared: the pass serves several requests, so each row attends over exactly its own
-    keys (`groups`: rows of one length together), never the longest row's."""
+    keys (`groups`: rows of one length together), never the longest row's.
+
+    A worked example: a verify pass for two rows, row 0 with 5 tokens cached and 3 new
+    (2 drafts + its last token), row 1 with 2 cached and 1 new; logits at 3 and 1 tokens.
+    T = 3, S = max(5 + 3, 2 + 1) = 8 slots to read.
+        positions  [[5, 6, 7], [2, 3, 4]]    row 1's slots 3 and 4 are padding
+        mask[1]    query 0 (slot 2) sees slots 0-2; slots 3-7 are -inf
+        logits_at  [[0, 1, 2], [0, 0, 0]]    row 1 repeats its one real token
+        groups     [(3, rows 1:2), (8, rows 0:1)]   row 1 attends over 3 keys, row 0 over 8
+        where      (row, token, slot) = (0,0,5) (0,1,6) (0,2,7) (1,0,2): real tokens only"""
     B = len(n_new)
     start = cache["lengths"] if cache is not None else np.zeros(B, dtype=np.int64)
     positions = start[:, None] + np.arange(T)  # [B, T]: a token's position is its slot

@@ -95,8 +95,10 @@ def speculative_step(batch, target, drafter, config):
     k = np.array([len(d) for d in drafts])  # [B]
     t1 = time.perf_counter()
     logits, p = score_with_target(batch, target, drafts)  # 2. p_1..p_{k+1}, from ONE target pass
-    n, token = verify(p, q, kv_cache.pad_right(drafts)[0][:, :q.shape[1]], k,  # 3-4. accept n drafts,
-                      batching.uniforms(batch, k)[:, :q.shape[1]], batching.uniforms(batch, 1)[:, 0])  # then 1 token
+    d = kv_cache.pad_right(drafts)[0][:, :q.shape[1]]  # [B, K]: the drafts, right-padded
+    u = batching.uniforms(batch, k)[:, :q.shape[1]]  # [B, K]: one draw per draft, to accept or reject it
+    v = batching.uniforms(batch, 1)[:, 0]  # [B]: one draw for the token from p_{n+1} or the residual
+    n, token = verify(p, q, d, k, u, v)  # 3-4. accept n drafts, then 1 token
     n, token = n.tolist(), token.tolist()  # only these leave a GPU
     t2 = time.perf_counter()
     for b, seq in enumerate(batch.seqs):  # 5. emit; each row remembers how its drafts fared
