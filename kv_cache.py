@@ -178,6 +178,16 @@ def rows(cache, lo, hi):
             "lengths": cache["lengths"][lo:hi], "starts": cache["starts"][lo:hi]}
 
 
+def gather_rows(cache, idx):
+    """Row r becomes what row idx[r] was, for r < len(idx): beam search keeps its best beams
+    by gathering their keys and values, never by recomputing them."""
+    n = len(idx)
+    for layer in cache["layers"]:
+        layer["k"][:n] = layer["k"][idx]  # the gather copies first, so rows may read each other
+        layer["v"][:n] = layer["v"][idx]
+    cache["lengths"][:n], cache["starts"][:n] = cache["lengths"][idx], cache["starts"][idx]
+
+
 def clear_row(cache, b):
     """Row b starts a new text: nothing cached (old keys are hidden by the mask)."""
     cache["lengths"][b] = cache["starts"][b] = 0

@@ -15,10 +15,12 @@ generated tokens only (as the OpenAI API and vLLM do), unless --penalize_prompt.
 import argparse
 import codecs
 import sys
+import time
 
 from tqdm import tqdm
 
 import batching
+import beam_search
 import cost_model
 import gpt2
 import kv_cache
@@ -46,7 +48,7 @@ def parse_args(argv=None):
     ap.add_argument("--prompt", action="append", help="a prompt ('' = unconditional); repeat the flag for a batch")
     ap.add_argument("--prompts_file", help="a file with one prompt per line (a batch; blank lines are skipped)")
     ap.add_argument("--n_tokens_to_generate", type=int, default=40)
-    add_decoder_flags(ap, modes=("autoregressive", "speculative", "both"), default="both")
+    add_decoder_flags(ap, modes=("autoregressive", "speculative", "both"), default=None)  # None: both, or beams
     ap.add_argument("--temperature", type=float, default=0.8, help=f"0 (or below {sampling.GREEDY_BELOW}) = greedy")
     ap.add_argument("--top_k", type=int, default=0, help="0 = off")
     ap.add_argument("--top_p", type=float, default=0.9, help="in (0, 1]; 1 = off")
@@ -67,6 +69,14 @@ def parse_args(argv=None):
     ap.add_argument("--max_batch", type=int,
                     help="serve the prompts with continuous batching, at most this many at once, and print each "
                          "request with its timings as it finishes")
+    ap.add_argument("--num_beams", type=int, default=1, help="> 1: beam search with this many beams (deterministic)")
+    ap.add_argument("--length_penalty", type=float, default=1.0,
+                    help="beam search: a finished text scores sum(log p) / length ** this (> 0 favours long texts)")
+    ap.add_argument("--early_stopping", choices=["True", "False", "never"], default="False",
+                    help="beam search stops: True once num_beams texts are done, False by a heuristic, never: exact")
+    ap.add_argument("--num_return_sequences", type=int, default=1, help="beam search: texts printed per prompt")
+    ap.add_argument("--no_repeat_ngram_size", type=int, default=0,
+                    help="beam search: no n-gram of this size appears twice in a text (0 = off)")
     add_model_flags(ap)
     return ap.parse_args(argv)
 
@@ -254,8 +264,47 @@ def advise_K(stats, target, drafter, config):
           f"{cost_model.speedup(alpha, K, costs):.2f}x plain decoding")
 
 
+def beam_settings(args):
+    """--num_beams > 1: the beam search settings, after refusing what beam search cannot combine with."""
+    clash = [flag for flag, on in (("--mode speculative/both", args.mode not in (None, "autoregressive")),
+                                   ("--stream", args.stream), ("--max_batch", args.max_batch is not None),
+                                   ("--no_kv_cache", args.no_kv_cache),
+                                   ("--presence_penalty", args.presence_penalty != 0),
+                                   ("--frequency_penalty", args.frequency_penalty != 0)) if on]
+    if clash:
+        raise ValueError(f"--num_beams {args.num_beams} runs beam search alone: leave out {', '.join(clash)}")
+    beams = beam_search.BeamSettings(
+        num_beams=args.num_beams, length_penalty=args.length_penalty,
+        early_stopping={"True": True, "False": False}.get(args.early_stopping, args.early_stopping),
+        num_return_sequences=args.num_return_sequences, no_repeat_ngram_size=args.no_repeat_ngram_size,
+        repetition_penalty=args.repetition_penalty)
+    beam_search.check(beams)
+    return beams
+
+
+def run_beams(args, beams, prompts):
+    """Beam search over the prompts together; each prompt's best texts with their scores."""
+    args.mode = "autoregressive"
+    encoder, target, _ = load_models(args)
+    ids = tokenize(encoder, prompts, target[1]["n_ctx"])
+    beam_search.check_window(target[1]["n_ctx"], ids, args.n_tokens_to_generate)
+    print(f"\n=== beam search: GPT-2 {args.target_model_size}, {beams.num_beams} beams ===")
+    start = time.perf_counter()
+    results = beam_search.beam_search(ids, target, args.n_tokens_to_generate, beams,
+                                      None if args.ignore_eos else encoder.eot_token)
+    seconds = time.perf_counter() - start
+    for prompt, hyps in zip(prompts, results):
+        for rank, (tokens, score) in enumerate(hyps):
+            print(f"--- {prompt!r} #{rank + 1}, score {score:.3f}\n{prompt}{encoder.decode(tokens)}")
+    print(f"{sum(len(t) for hyps in results for t, _ in hyps[:1])} tokens (best texts) in {seconds:.2f}s")
+    return {"beam_search": {"results": results, "texts": [[encoder.decode(t) for t, _ in h] for h in results]}}
+
+
 def run(args):
     settings, config, prompts = check_args(args)
+    if args.num_beams != 1:
+        return run_beams(args, beam_settings(args), prompts)
+    args.mode = args.mode or "both"
     encoder, target, drafter = load_models(args)
     n_ctx = target[1]["n_ctx"]
     eos = None if args.ignore_eos else encoder.eot_token

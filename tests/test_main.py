@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import batching
+import beam_search
 import checkpoint
 import cost_model
 import fileserver
@@ -152,6 +153,26 @@ def test_a_prompt_longer_than_the_window_is_served_as_it_is_decoded(capsys, mode
     assert texts[0] == texts[1] and len(texts[0]) == 2  # both decoders, same text in both paths
 
 
+def test_beam_search_prints_each_prompts_best_texts_with_scores(capsys, models_dir):
+    rc, out, err = run_main(capsys, "--models_dir", models_dir, "--target_model_size", "124M", "--num_beams", "3",
+                            "--num_return_sequences", "2", "--n_tokens_to_generate", "8", "--prompt", "Hello",
+                            "--prompt", "The quick brown fox")
+    assert rc == 0, err
+    encoder, hparams, params = utils.load_model_dir(os.path.join(models_dir, "124M"))
+    want = beam_search.beam_search([encoder.encode("Hello"), encoder.encode("The quick brown fox")],
+                                   (params, hparams), 8, beam_search.BeamSettings(3, num_return_sequences=2),
+                                   encoder.eot_token)
+    for prompt, hyps in zip(["Hello", "The quick brown fox"], want):
+        for rank, (tokens, score) in enumerate(hyps):
+            assert f"--- {prompt!r} #{rank + 1}, score {score:.3f}\n{prompt}{encoder.decode(tokens)}\n" in out
+
+
+def test_beam_search_past_the_window_is_refused(capsys, models_dir):
+    rc, out, err = run_main(capsys, "--models_dir", models_dir, "--target_model_size", "124M", "--num_beams", "2",
+                            "--n_tokens_to_generate", "70")
+    assert rc == 2 and "inside GPT-2's 64-token window" in err and err.count("\n") == 1
+
+
 def test_empty_prompt_is_unconditional_generation(models_dir):
     r = results(models_dir, "--prompt", "", "--target_model_size", "124M", *GREEDY)
     assert r["autoregressive"]["tokens"] == r["speculative"]["tokens"] and len(r["autoregressive"]["tokens"][0]) > 0
@@ -284,6 +305,12 @@ def odd_vocab_models(tmp_path_factory):
     (["--max_batch", "0"], "--max_batch must be >= 1"),
     (["--draft_vocab", "-5"], "--draft_vocab must be >= 0"),
     (["--max_batch", "4", "--stream"], "leave out --stream and --no_kv_cache"),
+    (["--num_beams", "0"], "--num_beams must be an integer >= 1"),
+    (["--num_beams", "2", "--num_return_sequences", "3"], "--num_return_sequences must be in [1, num_beams = 2]"),
+    (["--num_beams", "2", "--mode", "speculative"], "leave out --mode speculative/both"),
+    (["--num_beams", "2", "--stream", "--presence_penalty", "0.5"], "leave out --stream, --presence_penalty"),
+    (["--num_beams", "2", "--early_stopping", "sometimes"], "argument --early_stopping: invalid choice"),
+    (["--num_beams", "2", "--no_repeat_ngram_size", "-1"], "--no_repeat_ngram_size must be >= 0"),
 ])
 def test_bad_input_is_one_clear_line_before_anything_loads(capsys, tmp_path, argv, message):
     """An empty --models_dir: a model would have to be downloaded, so the flags are

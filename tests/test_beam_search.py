@@ -1,0 +1,70 @@
+"""Beam search against Hugging Face transformers (v5.23, tests/fixtures/beam_search.json, made
+by make_beam_fixtures.py): the same token ids and scores on the tiny GPT-2, with all three
+prompts searched together in one batch (transformers ran each alone)."""
+import json
+
+import pytest
+
+import batching
+import beam_search
+import gpt2
+import sampling
+from conftest import fixture_path
+
+with open(fixture_path("beam_search.json")) as f:
+    FIXTURES = json.load(f)
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    _, hparams, params = tiny
+    return params, hparams
+
+
+@pytest.mark.parametrize("case", FIXTURES["cases"], ids=[c["name"] for c in FIXTURES["cases"]])
+def test_same_tokens_and_scores_as_transformers(model, case):
+    s = case["settings"]
+    settings = beam_search.BeamSettings(num_beams=s["num_beams"], length_penalty=s.get("length_penalty", 1.0),
+                                        early_stopping=s.get("early_stopping", False),
+                                        num_return_sequences=s.get("num_return_sequences", 1),
+                                        no_repeat_ngram_size=s.get("no_repeat_ngram_size", 0),
+                                        repetition_penalty=s.get("repetition_penalty", 1.0))
+    got = beam_search.beam_search(case["prompts"], model, case["max_new_tokens"], settings, eos_id=case["eos_id"])
+    for hyps, want in zip(got, case["outputs"]):
+        assert len(hyps) == len(want)
+        for (tokens, score), w in zip(hyps, want):
+            padded = tokens + [case["eos_id"]] * (len(w["tokens"]) - len(tokens))  # transformers pads with EOS
+            assert padded == w["tokens"]
+            # each token's log prob within 1e-4 (the logits' standard), through sum / length ** penalty
+            length = len(tokens)
+            assert score == pytest.approx(w["score"], abs=1e-4 * length / length ** settings.length_penalty)
+
+
+def test_the_fixtures_exercise_what_they_claim():
+    """Some beams end at EOS before the length limit, so hypotheses of different lengths compete."""
+    early = [c for c in FIXTURES["cases"] if c["name"].startswith("eos early")]
+    lengths = {len([t for t in o["tokens"] if t != c["eos_id"]]) for c in early for out in c["outputs"] for o in out}
+    assert len(early) == 9 and len(lengths) > 1
+
+
+def test_one_beam_is_greedy_decoding(model):
+    prompts = [p for p in FIXTURES["cases"][0]["prompts"]]
+    got = beam_search.beam_search(prompts, model, 10, beam_search.BeamSettings(num_beams=1))
+    greedy = gpt2.generate(batching.requests(prompts, 10, sampling.SamplingSettings(temperature=0.0)), model)[0]
+    assert [h[0][0] for h in got] == greedy
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"num_beams": 0}, "--num_beams"), ({"num_beams": 2, "num_return_sequences": 3}, "--num_return_sequences"),
+    ({"early_stopping": "sometimes"}, "--early_stopping"), ({"no_repeat_ngram_size": -1}, "--no_repeat_ngram_size"),
+])
+def test_bad_settings_are_refused_by_name(model, kw, message):
+    with pytest.raises(ValueError, match=message):
+        beam_search.beam_search([[464]], model, 4, beam_search.BeamSettings(**kw))
+
+
+def test_past_the_window_is_refused_with_a_reason(model):
+    with pytest.raises(ValueError, match="inside GPT-2's 64-token window"):
+        beam_search.beam_search([list(range(60))], model, 10, beam_search.BeamSettings(num_beams=2))
+
+

@@ -1,0 +1,72 @@
+"""The README keeps its promises where a machine can check them: its commands parse, the
+flags it names exist, the files and links it points at are there, and it stays short."""
+import os
+import re
+import shlex
+
+import pytest
+
+import benchmark
+import main
+import server
+from conftest import ROOT
+
+PAGES = ["README.md", os.path.join("benchmark_results", "README.md")]
+PARSERS = {"main.py": main.parse_args, "server.py": server.parse_args, "benchmark.py": benchmark.parse_args}
+
+
+def read(page):
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        return f.read()
+
+
+def commands(text):
+    """(script, argv) of every `python <script>.py ...` line inside a fenced code block."""
+    found, fenced = [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        m = re.match(r"(?:.*&& )?python (\w+\.py)(.*)", line.split(" # ")[0].strip())
+        if fenced and m and m.group(1) in PARSERS:
+            found.append((m.group(1), shlex.split(m.group(2))))
+    return found
+
+
+def test_the_readme_is_read_in_one_sitting():
+    assert len(read("README.md").encode()) <= 15 * 1024
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_command_in_a_code_block_parses(page):
+    found = commands(read(page))
+    assert page != "README.md" or {script for script, _ in found} == set(PARSERS)
+    for script, argv in found:
+        PARSERS[script](argv)  # a flag that does not exist raises (main, server) or exits (benchmark)
+
+
+def test_every_flag_the_readme_names_exists():
+    flags = set(re.findall(r"(?<![\w-])--([a-z][A-Za-z_]+)", read("README.md")))
+    known = {"help"}
+    for module in (main, server, benchmark):
+        known |= set(re.findall(r'"--([A-Za-z_]+)"', open(module.__file__, encoding="utf-8").read()))
+    assert flags and flags <= known, flags - known
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_link_and_file_it_names_exists(page):
+    text, here = read(page), os.path.dirname(os.path.join(ROOT, page))
+    links = [t for t in re.findall(r"\]\(([^)#]+)\)", text) if not t.startswith("http")]
+    files = re.findall(r"(?<![\w/.-])([\w/-]+\.(?:py|png|svg|md|txt))\b", text) if page == "README.md" else []
+    assert links
+    for target in links:
+        assert os.path.exists(os.path.join(here, target)), target
+    for name in files:
+        if name not in ("prompts.txt",):  # the reader's own file in an example
+            assert os.path.exists(os.path.join(ROOT, name)), name
+
+
+def test_the_readme_states_what_the_code_does_now():
+    text = read("README.md").lower()
+    for history in ("this session", "issue ", "previous version", "earlier version", "before the restructuring"):
+        assert history not in text
