@@ -556,6 +556,27 @@ def http_run(reqs, port):
             "ttft_s_p95": float(np.percentile(ttft, 95)), "tokens": sum(tokens)}
 
 
+def bench_beams(model, args, size, num_beams=4):
+    """Beam search with num_beams beams against greedy decoding on one prompt, in turns: a
+    beam step is one cached pass over num_beams rows plus the search's own bookkeeping."""
+    import beam_search  # only this section needs it
+    prompt, n = prompt_ids(args.prompt_len, seed=0), args.n_tokens
+    rows = []
+    for rep in range(args.reps + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        beam_search.beam_search([prompt], model, n, beam_search.BeamSettings(num_beams=num_beams))
+        beam_s = time.perf_counter() - start
+        start = time.perf_counter()
+        greedy([prompt], model, n)
+        greedy_s = time.perf_counter() - start
+        if rep:
+            rows.append({"beam_step_ms": 1e3 * beam_s / n, "greedy_step_ms": 1e3 * greedy_s / n,
+                         "beam_over_greedy": beam_s / greedy_s, "beam_tok_s": n / beam_s})
+    ratio = float(np.median([r["beam_over_greedy"] for r in rows]))
+    print(f"  beam search ({num_beams} beams) on {size}: a step costs {ratio:.2f} greedy steps", flush=True)
+    return {"size": size, "num_beams": num_beams, "n_tokens": n, "prompt_len": args.prompt_len, "runs": rows}
+
+
 def bench_transformers(size, args, device="cpu"):
     """Hugging Face transformers' generate() on the same shapes, if it is installed."""
     try:
@@ -647,7 +668,7 @@ def parse_args(argv=None):
     ap.add_argument("--max_batches", nargs="+", type=int, default=[8, 16], help="serving: rows in flight")
     ap.add_argument("--serve_sizes", nargs="+", choices=list(SHAPES), help="serving: default 124M (none with --target "
                     "only runs)")
-    ap.add_argument("--only", nargs="+", choices=["decode", "rows", "speculative", "serving", "breakdown", "http"],
+    ap.add_argument("--only", nargs="+", choices=["decode", "rows", "speculative", "serving", "breakdown", "http", "beams"],
                     help="run only these parts (default: all but breakdown)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--models_dir", default="models")
@@ -660,7 +681,7 @@ def parse_args(argv=None):
     gpu = args.backend == "cupy"
     defaults = {"sizes": list(SHAPES)[:4] if gpu else ["124M", "355M"], "batch_sizes": [1, 8] if gpu else [1, 8, 32],
                 "n_tokens": 128 if gpu else 32, "target": "1558M" if gpu else "355M", "serve_sizes": ["124M"],
-                "only": ["decode", "rows", "speculative", "serving", "http"]}
+                "only": ["decode", "rows", "speculative", "serving", "http", "beams"]}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -693,7 +714,7 @@ def main(argv=None):
     wanted = args.sizes if "decode" in args.only else []
     wanted += [args.target] if "rows" in args.only else []
     wanted += [args.target, args.draft] if {"speculative", "breakdown"} & set(args.only) else []
-    wanted += args.serve_sizes if {"serving", "http"} & set(args.only) else []
+    wanted += args.serve_sizes if {"serving", "http", "beams"} & set(args.only) else []
     loaded = {}
     for size in dict.fromkeys(wanted):
         params, hparams, info = load_or_random(size, args.models_dir, seed=len(loaded))
@@ -721,6 +742,8 @@ def main(argv=None):
         results["serving"] = [row for size in args.serve_sizes for row in bench_serving(loaded[size], args, size)]
     if "http" in args.only:
         results["http"] = bench_http(loaded[args.serve_sizes[0]], args, args.serve_sizes[0])
+    if "beams" in args.only:
+        results["beams"] = bench_beams(loaded[args.serve_sizes[0]], args, args.serve_sizes[0])
     for size, r in results["models"].items():
         if r["load_s"] is None:
             # last: writing a GB-sized temp file leaves the OS flushing and reclaiming for

@@ -134,6 +134,15 @@ def http_table(h):
     return lines
 
 
+def beams_table(b):
+    lines = [f"\n### Beam search: {b['num_beams']} beams against greedy decoding (GPT-2 {b['size']}, "
+             f"{b['prompt_len']}-token prompt, {b['n_tokens']} new tokens, in turns)\n",
+             "| rep | beam step ms | greedy step ms | beam / greedy | beam search tok/s |", "|---|---|---|---|---|"]
+    lines += [f"| {i} | {r['beam_step_ms']:.1f} | {r['greedy_step_ms']:.1f} | {r['beam_over_greedy']:.2f} | "
+              f"{r['beam_tok_s']:.1f} |" for i, r in enumerate(b["runs"])]
+    return lines
+
+
 def markdown(results):
     """The tables the README quotes."""
     m = results["machine"]
@@ -152,6 +161,8 @@ def markdown(results):
         lines += serving_table(results["serving"])
     if "http" in results:
         lines += http_table(results["http"])
+    if "beams" in results:
+        lines += beams_table(results["beams"])
     lines.append(f"\nPeak RSS {results['peak_rss_mib']:.0f} MiB.")
     return "\n".join(lines)
 
