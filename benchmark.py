@@ -79,7 +79,7 @@ def load_or_random(size, models_dir, seed):
 def time_memmap_load(params, hparams):
     """Write the params as a real-size model.safetensors (Hugging Face names) in a temp
     dir and time loading it as utils.load_model_dir does: parse the header, memmap every
-    tensor, check shapes, copy wte and the MLP down-projections into column-major order
+    tensor, check shapes, copy the blocks' weight matrices into column-major order
     (utils.decode_layout). The file was just written, so it is read from the page cache.
     Seconds, whatever the weights are."""
     tensors = {"wte.weight": params["wte"], "wpe.weight": params["wpe"],

@@ -12,7 +12,7 @@ import sys
 
 def decode_tables(size, r):
     what = "their checkpoint" if r["weights"] == "real" else "as a real-size model.safetensors"
-    load = f"{r['load_s'] * 1e3:.0f} ms to memmap {what} and copy wte + MLP c_proj to column-major"
+    load = f"{r['load_s'] * 1e3:.0f} ms to memmap {what} and copy the blocks' matrices to column-major"
     lines = [f"### GPT-2 {size} ({r['weights']} weights; load {load})", "",
              "| batch | KV cache | decode tok/s (min-max) | bandwidth GB/s | roofline tok/s | of roofline | "
              "TTFT ms | ITL p50 / p90 ms | KV cache at n_ctx |", "|---|---|---|---|---|---|---|---|---|"]
