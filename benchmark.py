@@ -523,6 +523,12 @@ def bench_http(model, args, size):
             rows.append({"path": "HTTP (server.py)", "rep": rep, **http_clients(reqs, port)})
             print(f"  HTTP / in-process: throughput {rows[-1]['tokens_per_s'] / rows[-2]['tokens_per_s']:.3f}x, "
                   f"p50 TTFT {1e3 * (rows[-1]['ttft_s_p50'] - rows[-2]['ttft_s_p50']):+.1f} ms", flush=True)
+        lone = reqs[0]
+        for rep in range(5 * args.reps):  # one request on an idle server: what HTTP adds to its first token
+            summary, _ = serve_once([lone], model, max_batch, static=False)
+            rows.append({"path": "in-process serve(), one request", "rep": rep, **summary})
+            rows.append({"path": "HTTP (server.py), one request", "rep": rep,
+                         **http_clients([lone], port)})
     finally:
         server.stop(httpd, engine)
     return {"size": size, "max_batch": max_batch, "n_requests": len(reqs), "runs": rows}
@@ -538,25 +544,27 @@ def http_clients(reqs, port):
 
 
 def http_run(reqs, port):
-    """Every request (prompt, max_tokens, seed) at once as a streaming POST: tokens/s over
-    the run, TTFT percentiles."""
+    """Every request (prompt, max_tokens, seed) as a streaming POST, sent in order from one
+    thread (so the server admits them in the order serve() does) and read on one thread
+    each: tokens/s over the run, TTFT percentiles."""
     import http.client
     ttft, tokens = [None] * len(reqs), [0] * len(reqs)
     start = time.perf_counter()
-
-    def ask(k):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-        prompt, max_tokens, seed = reqs[k]
-        conn.request("POST", "/v1/completions", json.dumps({
+    conns = []
+    for prompt, max_tokens, seed in reqs:
+        conns.append(http.client.HTTPConnection("127.0.0.1", port, timeout=600))
+        conns[-1].request("POST", "/v1/completions", json.dumps({
             "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "seed": seed,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}))
-        for line in conn.getresponse():
+
+    def read(k):
+        for line in conns[k].getresponse():
             if line.startswith(b"data: {") and ttft[k] is None:
                 ttft[k] = time.perf_counter() - start
             if line.startswith(b"data: {") and b'"usage"' in line:
                 tokens[k] = json.loads(line[6:])["usage"]["completion_tokens"]
-        conn.close()
-    threads = [threading.Thread(target=ask, args=(k,)) for k in range(len(reqs))]
+        conns[k].close()
+    threads = [threading.Thread(target=read, args=(k,)) for k in range(len(reqs))]
     for t in threads:
         t.start()
     for t in threads:
@@ -564,27 +572,6 @@ def http_run(reqs, port):
     seconds = time.perf_counter() - start
     return {"tokens_per_s": sum(tokens) / seconds, "ttft_s_p50": float(np.percentile(ttft, 50)),
             "ttft_s_p95": float(np.percentile(ttft, 95)), "tokens": sum(tokens)}
-
-
-def bench_beams(model, args, size, num_beams=4):
-    """Beam search with num_beams beams against greedy decoding on one prompt, in turns: a
-    beam step is one cached pass over num_beams rows plus the search's own bookkeeping."""
-    import beam_search  # only this section needs it
-    prompt, n = prompt_ids(args.prompt_len, seed=0), args.n_tokens
-    rows = []
-    for rep in range(args.reps + 1):  # the first is a warm-up
-        start = time.perf_counter()
-        beam_search.beam_search([prompt], model, n, beam_search.BeamSettings(num_beams=num_beams))
-        beam_s = time.perf_counter() - start
-        start = time.perf_counter()
-        greedy([prompt], model, n)
-        greedy_s = time.perf_counter() - start
-        if rep:
-            rows.append({"beam_step_ms": 1e3 * beam_s / n, "greedy_step_ms": 1e3 * greedy_s / n,
-                         "beam_over_greedy": beam_s / greedy_s, "beam_tok_s": n / beam_s})
-    ratio = float(np.median([r["beam_over_greedy"] for r in rows]))
-    print(f"  beam search ({num_beams} beams) on {size}: a step costs {ratio:.2f} greedy steps", flush=True)
-    return {"size": size, "num_beams": num_beams, "n_tokens": n, "prompt_len": args.prompt_len, "runs": rows}
 
 
 def bench_transformers(size, args, device="cpu"):

@@ -1,12 +1,13 @@
 """benchmark_report.py: benchmark.py's measurements as the README's tables and plots.
 
-    python benchmark_report.py benchmark_results/results.json   # the tables again, and the plots
+    python benchmark_report.py benchmark_results/decode/results.json   # the tables again, and the plots
 
 Nothing here measures: every function reads the results dict that benchmark.py wrote.
 Plots need matplotlib (optional: pip install matplotlib).
 """
 import json
 import os
+import statistics
 import sys
 
 
@@ -120,17 +121,25 @@ def serving_table(rows):
 
 
 def http_table(h):
-    runs = h["runs"]
+    many = [r for r in h["runs"] if "one request" not in r["path"]]
+    lone = [r for r in h["runs"] if "one request" in r["path"]]
     lines = [f"\n### The HTTP path: server.py against in-process serve() (GPT-2 {h['size']}, "
-             f"{h['n_requests']} requests at once, max_batch {h['max_batch']}, in turns)\n",
+             f"{h['n_requests']} requests at once, max_batch {h['max_batch']}, in turns; clients in a process "
+             "of their own)\n",
              "| rep | path | tokens/s | TTFT p50 / p95 s | HTTP / in-process throughput | HTTP - in-process p50 TTFT |",
              "|---|---|---|---|---|---|"]
-    for inproc, http in zip(runs[::2], runs[1::2]):
+    for inproc, http in zip(many[::2], many[1::2]):
         for r in (inproc, http):
             ratio = f"{http['tokens_per_s'] / inproc['tokens_per_s']:.3f}x" if r is http else ""
             delta = f"{1e3 * (http['ttft_s_p50'] - inproc['ttft_s_p50']):+.0f} ms" if r is http else ""
             lines.append(f"| {r['rep']} | {r['path']} | {r['tokens_per_s']:.1f} | {r['ttft_s_p50']:.2f} / "
                          f"{r['ttft_s_p95']:.2f} | {ratio} | {delta} |")
+    if lone:
+        gaps = [1e3 * (http["ttft_s_p50"] - inproc["ttft_s_p50"]) for inproc, http in zip(lone[::2], lone[1::2])]
+        lines.append(f"\nOne request on an idle server, {len(gaps)} times in turns: TTFT in-process "
+                     f"{1e3 * statistics.median([r['ttft_s_p50'] for r in lone[::2]]):.1f} ms, over HTTP "
+                     f"{1e3 * statistics.median([r['ttft_s_p50'] for r in lone[1::2]]):.1f} ms (median); HTTP adds "
+                     f"{statistics.median(gaps):+.1f} ms (range {min(gaps):+.1f} to {max(gaps):+.1f}).")
     return lines
 
 
