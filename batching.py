@@ -289,10 +289,13 @@ def texts(batch, extra=None):
     return [s.tokens + (extra[b] if extra else []) for b, s in enumerate(batch.seqs)]
 
 
-def probabilities(batch, logits, counts=None):
+def probabilities(batch, logits, counts=None, drafts=None):
     """Each row's distribution [B, ..., n_vocab] under its own request's settings (rows
-    that share settings share one call); counts default to each row's text so far."""
+    that share settings share one call); counts default to each row's text so far.
+    drafts[b]: tokens drafted after row b's text, which the n-gram ban must see too."""
     B = len(batch.seqs)
+    if any(seq.request.settings.no_repeat_ngram_size for seq in batch.seqs):
+        logits = ban_repeated_ngrams(batch, logits, drafts)
     counts = batch.counts[:B] if counts is None else counts
     prompt_counts = batch.prompt_counts[:B][(slice(None),) + (None,) * (logits.ndim - 2)]  # [B, 1.., n_vocab]
     groups = {}
@@ -304,6 +307,23 @@ def probabilities(batch, logits, counts=None):
     for s, rows in groups.items():
         p[rows] = sampling.probabilities(logits[rows], counts[rows], s, prompt_counts[rows])
     return p
+
+
+def ban_repeated_ngrams(batch, logits, drafts=None):
+    """logits with -inf at each token that would repeat an n-gram of its row's text. For
+    logits [B, P, n_vocab] (a verify pass) position i's text ends with the first i drafts;
+    for [B, n_vocab], with all of them (the text a draft model continues)."""
+    logits = logits.copy()
+    for b, seq in enumerate(batch.seqs):
+        n, extra = seq.request.settings.no_repeat_ngram_size, drafts[b] if drafts else []
+        if not n:
+            continue
+        for i in range(logits.shape[1]) if logits.ndim == 3 else [None]:
+            text = seq.tokens + (extra if i is None else extra[:i])
+            banned = sampling.banned_tokens(text, n)
+            if banned:
+                (logits[b] if i is None else logits[b, i])[banned] = -np.inf
+    return logits
 
 
 def uniforms(batch, n):

@@ -26,6 +26,7 @@ import numpy as np
 
 import gpt2
 import kv_cache
+import sampling
 
 NEG = -1.0e9  # transformers' "never pick this": a score so low it loses to every real one
 
@@ -66,9 +67,10 @@ def check_window(n_ctx, prompts, max_new_tokens):
                          f"{longest}; generate fewer tokens or shorten the prompt")
 
 
-def beam_search(prompts, model, max_new_tokens, settings=BeamSettings(), eos_id=None):
+def beam_search(prompts, model, max_new_tokens, settings=BeamSettings(), eos_id=None, trace=None):
     """For each prompt (token ids), its num_return_sequences best hypotheses, best first, as
-    (new tokens, score). model: (params, hparams). eos_id: the token that ends a hypothesis."""
+    (new tokens, score). model: (params, hparams). eos_id: the token that ends a hypothesis.
+    trace: a list to append each step's beams to (img/make_beam_tree.py draws them)."""
     params, hparams = model
     check(settings)
     check_window(hparams["n_ctx"], prompts, max_new_tokens)
@@ -95,6 +97,9 @@ def beam_search(prompts, model, max_new_tokens, settings=BeamSettings(), eos_id=
         scores = np.take_along_axis(cand_scores + ends * NEG, nxt, axis=1).astype(np.float32)
         new_tokens = np.take_along_axis(token, nxt, axis=1)
         texts = [[texts[b][src[b, j]] + [int(new_tokens[b, j])] for j in range(N)] for b in range(B)]
+        if trace is not None:  # per prompt: where each beam came from, its new token and score
+            trace.append({"src": src.tolist(), "tokens": new_tokens.tolist(), "scores": scores.tolist(),
+                          "finished": [[(score, len(tokens)) for score, tokens in hyps] for hyps in finished]})
         open_search &= can_improve(scores, finished, step + 1, max_new_tokens, settings)
         if stop(open_search, finished, ends, settings, N):
             break
@@ -119,17 +124,8 @@ def processed(logp, texts, s):
                                      logp[r, seen] / s.repetition_penalty)
     if s.no_repeat_ngram_size:
         for r, text in enumerate(texts):
-            logp[r, banned_tokens(text, s.no_repeat_ngram_size)] = -np.inf
+            logp[r, sampling.banned_tokens(text, s.no_repeat_ngram_size)] = -np.inf
     return logp
-
-
-def banned_tokens(text, n):
-    """Tokens that would repeat an n-gram of text: those that followed an earlier occurrence
-    of its last n - 1 tokens (the whole text counts, prompt included)."""
-    if len(text) + 1 < n:
-        return []
-    tail = tuple(text[len(text) - n + 1:])
-    return [text[i + n - 1] for i in range(len(text) - n + 1) if tuple(text[i:i + n - 1]) == tail]
 
 
 def top_k(x, k):

@@ -76,7 +76,7 @@ def parse_args(argv=None):
                     help="beam search stops: True once num_beams texts are done, False by a heuristic, never: exact")
     ap.add_argument("--num_return_sequences", type=int, default=1, help="beam search: texts printed per prompt")
     ap.add_argument("--no_repeat_ngram_size", type=int, default=0,
-                    help="beam search: no n-gram of this size appears twice in a text (0 = off)")
+                    help="every decoder: no n-gram of this size appears twice in a text, prompt included (0 = off)")
     add_model_flags(ap)
     return ap.parse_args(argv)
 
@@ -120,7 +120,8 @@ def check_args(args):
     settings = sampling.SamplingSettings(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty, penalize_prompt=args.penalize_prompt)
+        repetition_penalty=args.repetition_penalty, penalize_prompt=args.penalize_prompt,
+        no_repeat_ngram_size=args.no_repeat_ngram_size)
     config = speculative.SpeculativeConfig(K=args.K, adaptive=args.adaptive_K, K_max=args.K_max,
                                            draft_vocab=args.draft_vocab)
     speculative.check(config)

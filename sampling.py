@@ -48,6 +48,7 @@ class SamplingSettings:
     frequency_penalty: float = 0.0  # OpenAI API, in [-2, 2]: logit -= frequency * count
     repetition_penalty: float = 1.0  # transformers, in [0.01, 100]: divide positive logits, multiply negative
     penalize_prompt: bool = False  # presence/frequency count the prompt's tokens too
+    no_repeat_ngram_size: int = 0  # transformers: > 0 bans any token that would repeat an n-gram of the text
 
     def __post_init__(self):
         validate(self)
@@ -64,11 +65,13 @@ class SamplingSettings:
 def validate(s):
     """Every setting in its range, so the arithmetic below stays finite."""
     for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty"):
+                 "repetition_penalty", "no_repeat_ngram_size"):
         value = getattr(s, name)
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
                 or not np.isfinite(value):
             raise BadSetting(name, f"must be a finite number, got {value!r}")
+    if not float(s.no_repeat_ngram_size).is_integer() or s.no_repeat_ngram_size < 0:
+        raise BadSetting("no_repeat_ngram_size", f"must be an integer >= 0 (0 = off), got {s.no_repeat_ngram_size}")
     if not isinstance(s.penalize_prompt, (bool, np.bool_)):
         raise BadSetting("penalize_prompt", f"must be True or False, got {s.penalize_prompt!r}")
     if s.temperature < 0:
@@ -92,6 +95,15 @@ def token_counts(histories, n_vocab):
     for b, history in enumerate(histories):
         np.add.at(counts[b], np.asarray(history, dtype=np.int64), 1)
     return counts
+
+
+def banned_tokens(text, n):
+    """Tokens that would repeat an n-gram of text (transformers' no_repeat_ngram_size): those
+    that followed an earlier occurrence of its last n - 1 tokens, the prompt included."""
+    if len(text) + 1 < n:
+        return []
+    tail = tuple(text[len(text) - n + 1:])
+    return [text[i + n - 1] for i in range(len(text) - n + 1) if tuple(text[i:i + n - 1]) == tail]
 
 
 def apply_repetition_penalty(logits, counts, penalty):

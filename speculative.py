@@ -139,7 +139,7 @@ def draft_with_model(batch, model, k, vocab=0):
         texts = batching.texts(batch, drafts)
         head = vocab_subset_head(model[0]["wte"], texts, vocab) if vocab else None
         logits = gpt2.next_logits(model, batching.cache(batch, "draft"), texts, head=head)[:, 0]  # [B, n_vocab]
-        q[:, i] = batching.probabilities(batch, logits, counts)  # [B, n_vocab]
+        q[:, i] = batching.probabilities(batch, logits, counts, drafts)  # [B, n_vocab]
         drafting = [int(kb > i) for kb in k]
         tokens = sampling.sample(q[:, i], batching.uniforms(batch, drafting)[:, 0]).tolist()  # [B]
         for b in np.nonzero(drafting)[0]:
@@ -185,7 +185,7 @@ def score_with_target(batch, model, drafts):
     counts = None
     if batching.penalized(batch):
         counts = counts_along_drafts(batch.counts[:len(drafts)], drafts, logits.shape[1])  # [B, K+1, n_vocab]
-    return logits, batching.probabilities(batch, logits, counts)  # [B, K+1, n_vocab] twice
+    return logits, batching.probabilities(batch, logits, counts, drafts)  # [B, K+1, n_vocab] twice
 
 
 def counts_along_drafts(counts, drafts, n_positions):

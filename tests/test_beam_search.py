@@ -2,6 +2,8 @@
 by make_beam_fixtures.py): the same token ids and scores on the tiny GPT-2, with all three
 prompts searched together in one batch (transformers ran each alone)."""
 import json
+import os
+import sys
 
 import pytest
 
@@ -9,7 +11,8 @@ import batching
 import beam_search
 import gpt2
 import sampling
-from conftest import fixture_path
+import speculative
+from conftest import ROOT, fixture_path
 
 with open(fixture_path("beam_search.json")) as f:
     FIXTURES = json.load(f)
@@ -68,3 +71,49 @@ def test_past_the_window_is_refused_with_a_reason(model):
         beam_search.beam_search([list(range(60))], model, 10, beam_search.BeamSettings(num_beams=2))
 
 
+
+
+@pytest.mark.parametrize("case", FIXTURES["greedy"], ids=lambda c: f"n={c['no_repeat_ngram_size']}")
+def test_no_repeat_ngram_size_in_every_decoder_is_transformers_greedy(model, case):
+    """The n-gram ban is a sampling setting: plain and speculative greedy decoding (the draft
+    sees the ban along its drafts, the target along each verified prefix) both give
+    transformers' greedy text, which differs from greedy text without the ban."""
+    settings = sampling.SamplingSettings(temperature=0.0, no_repeat_ngram_size=case["no_repeat_ngram_size"])
+    reqs = batching.requests(case["prompts"], case["max_new_tokens"], settings)
+    plain = gpt2.generate(reqs, model)[0]
+    assert plain == case["outputs"]
+    params, hparams = model
+    small = (dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1))  # a draft that often disagrees
+    for drafter in (small, "prompt_lookup"):
+        assert speculative.speculative_generate(reqs, model, drafter, speculative.SpeculativeConfig(K=3))[0] == plain
+    unbanned = gpt2.generate(batching.requests(case["prompts"], case["max_new_tokens"],
+                                               sampling.SamplingSettings(temperature=0.0)), model)[0]
+    assert unbanned != plain
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_sampled_text_never_repeats_an_ngram(model, n):
+    settings = sampling.SamplingSettings(temperature=1.5, no_repeat_ngram_size=n)
+    prompts = [[464, 464, 2068], [15496, 11, 995]]
+    reqs = batching.requests(prompts, 40, settings, seed=3)
+    params, hparams = model
+    small = (dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1))
+    for out in (gpt2.generate(reqs, model)[0],
+                speculative.speculative_generate(reqs, model, small, speculative.SpeculativeConfig(K=3))[0]):
+        for prompt, new in zip(prompts, out):
+            text = prompt + new
+            grams = [tuple(text[i:i + n]) for i in range(len(text) - n + 1)]
+            new_grams = grams[len(prompt) - n + 1:] if len(prompt) >= n else grams
+            assert all(grams.count(g) == 1 for g in new_grams)
+
+
+def test_the_trace_draws_the_beams_of_a_run(model, tiny, tmp_path):
+    """img/make_beam_tree.py's picture: one box per beam and step, one line per beam that grew on."""
+    sys.path.insert(0, os.path.join(ROOT, "img"))
+    import make_beam_tree
+    trace = []
+    got = beam_search.beam_search([[464, 2068]], model, 6, beam_search.BeamSettings(num_beams=3), trace=trace)
+    assert len(trace) == 6 and all(0 <= k < 3 for step in trace for k in step["src"][0])
+    svg = make_beam_tree.draw("The quick", trace, tiny[0], 3)
+    assert svg.count("<rect") == 1 + 6 * 3 and svg.count("<line") == 5 * 3
+    assert got[0][0][1] == pytest.approx(trace[-1]["finished"][0][0][0])  # the best finished hypothesis

@@ -310,7 +310,7 @@ def odd_vocab_models(tmp_path_factory):
     (["--num_beams", "2", "--mode", "speculative"], "leave out --mode speculative/both"),
     (["--num_beams", "2", "--stream", "--presence_penalty", "0.5"], "leave out --stream, --presence_penalty"),
     (["--num_beams", "2", "--early_stopping", "sometimes"], "argument --early_stopping: invalid choice"),
-    (["--num_beams", "2", "--no_repeat_ngram_size", "-1"], "--no_repeat_ngram_size must be >= 0"),
+    (["--no_repeat_ngram_size", "-1"], "--no_repeat_ngram_size must be an integer >= 0"),
 ])
 def test_bad_input_is_one_clear_line_before_anything_loads(capsys, tmp_path, argv, message):
     """An empty --models_dir: a model would have to be downloaded, so the flags are
