@@ -498,6 +498,11 @@ class Listener(ThreadingHTTPServer):
     request_queue_size = 1024  # connections the kernel holds until accepted (5 by default: a burst gets resets)
     daemon_threads = True
 
+    def handle_error(self, request, client_address):
+        """A client that hung up is routine (its rows are already freed); anything else is printed."""
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
+
 
 def start(args, loaded=None):
     """Listen at once (/health says 503 while loading), load the models (or take loaded, as
