@@ -85,7 +85,8 @@ def beam_search(prompts, model, max_new_tokens, settings=BeamSettings(), eos_id=
     open_search = np.ones(B, bool)  # transformers' "is_early_stop_heuristic_unsatisfied"
     logits = np.repeat(first, N, axis=0)  # [B*N, V]
     for step in range(max_new_tokens):
-        logp = processed(log_softmax(logits), [t for beams in texts for t in beams], settings)  # [B*N, V]
+        logp = processed(gpt2.log_softmax(logits.astype(np.float32, copy=False)),  # [B*N, V]
+                         [t for beams in texts for t in beams], settings)
         total = (logp.reshape(B, N, V) + scores[:, :, None]).reshape(B, N * V)  # [B, N*V]
         top = top_k(total, 2 * N)  # [B, 2N]: the likeliest continuations of all beams
         beam, token = top // V, top % V  # [B, 2N]
@@ -107,12 +108,6 @@ def beam_search(prompts, model, max_new_tokens, settings=BeamSettings(), eos_id=
         logits = gpt2.next_logits(model, cache, [t for beams in texts for t in beams])[:, 0]  # [B*N, V]
     return [[(tokens[len(p):], score) for score, tokens in hyps[:settings.num_return_sequences]]
             for p, hyps in zip(prompts, finished)]
-
-
-def log_softmax(logits):
-    x = logits.astype(np.float32, copy=False)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 def processed(logp, texts, s):

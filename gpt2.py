@@ -38,6 +38,12 @@ def softmax(x):
     return exp_x / exp_x.sum(axis=-1, keepdims=True)
 
 
+def log_softmax(x):
+    """log(softmax(x)), without taking the log of a probability that underflowed to 0."""
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
 # At batch 1 each small op costs microseconds of Python and NumPy overhead, hundreds
 # of them per step; the array methods x.sum / x.max skip the np.mean wrapper.
 def layer_norm(x, g, b, eps=1e-5):

@@ -21,6 +21,7 @@ seed + j * n + i from its own random stream, whoever else the server is answerin
 """
 import argparse
 import codecs
+import dataclasses
 import json
 import queue
 import secrets
@@ -34,6 +35,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 
 import batching
+import gpt2
 import main
 import sampling
 import scheduler
@@ -72,6 +74,7 @@ def new_engine(args):
     """The engine's state before its models load: /health answers 503 until "decoder" is set."""
     return {"args": args, "inbox": queue.Queue(), "outboxes": {}, "lock": threading.Lock(), "next_index": 0,
             "stats": batching.Stats(), "metrics": new_metrics(), "waiting": set(), "running": set(),
+            "logprobs": set(),  # requests whose tokens keep their logits row (for logprobs)
             "decoder": None, "encoder": None, "hparams": None, "model": MODEL_NAMES[args.target_model_size]}
 
 
@@ -110,17 +113,18 @@ def run_engine(engine):
     for e in scheduler.serving(intake, step, models, engine["args"].max_batch, n_ctx, stats=engine["stats"]):
         now = time.perf_counter()
         with engine["lock"]:
-            box = engine["outboxes"].get(e.index)
+            box = engine["outboxes"].get(e.index)  # None once its handler has let it go
             if e.kind == "token":
-                engine["waiting"].discard(e.index)
-                engine["running"].add(e.index)
                 engine["metrics"]["generation_tokens_total"] += 1
                 if e.index in last_token_at:
                     observe(engine["metrics"]["inter_token_latency_seconds"], now - last_token_at[e.index])
                 last_token_at[e.index] = now
+                if box:
+                    engine["waiting"].discard(e.index)
+                    engine["running"].add(e.index)
+                # a view would keep the whole step's logits alive while a slow client reads: copy one row, or none
+                e = dataclasses.replace(e, logits=e.logits.copy() if e.index in engine["logprobs"] else None)
             else:
-                engine["waiting"].discard(e.index)
-                engine["running"].discard(e.index)
                 last_token_at.pop(e.index, None)
                 if e.kind == "finished":
                     for name, key in (("time_to_first_token_seconds", "ttft_s"), ("request_queue_time_seconds",
@@ -130,8 +134,9 @@ def run_engine(engine):
             box.put(e)
 
 
-def submit(engine, reqs):
-    """Hand requests to the engine: (the queue their events arrive on, their indices)."""
+def submit(engine, reqs, logprobs=False):
+    """Hand requests to the engine: (the queue their events arrive on, their indices).
+    logprobs: their token events carry the target's logits row."""
     box = queue.Queue()
     with engine["lock"]:
         if len(engine["waiting"]) + len(reqs) > engine["args"].max_queue:
@@ -142,6 +147,8 @@ def submit(engine, reqs):
         for i, r in zip(indices, reqs):
             engine["outboxes"][i] = box
             engine["waiting"].add(i)
+            if logprobs:
+                engine["logprobs"].add(i)
             engine["metrics"]["prompt_tokens_total"] += len(r.prompt)
     arrival = time.perf_counter() - engine["stats"].start
     for i, r in zip(indices, reqs):
@@ -150,10 +157,12 @@ def submit(engine, reqs):
 
 
 def release(engine, indices):
-    """The handler is done with these requests: stop any still decoding, forget their outbox."""
+    """The handler is done with these requests: stop any still decoding or waiting, forget them."""
     with engine["lock"]:
         for i in indices:
             engine["outboxes"].pop(i, None)
+            for known in (engine["waiting"], engine["running"], engine["logprobs"]):
+                known.discard(i)
     for i in indices:
         engine["inbox"].put(("cancel", i, None))
 
@@ -280,9 +289,7 @@ def add_logprobs(choice, event, encoder, n_top):
     the n_top likeliest tokens. Speculative decoding reports the same numbers: they come from
     the target's logits at each position of its verify pass."""
     logits = event.logits.get() if hasattr(event.logits, "get") else event.logits  # CuPy: to the host
-    logp = np.asarray(logits, dtype=np.float64)
-    logp = logp - logp.max()
-    logp -= np.log(np.exp(logp).sum())  # [n_vocab]
+    logp = gpt2.log_softmax(np.asarray(logits, dtype=np.float32))  # [n_vocab]
     top = np.argpartition(-logp, n_top)[:n_top] if n_top else []
     top = sorted(top, key=lambda t: -logp[t])
     lp = choice["logprobs"]
@@ -336,7 +343,9 @@ def prometheus(engine):
     with engine["lock"]:
         m, running, waiting = engine["metrics"], len(engine["running"]), len(engine["waiting"])
         stats, spec = engine["stats"], engine["args"].mode == "speculative"
-        lines = [f"gpt2_num_requests_running {running}", f"gpt2_num_requests_waiting {waiting}"]
+        lines = []
+        for name, value in (("num_requests_running", running), ("num_requests_waiting", waiting)):
+            lines += [f"# TYPE gpt2_{name} gauge", f"gpt2_{name} {value}"]
         counters = {"prompt_tokens_total": m["prompt_tokens_total"],
                     "generation_tokens_total": m["generation_tokens_total"]}
         if spec:
@@ -351,8 +360,7 @@ def prometheus(engine):
                 lines += [f'gpt2_{name}_bucket{{le="{bound}"}} {count}' for bound, count in zip(SECONDS, h["buckets"])]
                 lines += [f'gpt2_{name}_bucket{{le="+Inf"}} {h["count"]}', f"gpt2_{name}_sum {h['sum']:.6f}",
                           f"gpt2_{name}_count {h['count']}"]
-    gauges = ["# TYPE gpt2_num_requests_running gauge", lines[0], "# TYPE gpt2_num_requests_waiting gauge", lines[1]]
-    return "\n".join(gauges + lines[2:]) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 # --- HTTP ---
@@ -386,7 +394,7 @@ def handler_for(engine):
                     raise BadRequest("the model is still loading; retry when /health says ok", status=503,
                                      kind="server_busy")
                 reqs, how = parse_completion(body, engine)
-                box, indices = submit(engine, reqs)
+                box, indices = submit(engine, reqs, how["logprobs"] is not None)
             except BadRequest as e:
                 return self.send_error_json(e)
             try:

@@ -286,6 +286,37 @@ def test_a_client_that_leaves_frees_its_rows(running):
     assert client(url).completions.create(model="gpt2", prompt="still here", max_tokens=3).choices[0].text
 
 
+def test_a_client_that_leaves_while_queued_is_forgotten(models_dir):
+    """One row: A decodes, B waits for the row and hangs up; B leaves the queue (and the
+    waiting gauge) at once, and A goes on."""
+    httpd, engine, url = start(models_dir, "--max_batch", "1")
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        conns = [http.client.HTTPConnection(host, int(port), timeout=10) for _ in range(2)]
+        conns[0].request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 100000, "stream": True,
+                                                                "ignore_eos": True}))
+        first = conns[0].getresponse()
+        assert first.fp.readline()  # A is decoding
+        conns[1].request("POST", "/v1/completions", json.dumps({"prompt": "y", "max_tokens": 5}))
+        deadline = time.monotonic() + 10
+        while len(engine["waiting"]) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(engine["waiting"]) == 1 and len(engine["running"]) == 1
+        conns[1].sock.shutdown(socket.SHUT_RDWR)
+        conns[1].close()
+        while engine["waiting"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine["waiting"] and len(engine["running"]) == 1 and first.fp.readline()  # A still streams
+        assert "gpt2_num_requests_waiting 0\n" in get(url, "/metrics")[1]
+        conns[0].sock.shutdown(socket.SHUT_RDWR)
+        conns[0].close()
+        while engine["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine["running"] and not engine["outboxes"]
+    finally:
+        server.stop(httpd, engine)
+
+
 def test_an_api_key_is_asked_for_when_set(models_dir):
     httpd, engine, url = start(models_dir, "--api_key", "sesame")
     try:
