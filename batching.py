@@ -51,27 +51,18 @@ def check_request(r, n_vocab):
         raise ValueError(f"prompt must be a sequence of token ids (encode text first), got {type(r.prompt).__name__}")
     if len(r.prompt) == 0:
         raise ValueError(f"prompt is empty: start it with <|endoftext|> (token {n_vocab - 1}) for unconditional text")
-    if not all(is_int(t) and 0 <= t < n_vocab for t in r.prompt):
+    if not all(sampling.is_int(t) and 0 <= t < n_vocab for t in r.prompt):
         raise ValueError(f"prompt must hold integer token ids in [0, {n_vocab})")
-    if not is_int(r.max_new_tokens) or r.max_new_tokens < 1:
+    if not sampling.is_int(r.max_new_tokens) or r.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {r.max_new_tokens!r}")
     if not isinstance(r.settings, sampling.SamplingSettings):
         raise ValueError(f"settings must be a sampling.SamplingSettings, got {type(r.settings).__name__}")
-    if not is_int(r.seed) or r.seed < 0:
+    if not sampling.is_int(r.seed) or r.seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {r.seed!r}")
-    if r.eos_id is not None and not (is_int(r.eos_id) and 0 <= r.eos_id < n_vocab):
+    if r.eos_id is not None and not (sampling.is_int(r.eos_id) and 0 <= r.eos_id < n_vocab):
         raise ValueError(f"eos_id must be None or a token id in [0, {n_vocab}), got {r.eos_id!r}")
-    if not is_real(r.arrival_s) or not 0 <= r.arrival_s < float("inf"):
+    if not sampling.is_real(r.arrival_s) or not 0 <= r.arrival_s < float("inf"):
         raise ValueError(f"arrival_s must be a finite number of seconds >= 0, got {r.arrival_s!r}")
-
-
-def is_int(x):
-    """An integer (Python's or NumPy's), not a bool and not a float that happens to be whole."""
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def is_real(x):
-    return (is_int(x) or isinstance(x, (float, np.floating))) and not isinstance(x, (bool, np.bool_))
 
 
 @dataclass

@@ -686,7 +686,8 @@ def parse_args(argv=None):
     ap.add_argument("--max_batches", nargs="+", type=int, default=[8, 16], help="serving: rows in flight")
     ap.add_argument("--serve_sizes", nargs="+", choices=list(SHAPES), help="serving: default 124M (none with --target "
                     "only runs)")
-    ap.add_argument("--only", nargs="+", choices=["decode", "rows", "speculative", "serving", "breakdown", "http", "beams"],
+    ap.add_argument("--only", nargs="+",
+                    choices=["decode", "rows", "speculative", "serving", "breakdown", "http", "beams"],
                     help="run only these parts (default: all but breakdown)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--models_dir", default="models")

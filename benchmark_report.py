@@ -261,7 +261,8 @@ def serving_plot(rows, plt, img_dir):
                and r["size"] == rows[0]["size"]]
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))
     for ax, r in zip(axes[:2], at_once):
-        events = sorted([(m["joined_at_s"], 1) for m in r["timeline"]] + [(m["finished_at_s"], -1) for m in r["timeline"]])
+        events = sorted([(m["joined_at_s"], 1) for m in r["timeline"]]
+                        + [(m["finished_at_s"], -1) for m in r["timeline"]])
         t, busy, level = [0.0], [0], 0
         for time_s, change in events:
             t += [time_s, time_s]

@@ -323,7 +323,8 @@ def run(args):
         who = f"draft {args.draft_model_size}" if args.drafter == "model" else "prompt lookup"
         runs["speculative"] = (f"speculative: target {args.target_model_size}, {who}, K={config.K}"
                                f"{' (adaptive)' if config.adaptive else ''}",
-                               lambda cb: speculative.speculative_generate(reqs, target, drafter, config, use_cache, cb),
+                               lambda cb: speculative.speculative_generate(reqs, target, drafter, config, use_cache,
+                                                                           cb),
                                lambda: scheduler.speculative_decoder(target, drafter, config))
     results = {}
     for name, (title, generate, decoder) in runs.items():

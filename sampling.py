@@ -67,8 +67,7 @@ def validate(s):
     for name in ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "no_repeat_ngram_size"):
         value = getattr(s, name)
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
-                or not np.isfinite(value):
+        if not is_real(value) or not np.isfinite(value):
             raise BadSetting(name, f"must be a finite number, got {value!r}")
     if not float(s.no_repeat_ngram_size).is_integer() or s.no_repeat_ngram_size < 0:
         raise BadSetting("no_repeat_ngram_size", f"must be an integer >= 0 (0 = off), got {s.no_repeat_ngram_size}")
@@ -87,6 +86,15 @@ def validate(s):
             raise BadSetting(name, f"must be in [-2, 2] (the OpenAI API's range; 0 = off), got {getattr(s, name)}")
     if not 0.01 <= s.repetition_penalty <= 100:
         raise BadSetting("repetition_penalty", f"must be in [0.01, 100] (1 = off), got {s.repetition_penalty}")
+
+
+def is_int(x):
+    """An integer (Python's or NumPy's), not a bool and not a float that happens to be whole."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def is_real(x):
+    return (is_int(x) or isinstance(x, (float, np.floating))) and not isinstance(x, (bool, np.bool_))
 
 
 def token_counts(histories, n_vocab):

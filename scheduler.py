@@ -30,6 +30,7 @@ import numpy as np
 
 import batching
 import gpt2
+import sampling
 import speculative
 
 
@@ -76,9 +77,9 @@ def serve(requests, decoder, max_batch=8, max_len=None, static=False):
 
 def check_limits(hparams, max_batch, max_len):
     """max_len (None: the window) as serving uses it, or a ValueError naming what is wrong."""
-    if not batching.is_int(max_batch) or max_batch < 1:
+    if not sampling.is_int(max_batch) or max_batch < 1:
         raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-    if max_len is not None and (not batching.is_int(max_len) or max_len < 1):
+    if max_len is not None and (not sampling.is_int(max_len) or max_len < 1):
         raise ValueError(f"max_len must be None (the window) or an integer >= 1, got {max_len!r}")
     return min(max_len or hparams["n_ctx"], hparams["n_ctx"])
 

@@ -220,7 +220,7 @@ def field(body, name, kind, default, ok=lambda v: True, allowed=None):
     value = body.get(name)
     if value is None:
         return default
-    if kind is float and batching.is_real(value):
+    if kind is float and sampling.is_real(value):
         value = float(value)
     if type(value) is not kind or not ok(value):
         raise BadRequest(f"{name} must be {allowed or ('a number' if kind is float else kind.__name__)}, "

@@ -64,7 +64,8 @@ def wide():
 def passes(model, texts_per_step, n_logits_per_step):
     """Run next_logits step by step on one cache; returns each step's logits."""
     cache = kv_cache.init_cache(model[1], len(texts_per_step[0]), 256, like=model[0]["wte"])
-    return [gpt2.next_logits(model, cache, texts, n_logits) for texts, n_logits in zip(texts_per_step, n_logits_per_step)]
+    return [gpt2.next_logits(model, cache, texts, n_logits)
+            for texts, n_logits in zip(texts_per_step, n_logits_per_step)]
 
 
 def test_a_rows_logits_are_bitwise_the_same_in_any_company(wide):
