@@ -54,14 +54,19 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "beam_tree.svg"))
     args = ap.parse_args(argv)
-    encoder, hparams, params = utils.load_encoder_hparams_and_params(args.model_size, args.models_dir)
-    trace = []
-    beam_search.beam_search([encoder.encode(args.prompt)], (params, hparams), args.steps,
-                            beam_search.BeamSettings(num_beams=args.num_beams), trace=trace)
+    try:
+        encoder, hparams, params = utils.load_encoder_hparams_and_params(args.model_size, args.models_dir)
+        trace = []
+        beam_search.beam_search([encoder.encode(args.prompt) or [encoder.eot_token]], (params, hparams), args.steps,
+                                beam_search.BeamSettings(num_beams=args.num_beams), trace=trace)
+    except (utils.LoadError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     with open(args.out, "w") as f:
         f.write(draw(args.prompt, trace, encoder, args.num_beams))
     print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
