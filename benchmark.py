@@ -79,9 +79,10 @@ def load_or_random(size, models_dir, seed):
 def time_memmap_load(params, hparams):
     """Write the params as a real-size model.safetensors (Hugging Face names) in a temp
     dir and time loading it as utils.load_model_dir does: parse the header, memmap every
-    tensor, check shapes, copy the blocks' weight matrices into column-major order
+    tensor, check shapes, copy the weight matrices into the row kernel's layout
     (utils.decode_layout). The file was just written, so it is read from the page cache.
     Seconds, whatever the weights are."""
+    params = utils.plain_layout(params)
     tensors = {"wte.weight": params["wte"], "wpe.weight": params["wpe"],
                "ln_f.weight": params["ln_f"]["g"], "ln_f.bias": params["ln_f"]["b"]}
     for i, b in enumerate(params["blocks"]):
@@ -187,7 +188,7 @@ def bench_context(params, hparams, args):
     """Per-token cost at growing context: one cached step vs recomputing the window."""
     rows = []
     for L in args.contexts:
-        cached = cost_model.pass_seconds((params, hparams), L, reps=args.reps)
+        cached = gpt2.pass_seconds((params, hparams), L, reps=args.reps)
         ids = np.array([prompt_ids(L + 1)])
         uncached = timed(lambda: gpt2.gpt2(ids, **params, n_head=hparams["n_head"]), max(1, args.reps // 2))[0]
         rows.append({"context": L, "cached_ms": cached * 1e3, "uncached_ms": uncached * 1e3,
@@ -195,26 +196,17 @@ def bench_context(params, hparams, args):
     return rows
 
 
-def checkpoint_layout(params):
-    """The params as the checkpoint stores them (every matrix row-major): what
-    utils.decode_layout changed, undone, to measure what it buys."""
-    def c_order(group):
-        return {name: {**layer, "w": np.ascontiguousarray(layer["w"])} for name, layer in group.items()}
-    blocks = [{**block, "attn": c_order(block["attn"]), "mlp": c_order(block["mlp"])} for block in params["blocks"]]
-    return {**params, "blocks": blocks}
-
-
 def bench_layout(params, hparams, args):
     """A cached pass over 1 token (decoding) and 8 tokens (verifying K = 7 drafts)
     with the checkpoint's row-major weights and with utils.decode_layout's, taken
     in turns so that both see the same machine."""
-    layouts = {"checkpoint": (checkpoint_layout(params), hparams), "decode": (params, hparams)}
+    layouts = {"checkpoint": (utils.plain_layout(params), hparams), "decode": (params, hparams)}
     rows = []
     for T in (1, 8):
         ms = {name: [] for name in layouts}
         for _ in range(args.reps):
             for name, model in layouts.items():
-                ms[name].append(1e3 * cost_model.pass_seconds(model, args.prompt_len, T, reps=args.reps))
+                ms[name].append(1e3 * gpt2.pass_seconds(model, args.prompt_len, T, reps=args.reps))
         checkpoint_ms, decode_ms = float(np.median(ms["checkpoint"])), float(np.median(ms["decode"]))
         rows.append({"tokens": T, "checkpoint_ms": checkpoint_ms, "decode_ms": decode_ms,
                      "speedup": checkpoint_ms / decode_ms})
@@ -234,7 +226,7 @@ def bench_rows(model, args):
         for n in ROW_COUNTS:
             for how in rowwise.STRATEGIES:
                 with rowwise.strategy(how):
-                    ms.setdefault((n, how), []).append(1e3 * cost_model.pass_seconds(model, args.prompt_len, n, reps=1))
+                    ms.setdefault((n, how), []).append(1e3 * gpt2.pass_seconds(model, args.prompt_len, n, reps=1))
     rows = []
     for n in ROW_COUNTS:
         row = {"n": n, **{how: float(np.median(ms[(n, how)])) for how in rowwise.STRATEGIES}}
@@ -274,15 +266,15 @@ def bench_speculative_costs(draft, target, args):
     L = args.prompt_len
 
     def step():
-        return cost_model.pass_seconds(target, L, reps=3)
-    verify = (1.0,) + tuple(paired(lambda: cost_model.pass_seconds(target, L, K + 1, reps=3), step, args.reps)
+        return gpt2.pass_seconds(target, L, reps=3)
+    verify = (1.0,) + tuple(paired(lambda: gpt2.pass_seconds(target, L, K + 1, reps=3), step, args.reps)
                             for K in range(1, args.K_max + 1))
     drafts, catch_up = {}, {}
     for N in [0] + args.draft_vocabs:
-        head = speculative.vocab_subset_head(draft[0]["wte"], [prompt_ids(L)], N) if N else None
-        drafts[N] = paired(lambda: cost_model.pass_seconds(draft, L, head=head, reps=3), step, args.reps)
-        catch_up[N] = paired(lambda: cost_model.pass_seconds(draft, L, 2, head, reps=3, n_logits=1),
-                             lambda: cost_model.pass_seconds(draft, L, head=head, reps=3), args.reps)
+        head = speculative.vocab_subset_head(draft[0], [prompt_ids(L)], N) if N else None
+        drafts[N] = paired(lambda: gpt2.pass_seconds(draft, L, head=head, reps=3), step, args.reps)
+        catch_up[N] = paired(lambda: gpt2.pass_seconds(draft, L, 2, head, reps=3, n_logits=1),
+                             lambda: gpt2.pass_seconds(draft, L, head=head, reps=3), args.reps)
     step_s = float(np.median([step() for _ in range(args.reps)]))
     rows = []
     for K in range(1, args.K_max + 1):
@@ -331,7 +323,7 @@ def typical_pass(model, L, T=1, head=None, n_logits=None, reps=3):
     """The median of reps single passes, each after a warm-up: what a pass inside a run
     takes. The best of a few passes is the best case, about 10% less than a 1558M run's
     passes take (breakdown-1558M)."""
-    return float(np.median([cost_model.pass_seconds(model, L, T, head, 1, n_logits) for _ in range(reps)]))
+    return float(np.median([gpt2.pass_seconds(model, L, T, head, 1, n_logits) for _ in range(reps)]))
 
 
 def costs_beside(draft, target, L, K, head=None):
@@ -373,7 +365,7 @@ def bench_speculative_end_to_end(draft, target, costs, args):
     for vocab in dict.fromkeys([0, args.draft_vocab]):
         measured = cost_model.Costs(costs["draft_over_target"][str(vocab)], costs["verify"],
                                      costs["catch_up"][str(vocab)])
-        head = speculative.vocab_subset_head(draft[0]["wte"], [prompt], vocab) if vocab else None
+        head = speculative.vocab_subset_head(draft[0], [prompt], vocab) if vocab else None
         for a in args.e2e_alphas:
             for K in dict.fromkeys([args.K, cost_model.best_K(a, measured, args.K_max)]):
                 config = speculative.SpeculativeConfig(K=K, draft_vocab=vocab)

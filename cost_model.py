@@ -12,14 +12,10 @@ GPU verify(K+1) stays near 1 up to K ~ 7, so a large K pays; on a 2-core CPU a p
 K+1 tokens costs 1.6-2.7 steps (rowwise.py, CPU_VERIFY), so K stays small and alpha must
 be high. `best_K` picks the K with the largest speedup; adaptive K (speculative.py) asks it
 before every step with each row's own alpha. The costs are fixed numbers, never this run's
-clock, so the same seed gives the same text; `measure_costs` times them on the machine at
-hand to advise (main.py prints the K it recommends).
+clock, so the same seed gives the same text; `speculative.measure_costs` times them on the
+machine at hand to advise (main.py prints the K it recommends). This file is the math only.
 """
-import time
 from dataclasses import dataclass
-
-import gpt2
-import kv_cache
 
 
 @dataclass(frozen=True)
@@ -70,38 +66,6 @@ def step_parameters(hparams, vocab=0):
     the head (only `vocab` rows of it for a vocabulary-subset draft)."""
     head = min(vocab, hparams["n_vocab"]) if vocab else hparams["n_vocab"]
     return 12 * hparams["n_layer"] * hparams["n_embd"] ** 2 + head * hparams["n_embd"]
-
-
-def pass_seconds(model, context, T=1, head=None, reps=3, n_logits=None):
-    """Seconds of one cached pass over T new tokens after `context` cached tokens (the
-    best of reps), with logits at the last n_logits of them (default: all T): T = 1 is
-    a decode step, T = K+1 a verification. Token values do not change the time, so the
-    text is 0, 1, 2, ..."""
-    params, hparams = model
-    text = [i % hparams["n_vocab"] for i in range(context + T)]
-    cache = kv_cache.init_cache(hparams, 1, context + T, like=params["wte"])
-    gpt2.next_logits(model, cache, [text[:context]])
-    times = []
-    for _ in range(reps + 1):  # the first is a warm-up
-        cache["lengths"][:] = context  # roll back, so every pass sees the same context
-        start = time.perf_counter()
-        float(gpt2.next_logits(model, cache, [text], n_logits=n_logits or T, head=head)[0, 0, 0])  # waits for a GPU too
-        times.append(time.perf_counter() - start)
-    return min(times[1:])
-
-
-def measure_costs(target, draft, K_max, draft_vocab=0, context=32):
-    """Costs measured on this machine: a draft token and verify(K+1) for K = 0..K_max, in
-    target decode steps. A few passes of each model; used to advise, never to decide
-    (a decision on the clock would change the text from run to run)."""
-    step = pass_seconds(target, context)
-    verify = (1.0,) + tuple(pass_seconds(target, context, K + 1) / step for K in range(1, K_max + 1))
-    if draft is None:
-        return Costs(0.0, verify)
-    import speculative  # which imports this file: the draft's head is needed here only
-    head = speculative.vocab_subset_head(draft[0]["wte"], [list(range(context))], draft_vocab) if draft_vocab else None
-    draft_step = pass_seconds(draft, context, head=head)
-    return Costs(draft_step / step, verify, pass_seconds(draft, context, 2, head, n_logits=1) / draft_step)
 
 
 def draft_cost(alpha, K, costs):

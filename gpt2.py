@@ -20,6 +20,8 @@ only at small index arrays and the chosen token ids.
 """
 
 
+import time
+
 import numpy as np
 
 import batching
@@ -55,10 +57,22 @@ def layer_norm(x, g, b, eps=1e-5):
 
 
 def linear(x, w, b, shared=False):
-    """x @ w + b over the last axis, the rows of the batch flattened together. shared: the
-    pass serves several requests, so each row must come out as it would alone (rowwise.py)."""
+    """x @ w + b over the last axis, the rows of the batch flattened together. w: a matrix
+    [n_in, n_out] or the row kernel's blocks of it (rowwise.py; b says n_out). shared: the
+    pass serves several requests, so each row must come out as it would alone."""
     rows = x.reshape(-1, x.shape[-1])  # [n, n_in]
-    return (rowwise.matmul(rows, w, shared) + b).reshape(*x.shape[:-1], w.shape[-1])  # [B, T, n_out]
+    n_out = b.shape[-1]
+    return (rowwise.matmul(rows, w, shared, n_out) + b).reshape(*x.shape[:-1], n_out)  # [B, T, n_out]
+
+
+def head_logits(x, wte, lm_head=None, n_vocab=None, shared=False):
+    """x @ wte.T: the head is the token embedding again (tied weights), for the first
+    n_vocab tokens (default: all). lm_head, where the params have it, is the same matrix
+    wte.T stored as the row kernel's blocks (utils.decode_layout)."""
+    n_vocab = n_vocab or wte.shape[0]
+    rows = x.reshape(-1, x.shape[-1])  # [n, n_embd]
+    w = lm_head if lm_head is not None else wte[:n_vocab].T  # [n_embd, n_vocab], or its blocks
+    return rowwise.matmul(rows, w, shared, n_vocab).reshape(*x.shape[:-1], n_vocab)  # [B, n, n_vocab]
 
 
 def ffn(x, c_fc, c_proj, shared=False):
@@ -102,11 +116,11 @@ def transformer_block(x, mlp, attn, ln_1, ln_2, n_head, kv):
     return x  # [B, T, n_embd]
 
 
-def hidden(inputs, wte, wpe, blocks, ln_f, n_head, kv=None):
-    """The transformer without its head: the final hidden states [B, n, n_embd] of a
-    batch of token ids inputs [B, T], at every position (without kv) or where kv
-    (kv_cache.begin_pass) says logits are needed: each row's last few real tokens.
-    kv also gives the tokens' positions, the mask and the caches to extend."""
+def hidden(inputs, wte, wpe, blocks, ln_f, n_head, kv=None, lm_head=None):
+    """The transformer without its head (lm_head is not read here): the final hidden
+    states [B, n, n_embd] of a batch of token ids inputs [B, T], at every position
+    (without kv) or where kv (kv_cache.begin_pass) says logits are needed: each row's
+    last few real tokens. kv also gives the tokens' positions, the mask and the caches."""
     B, T = inputs.shape
     kv = kv or kv_cache.begin_pass(None, np.full(B, T), T, T, like=wte)
     x = wte[inputs] + wpe[np.minimum(kv["positions"], wpe.shape[0] - 1)]  # [B, T, n_embd]
@@ -118,12 +132,11 @@ def hidden(inputs, wte, wpe, blocks, ln_f, n_head, kv=None):
     return layer_norm(x, **ln_f)
 
 
-def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, kv=None):
+def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, kv=None, lm_head=None):
     """Logits [B, T, n_vocab] at every position, as picoGPT (or [B, n, n_vocab] where kv says).
-    The head is the token embedding again (tied weights); the 50257-wide head is the
-    largest matmul of a step, so it runs only where logits are needed."""
+    The 50257-wide head is the largest matmul of a step, so it runs only where logits are needed."""
     x = hidden(inputs, wte, wpe, blocks, ln_f, n_head, kv)  # [B, n, n_embd]
-    return linear(x, wte.T, 0.0)  # [B, n, n_vocab]
+    return head_logits(x, wte, lm_head)  # [B, n, n_vocab]
 
 
 # A row's tokens that need no logits (a prompt but its last token, a window refilled
@@ -144,7 +157,9 @@ def next_logits(model, cache, texts, n_logits=1, head=None):
     inputs, n_new = kv_cache.pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
     kv = kv_cache.begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wte"], shared=cache is not None)
     x = hidden(inputs, **params, n_head=hparams["n_head"], kv=kv)  # [B, n, n_embd]
-    return head(x) if head else linear(x, params["wte"].T, 0.0, shared=kv["shared"])  # [B, n, n_vocab]
+    if head:
+        return head(x)
+    return head_logits(x, params["wte"], params.get("lm_head"), shared=kv["shared"])  # [B, n, n_vocab]
 
 
 def prefill_alone(model, cache, texts, n_logits):
@@ -174,3 +189,21 @@ def generate(requests, model, use_cache=True, callback=None):
     Returns (each request's new tokens, batching.Stats)."""
     return batching.run(requests, {"target": model}, lambda batch: autoregressive_step(batch, model), use_cache,
                         callback)
+
+
+def pass_seconds(model, context, T=1, head=None, reps=3, n_logits=None):
+    """Seconds of one cached pass over T new tokens after `context` cached tokens (the
+    best of reps), with logits at the last n_logits of them (default: all T): T = 1 is
+    a decode step, T = K+1 a verification. Token values do not change the time, so the
+    text is 0, 1, 2, ..."""
+    params, hparams = model
+    text = [i % hparams["n_vocab"] for i in range(context + T)]
+    cache = kv_cache.init_cache(hparams, 1, context + T, like=params["wte"])
+    next_logits(model, cache, [text[:context]])
+    times = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        cache["lengths"][:] = context  # roll back, so every pass sees the same context
+        start = time.perf_counter()
+        float(next_logits(model, cache, [text], n_logits=n_logits or T, head=head)[0, 0, 0])  # waits for a GPU too
+        times.append(time.perf_counter() - start)
+    return min(times[1:])

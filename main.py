@@ -257,7 +257,7 @@ def advise_K(stats, target, drafter, config):
         return
     alpha = cost_model.estimate_alpha(stats.accepted, stats.rejections)
     draft = drafter if isinstance(drafter, tuple) else None
-    costs = cost_model.measure_costs(target, draft, config.K_max, config.draft_vocab)
+    costs = speculative.measure_costs(target, draft, config.K_max, config.draft_vocab)
     K = cost_model.best_K(alpha, costs, config.K_max)
     print(f"advice: at this run's acceptance (alpha = {alpha:.2f}) and costs measured now (a draft token "
           f"{costs.draft:.2f} of a target step; verifying K+1 tokens {min(costs.verify[1:]):.2f}-"

@@ -1,50 +1,77 @@
 """How a few rows multiply the weights on a CPU: fast, and each row exactly as if alone.
 
 A decode step multiplies one row (a token) by every weight matrix; a verification, a
-draft's catch-up pass or a batch multiplies a few. Reading the weights from memory is
-the cost, so n rows should cost little more than one. BLAS offers two ways:
+draft's catch-up pass, a batch or a beam step multiplies a few. Reading the weights from
+memory is the cost, so n rows should cost little more than one, and a request's logits
+should not depend on which other rows share its pass (else its sampled text would depend
+on its batch). `matmul` is the one place where rows meet weights, with two kernels:
 
-- One matrix product (sgemm). OpenBLAS first copies ("packs") the weights into panels
-  of its own, which for 2-8 rows costs 2-3 one-row passes; and which of its kernels a
-  row lands in depends on how many rows share the product, so the same row rounds
-  differently (by ~1e-6) beside different neighbours. A sampled token that falls in a
-  distribution's tail then changes: a request's text would depend on its batch.
-- One matrix-vector product (gemv) per row. Nothing is packed, and each output is
-  summed in an order that depends only on the row and that output's own weights, not
-  on the other rows, on which other outputs the call computes, or on the number of
-  threads (`gemv_is_exact` checks this on the machine at hand).
+- "numba" (the default, row_kernel.py): the weights stored as contiguous blocks of 64
+  output columns, and a kernel of our own that reads each weight once for all rows and
+  sums every output in the same order whatever the rows. A pass over 2-8 rows costs
+  little more than one (`python benchmark.py --only rows`).
+- "numpy" (the fallback, when numba is missing or GPT2_ROW_KERNEL=numpy): BLAS alone.
+  Its matrix product (sgemm) repacks the weights first, which for 2-8 rows costs 2-3
+  one-row passes, and rounds a row differently depending on how many rows share it. So
+  each row of a shared pass is its own matrix-vector product (gemv), block by block: the
+  weights are cut into contiguous blocks of output columns that fit in a core's L2 cache
+  (views of a column-major matrix), every row multiplies a block while it is there, and
+  two threads of ours take half of the blocks each while OpenBLAS is held to one thread.
+  Each gemv output is summed in an order that depends only on the row and that output's
+  weights (`gemv_is_exact` checks this on the machine at hand). One row alone is one
+  gemv over the whole matrix with OpenBLAS's own threads: the same numbers.
 
-So `matmul` runs each row of a pass that several requests share as its own gemv, block
-by block: the weights are cut into contiguous blocks of output columns that fit in a
-core's L2 cache (views of a column-major matrix: no copy), every row multiplies a block
-while it is there, and only the first row reads it from memory. Two threads of ours
-take half of the blocks each (NumPy releases the GIL inside matmul) while OpenBLAS is
-held to one thread (its idle workers would otherwise spin on the second core). One row
-alone is one gemv over the whole matrix with OpenBLAS's own threads: the same numbers,
-as fast as BLAS goes. A pass that belongs to a single request (the part of its prompt
-that needs no logits) may instead run as one product, fastest for many rows, since its
-rounding then depends on that request alone.
-
-Where a BLAS has an unpacked small-matrix kernel (OpenBLAS's "direct" sgemm, AVX-512
-only) a product of a few rows could cost about one row; the benchmark's row table
-measures it (`python benchmark.py --only rows`), and it is used only where it keeps each
-row independent of its neighbours, which this file's strategy never gives up.
+Each kernel is batch invariant; the two round differently from each other. A pass that
+belongs to a single request (the part of its prompt that needs no logits) may instead
+run as one BLAS product, fastest for many rows, since its rounding then depends on that
+request alone.
 """
 import contextlib
 import functools
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+KERNEL_ENV = "GPT2_ROW_KERNEL"
+KERNELS = ("numba", "numpy")
+
+
+def pick_kernel(asked):
+    """The kernel asked for, or "numpy" when numba cannot be imported."""
+    if asked not in KERNELS:
+        raise ValueError(f"{KERNEL_ENV}={asked!r}: set it to numba or numpy (or unset it)")
+    if asked == "numba":
+        try:
+            import row_kernel  # noqa: F401 (compiles the kernel, or loads it from numba's cache)
+        except ImportError:
+            return "numpy"
+    return asked
+
+
+try:
+    KERNEL, KERNEL_ERROR = pick_kernel(os.environ.get(KERNEL_ENV, "numba")), None
+except ValueError as e:  # main.py and server.py print it as one line
+    KERNEL, KERNEL_ERROR = "numpy", str(e)
+
 BLOCK_BYTES = 256 << 10  # a block stays in a core's L2 (512 KiB on Zen 3) while every row uses it
-STRATEGIES = ("rows", "product")  # each row its own gemv (batch invariant); one sgemm (the benchmark's baseline)
+STRATEGIES = ("rows", "product")  # each row as if alone (batch invariant); one BLAS product (the baseline)
 STRATEGY = "rows"
+PRODUCT_ABOVE = 32  # a pass of one request's own with more rows than this takes the BLAS product
 _second_thread = ThreadPoolExecutor(1)
 
 
-def matmul(rows, w, shared=True):
-    """rows [n, n_in] @ w [n_in, n_out] -> [n, n_out]. shared: the rows belong to a pass
-    that several requests share, so each row must come out as it would alone."""
+def matmul(rows, w, shared=True, n_out=None):
+    """rows [n, n_in] @ w -> [n, n_out]. w: a matrix [n_in, n_out], or its blocks
+    [n_blocks, n_in, 64] for the numba kernel (row_kernel.py; n_out then says how many
+    outputs are real). shared: the rows belong to a pass that several requests share, so
+    each row must come out as it would alone."""
+    if w.ndim == 3:
+        import row_kernel
+        n_out = n_out or w.shape[0] * row_kernel.W
+        if STRATEGY == "product" or (not shared and rows.shape[0] > PRODUCT_ABOVE):
+            return row_kernel.product(rows, w, n_out)
+        return row_kernel.matmul(rows, w, n_out)
     if not isinstance(rows, np.ndarray) or not shared or STRATEGY == "product":
         return rows @ w  # a GPU (CuPy), or a pass of one request's own: one product
     if rows.shape[0] == 1 and gemv_is_exact():

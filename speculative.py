@@ -137,7 +137,7 @@ def draft_with_model(batch, model, k, vocab=0):
     counts = batch.counts[:B].copy() if batching.penalized(batch) else None  # penalties see the drafts too
     for i in range(K):
         texts = batching.texts(batch, drafts)
-        head = vocab_subset_head(model[0]["wte"], texts, vocab) if vocab else None
+        head = vocab_subset_head(model[0], texts, vocab) if vocab else None
         logits = gpt2.next_logits(model, batching.cache(batch, "draft"), texts, head=head)[:, 0]  # [B, n_vocab]
         q[:, i] = batching.probabilities(batch, logits, counts, drafts)  # [B, n_vocab]
         drafting = [int(kb > i) for kb in k]
@@ -150,15 +150,17 @@ def draft_with_model(batch, model, k, vocab=0):
     return drafts, q
 
 
-def vocab_subset_head(wte, texts, N):
+def vocab_subset_head(params, texts, N):
     """A cheaper draft head: logits only for the N most frequent tokens (GPT-2's BPE
     ranks its tokens by merge order, so those are the ids below N) and the tokens
     already in each row's text; -inf (q = 0) for the rest. Speculative sampling stays
     exact for any q: a token the draft cannot propose still comes from the residual
     max(0, p - q) = p there. Returns head(x [B, 1, n_embd]) -> logits [B, 1, n_vocab]."""
+    wte = params["wte"]
+
     def head(x):
         logits = np.full((x.shape[0], 1, wte.shape[0]), -np.inf, dtype=np.float32, like=x)
-        logits[:, 0, :N] = gpt2.linear(x[:, 0], wte[:N].T, 0.0, shared=True)  # [B, N]: reads N rows of wte only
+        logits[:, 0, :N] = gpt2.head_logits(x[:, 0], wte, params.get("lm_head"), N, shared=True)  # [B, N]: N tokens' weights only
         for b, text in enumerate(texts):
             extra = np.unique(np.asarray(text)[np.asarray(text) >= N])  # the text's rarer tokens
             if extra.size:
@@ -196,6 +198,19 @@ def counts_along_drafts(counts, drafts, n_positions):
         for i, token in enumerate(d[:n_positions - 1]):
             out[b, i + 1:, token] += 1
     return out
+
+
+def measure_costs(target, draft, K_max, draft_vocab=0, context=32):
+    """Costs measured on this machine: a draft token and verify(K+1) for K = 0..K_max, in
+    target decode steps. A few passes of each model; used to advise, never to decide
+    (a decision on the clock would change the text from run to run)."""
+    step = gpt2.pass_seconds(target, context)
+    verify = (1.0,) + tuple(gpt2.pass_seconds(target, context, K + 1) / step for K in range(1, K_max + 1))
+    if draft is None:
+        return cost_model.Costs(0.0, verify)
+    head = vocab_subset_head(draft[0], [list(range(context))], draft_vocab) if draft_vocab else None
+    draft_step = gpt2.pass_seconds(draft, context, head=head)
+    return cost_model.Costs(draft_step / step, verify, gpt2.pass_seconds(draft, context, 2, head, n_logits=1) / draft_step)
 
 
 def verify(p, q, drafts, k, u, v):

@@ -3,8 +3,8 @@
 `load_encoder_hparams_and_params(size)` downloads whatever is missing (resumable,
 atomic: a file gets its final name only when complete), builds GPT-2's byte-level
 BPE with tiktoken from the downloaded files, and reads the weights through
-checkpoint.py (which parses the formats). The blocks' weight matrices are then
-copied once, into the memory order that decoding reads fastest (`decode_layout`), and
+checkpoint.py (which parses the formats). The weight matrices are then copied
+once, into the layout that the row kernel reads fastest (`decode_layout`), and
 `to_backend` moves the params to a GPU (CuPy) when asked.
 """
 import hashlib
@@ -20,6 +20,7 @@ from tiktoken_ext.openai_public import r50k_pat_str
 from tqdm import tqdm
 
 import checkpoint
+import rowwise
 from checkpoint import LoadError  # the one error a user can fix: its message says how
 
 MODEL_SIZES = ("124M", "355M", "774M", "1558M")
@@ -167,22 +168,32 @@ def sha256_of(path):
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
 
-def decode_layout(params):
-    """params with every weight matrix of the blocks copied into column-major (Fortran)
-    order; wte and the other tensors stay memory-mapped as the checkpoint stores them.
+def decode_layout(params, kernel=None):
+    """params with every weight matrix of the blocks copied into the layout that the row
+    kernel reads fastest (rowwise.py); wte and the other tensors stay memory-mapped as
+    the checkpoint stores them. Shapes of activations and values do not change.
 
-    Shapes and values do not change, so gpt2.py reads the same; only the byte order
-    does. Column-major w [n_in, n_out] keeps each output's weights together, which is
-    what rowwise.py needs: its blocks of output columns are then contiguous runs of
-    memory (views, no second copy), and one row's gemv streams it fastest. The head
-    is wte.T, column-major already since wte [n_vocab, n_embd] is stored row by row.
-    The price: a copy of the blocks' matrices at load (most of the model's bytes).
+    kernel "numba" (row_kernel.py): each matrix w [n_in, n_out] becomes its blocks of 64
+    output columns, wb [n_blocks, n_in, 64], and the tied head wte.T gets blocks of its own,
+    params["lm_head"] (the vocabulary padded to a multiple of 64, as nanoGPT pads it; the
+    padding is cut off the logits). wte stays for the embedding lookup: a memmap of the
+    checkpoint, so only the rows of tokens looked up are ever read into memory.
+    kernel "numpy": each matrix column-major (Fortran order), so that the fallback's blocks
+    of output columns are contiguous runs of memory; the head wte.T is column-major already.
+    The price either way: a copy of the matrices at load (most of the model's bytes).
     """
-    def copied(layer):
-        return {**layer, "w": column_major(layer["w"])}  # [n_in, n_out]
-    blocks = [{"attn": {name: copied(block["attn"][name]) for name in ("c_attn", "c_proj")},
-               "mlp": {name: copied(block["mlp"][name]) for name in ("c_fc", "c_proj")},
-               "ln_1": block["ln_1"], "ln_2": block["ln_2"]} for block in params["blocks"]]
+    kernel = kernel or rowwise.KERNEL
+    arrange = row_kernel_blocks if kernel == "numba" else column_major
+    out = map_linear(params, lambda layer: {**layer, "w": arrange(layer["w"])})  # [n_in, n_out] or [n_blocks, n_in, 64]
+    if kernel == "numba":
+        out["lm_head"] = row_kernel_blocks(params["wte"].T)  # [n_blocks, n_embd, 64]
+    return out
+
+
+def map_linear(params, f):
+    """params with f(layer) in place of every linear layer {"w", "b"} of the blocks."""
+    blocks = [{**block, "attn": {name: f(block["attn"][name]) for name in ("c_attn", "c_proj")},
+               "mlp": {name: f(block["mlp"][name]) for name in ("c_fc", "c_proj")}} for block in params["blocks"]]
     return {**params, "blocks": blocks}
 
 
@@ -193,6 +204,24 @@ def column_major(w, rows=256):
     for i in range(0, w.shape[0], rows):
         out[i:i + rows] = w[i:i + rows]
     return out
+
+
+def row_kernel_blocks(w):
+    import row_kernel  # only where the numba kernel is used
+    return row_kernel.blocked(w)
+
+
+def plain_layout(params):
+    """decode_layout undone: every weight matrix [n_in, n_out] row-major, as the checkpoint
+    stores it, and no lm_head (CuPy multiplies plain matrices; the benchmark measures what
+    the layout buys)."""
+    def plain(layer):
+        w = layer["w"]
+        if w.ndim == 3:
+            import row_kernel
+            w = row_kernel.unblocked(w, layer["b"].shape[-1])
+        return {**layer, "w": np.ascontiguousarray(w)}  # [n_in, n_out]
+    return {name: value for name, value in map_linear(params, plain).items() if name != "lm_head"}
 
 
 def to_backend(params, backend="numpy", dtype="float32"):
@@ -211,7 +240,7 @@ def to_backend(params, backend="numpy", dtype="float32"):
         raise LoadError(f"--backend cupy needs CuPy and an NVIDIA GPU ({type(e).__name__}: {e}): "
                         "pip install cupy-cuda12x (or cupy-cuda13x), or use --backend numpy")
     try:
-        return tree_map(lambda w: cupy.asarray(w.astype(dtype, copy=False)), params)
+        return tree_map(lambda w: cupy.asarray(w.astype(dtype, copy=False)), plain_layout(params))
     except cupy.cuda.memory.OutOfMemoryError as e:
         raise LoadError(f"the GPU has too little free memory for these weights ({e}): "
                         "try --dtype float16, a smaller model, or --backend numpy")

@@ -10,7 +10,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 
+import rowwise  # noqa: E402
 import utils  # noqa: E402
+
+# the row kernels this machine can run: numpy always, numba where it imports
+KERNELS_HERE = [k for k in rowwise.KERNELS if k == "numpy" or rowwise.pick_kernel(k) == k]
 
 
 def fixture_path(*parts):

@@ -6,7 +6,7 @@ import pytest
 
 import checkpoint
 import utils
-from conftest import fixture_path, make_model_dir
+from conftest import KERNELS_HERE, fixture_path, make_model_dir
 
 REAL = fixture_path("gpt2-124M-real-index")
 
@@ -53,12 +53,12 @@ def test_tiny_tf_and_safetensors_layouts_load_identical_params(tmp_path):
             return {k2: v for i, v in enumerate(p) for k2, v in leaves(v, f"{prefix}/{i}").items()}
         return {prefix: p}
 
-    l1, l2 = leaves(p1), leaves(p2)
+    l1, l2 = leaves(utils.plain_layout(p1)), leaves(utils.plain_layout(p2))
     assert sorted(l1) == sorted(l2) and len(l1) == 4 + 2 * 12
     for k in l1:
         assert l1[k].dtype == np.float32, k
         np.testing.assert_array_equal(l1[k], l2[k], err_msg=k)
-    assert p1["blocks"][1]["attn"]["c_attn"]["w"].shape == (16, 48)  # leading 1 squeezed
+    assert l1["/blocks/1/attn/c_attn/w"].shape == (16, 48)  # leading 1 squeezed
 
 
 def test_tiny_checkpoint_crc32c_verifies(tmp_path):
@@ -72,24 +72,39 @@ def test_tiny_checkpoint_crc32c_verifies(tmp_path):
         checkpoint.load_tf_checkpoint(d, verify_crc=True)
 
 
-def test_params_are_memory_mapped_except_the_decode_layout_copies(tiny):
-    params = tiny[2]
-    assert isinstance(params["wte"], np.memmap) or isinstance(params["wte"].base, np.memmap)
-    assert params["wte"].T.flags.f_contiguous  # the head: column-major as stored
-    # every matrix of the blocks copied once into column-major order (utils.decode_layout)
+MATRICES = (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj"))
+
+
+@pytest.mark.parametrize("kernel", KERNELS_HERE)
+def test_params_are_memory_mapped_except_the_decode_layout_copies(models_dir, kernel):
+    params = utils.decode_layout(checkpoint.load_params(os.path.join(models_dir, "124M"), 2), kernel)
+    assert isinstance(params["wte"], np.memmap) or isinstance(params["wte"].base, np.memmap)  # the lookups
     for block in params["blocks"]:
-        for w in (block[m][name]["w"] for m, name in (("attn", "c_attn"), ("attn", "c_proj"),
-                                                     ("mlp", "c_fc"), ("mlp", "c_proj"))):
-            assert w.flags.f_contiguous and not w.flags.c_contiguous and not isinstance(w, np.memmap)
+        for w in (block[m][name]["w"] for m, name in MATRICES):
+            assert not isinstance(w, np.memmap) and w.dtype == np.float32
+            if kernel == "numba":  # blocks of 64 output columns, each one run of memory
+                assert w.ndim == 3 and w.shape[2] == 64 and w.flags.c_contiguous
+            else:  # column-major
+                assert w.flags.f_contiguous and not w.flags.c_contiguous
+    if kernel == "numba":  # the tied head as blocks, the vocabulary padded to a multiple of 64
+        assert params["lm_head"].shape == (-(-50257 // 64), 16, 64)
+    else:
+        assert "lm_head" not in params and params["wte"].T.flags.f_contiguous  # the head: column-major as stored
 
 
-def test_decode_layout_keeps_shapes_and_values(models_dir):
+@pytest.mark.parametrize("kernel", KERNELS_HERE)
+def test_decode_layout_keeps_shapes_and_values(models_dir, kernel):
     raw = checkpoint.load_params(os.path.join(models_dir, "124M"), 2)
-    fast = utils.decode_layout(raw)
+    fast = utils.decode_layout(raw, kernel)
     assert fast["wte"] is raw["wte"]  # untouched, still the memmap
-    for m, name in (("attn", "c_attn"), ("mlp", "c_proj")):
-        np.testing.assert_array_equal(fast["blocks"][1][m][name]["w"], raw["blocks"][1][m][name]["w"])
+    back = utils.plain_layout(fast)
+    for m, name in MATRICES:
+        np.testing.assert_array_equal(back["blocks"][1][m][name]["w"], raw["blocks"][1][m][name]["w"])
         assert fast["blocks"][1][m][name]["b"] is raw["blocks"][1][m][name]["b"]
+    if kernel == "numba":
+        import row_kernel
+        np.testing.assert_array_equal(row_kernel.unblocked(fast["lm_head"], 50257), raw["wte"].T)
+        assert not fast["lm_head"][-1, :, 50257 % 64:].any()  # the padding is zeros
     assert raw["blocks"][1]["mlp"]["c_fc"]["w"].flags.c_contiguous  # the input is not modified
 
 

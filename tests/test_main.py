@@ -38,7 +38,7 @@ def results(models_dir, *argv):
 def test_greedy_autoregressive_and_speculative_print_the_same_text(capsys, models_dir, monkeypatch):
     # the advice rests on costs timed on this machine; fixed costs make it checkable
     costs = cost_model.Costs(0.1, (1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.4), 1.5)
-    monkeypatch.setattr(cost_model, "measure_costs", lambda *args, **kwargs: costs)
+    monkeypatch.setattr(speculative, "measure_costs", lambda *args, **kwargs: costs)
     rc, out, err = run_main(capsys, "--models_dir", models_dir, "--draft_model_size", "124M",
                             "--target_model_size", "355M", "--K", "4", *GREEDY)
     assert rc == 0, err
@@ -52,7 +52,7 @@ def test_greedy_autoregressive_and_speculative_print_the_same_text(capsys, model
 def test_measured_costs_are_in_target_steps(tiny):
     """measure_costs times real passes: one entry per K, verify(1) is a step by definition."""
     _, hparams, params = tiny
-    costs = cost_model.measure_costs((params, hparams), (params, hparams), 3, draft_vocab=100)
+    costs = speculative.measure_costs((params, hparams), (params, hparams), 3, draft_vocab=100)
     assert len(costs.verify) == 4 and costs.verify[0] == 1.0 and min(costs.verify) > 0
     assert costs.draft > 0 and costs.catch_up > 0
 

@@ -286,7 +286,7 @@ def test_vocabulary_subset_head_covers_the_subset_and_the_text(models):
     params, hparams = target
     x = np.random.default_rng(0).standard_normal((2, 1, 16)).astype(np.float32)
     texts = [[5, 40000, 40000, 123], [7]]
-    logits = speculative.vocab_subset_head(params["wte"], texts, 100)(x)  # [2, 1, n_vocab]
+    logits = speculative.vocab_subset_head(params, texts, 100)(x)  # [2, 1, n_vocab]
     full = x @ params["wte"].T
     finite = np.isfinite(logits[:, 0])
     assert finite[0].sum() == 102 and finite[0, 40000] and finite[0, 123] and finite[1].sum() == 100
