@@ -19,6 +19,7 @@ import os
 import platform
 import resource
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
@@ -216,22 +217,80 @@ def bench_layout(params, hparams, args):
 ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
 
 
+def kernel_layouts(model):
+    """The same weights in each row kernel's layout (utils.decode_layout): "numba" (the
+    blocks of row_kernel.py), where numba runs, and "numpy" (column-major: the fallback,
+    which is also what decoding ran before the kernel)."""
+    params, hparams = model
+    plain = utils.plain_layout(params)
+    kernels = [k for k in rowwise.KERNELS if k == "numpy" or rowwise.KERNEL == "numba"]
+    return {k: (utils.decode_layout(plain, k), hparams) for k in kernels}
+
+
+def settle():
+    """Before timing another way: OpenBLAS's workers spin for up to ~0.1 s after a call
+    that used them, on the cores the next way's threads need; let them fall asleep."""
+    time.sleep(0.2)
+
+
 def bench_rows(model, args):
     """rowwise.py's measurement: a whole cached pass over n tokens of one request (a
-    verification of n - 1 drafts), every row its own gemv block by block ("rows", the
-    batch-invariant way decoding uses) against one product per weight matrix ("product",
-    OpenBLAS's sgemm), in turns, in ms; "best" is the cheaper per n."""
+    verification of n - 1 drafts), in ms, three ways in turns: the numba kernel over
+    blocks ("kernel"), every row its own gemv block by block ("gemv", the NumPy fallback),
+    and one OpenBLAS product (sgemm) per weight matrix ("product", not batch invariant)."""
+    layouts = kernel_layouts(model)
+    ways = {"gemv": (layouts["numpy"], "rows"), "product": (layouts["numpy"], "product")}
+    if "numba" in layouts:
+        ways = {"kernel": (layouts["numba"], "rows"), **ways}
     ms = {}
     for _ in range(args.reps):
         for n in ROW_COUNTS:
-            for how in rowwise.STRATEGIES:
-                with rowwise.strategy(how):
-                    ms.setdefault((n, how), []).append(1e3 * gpt2.pass_seconds(model, args.prompt_len, n, reps=1))
+            for way, (layout, strategy) in ways.items():
+                settle()
+                with rowwise.strategy(strategy):
+                    ms.setdefault((n, way), []).append(1e3 * gpt2.pass_seconds(layout, args.prompt_len, n, reps=1))
     rows = []
     for n in ROW_COUNTS:
-        row = {"n": n, **{how: float(np.median(ms[(n, how)])) for how in rowwise.STRATEGIES}}
-        row["best"] = min(rowwise.STRATEGIES, key=lambda how: row[how])
+        row = {"n": n, **{way: float(np.median(ms[(n, way)])) for way in ways}}
+        row["best"] = min(ways, key=lambda way: row[way])
         rows.append(row)
+    return rows
+
+
+def kernel_start_s():
+    """Seconds to import row_kernel in a fresh Python: first with an empty numba cache (the
+    kernel is compiled), then with the cache that run left (it is loaded); each includes
+    Python's and numba's own start."""
+    with tempfile.TemporaryDirectory() as cache_dir:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
+        code = "import time; t = time.perf_counter(); import row_kernel; print(time.perf_counter() - t)"
+        here = os.path.dirname(os.path.abspath(__file__))
+        runs = [float(subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True,
+                                     check=True).stdout) for _ in range(2)]
+    return {"compile_s": runs[0], "cached_s": runs[1]}
+
+
+def bench_kernels(model, args, size):
+    """Plain greedy decoding with the numba kernel against the NumPy fallback (the same
+    code and layout decoding used before the kernel), at each batch size, in turns:
+    decode tokens/s and their ratio (the kernel's over the fallback's), median of reps."""
+    layouts = kernel_layouts(model)
+    if "numba" not in layouts:
+        return []
+    rows = []
+    for B in args.batch_sizes:
+        prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]
+        tps = {k: [] for k in layouts}
+        for rep in range(args.reps + 1):  # the first round warms both up
+            for k, layout in layouts.items():
+                settle()
+                stats = greedy(prompts, layout, args.n_tokens)[1]
+                if rep:
+                    tps[k].append(stats.decode_tokens_per_s)
+        ratios = np.divide(tps["numba"], tps["numpy"])
+        rows.append({"size": size, "batch": B, **{f"{k}_tok_s": float(np.median(v)) for k, v in tps.items()},
+                     "ratio": float(np.median(ratios)), "ratio_min": float(ratios.min()),
+                     "ratio_max": float(ratios.max())})
     return rows
 
 
@@ -659,6 +718,36 @@ def gpu_benchmark(args, command):
     return results
 
 
+def machine_info():
+    """The CPU and the instruction sets each library runs on it, printed beside every result:
+    OpenBLAS picks its kernels by CPU (threadpoolctl reports which), numba compiles the row
+    kernel for the CPU that LLVM sees (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES can ask for
+    another, e.g. haswell for AVX2 only)."""
+    flags, model = set(), platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    from threadpoolctl import threadpool_info
+    blas = [f"{i['internal_api']} {i['version']} ({i.get('architecture')}, {i['num_threads']} threads)"
+            for i in threadpool_info() if i["user_api"] == "blas"]
+    info = {"cpu": model, "cpu_count": os.cpu_count(), "simd": [s for s in ("avx2", "fma", "avx512f") if s in flags],
+            "platform": platform.platform(), "numpy": np.__version__, "blas": blas, "row_kernel": rowwise.KERNEL}
+    if rowwise.KERNEL == "numba":
+        import llvmlite.binding
+        import numba
+        features = numba.config.CPU_FEATURES or llvmlite.binding.get_host_cpu_features().flatten()
+        info.update(numba=numba.__version__, numba_cpu=numba.config.CPU_NAME or llvmlite.binding.get_host_cpu_name(),
+                    numba_simd=[s for s in ("avx2", "fma", "avx512f") if f"+{s}" in features.split(",")],
+                    numba_threads=numba.get_num_threads())
+    return info
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", choices=list(SHAPES), help="default: 124M 355M (cupy: all four)")
@@ -679,7 +768,7 @@ def parse_args(argv=None):
     ap.add_argument("--serve_sizes", nargs="+", choices=list(SHAPES), help="serving: default 124M (none with --target "
                     "only runs)")
     ap.add_argument("--only", nargs="+",
-                    choices=["decode", "rows", "speculative", "serving", "breakdown", "http", "beams"],
+                    choices=["decode", "kernels", "rows", "speculative", "serving", "breakdown", "http", "beams"],
                     help="run only these parts (default: all but breakdown)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--models_dir", default="models")
@@ -692,7 +781,7 @@ def parse_args(argv=None):
     gpu = args.backend == "cupy"
     defaults = {"sizes": list(SHAPES)[:4] if gpu else ["124M", "355M"], "batch_sizes": [1, 8] if gpu else [1, 8, 32],
                 "n_tokens": 128 if gpu else 32, "target": "1558M" if gpu else "355M", "serve_sizes": ["124M"],
-                "only": ["decode", "rows", "speculative", "serving", "http", "beams"]}
+                "only": ["decode", "kernels", "rows", "speculative", "serving", "http", "beams"]}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -718,11 +807,12 @@ def main(argv=None):
         return write_results(results, benchmark_report.gpu_markdown(results), args)
     probe = bandwidth_probe(1024 if args.quick else 8192)
     bandwidth = measure_bandwidth(probe)
-    results = {"command": command, "prompt_len": args.prompt_len, "n_tokens": args.n_tokens, "machine": {
-        "cpu_count": os.cpu_count(), "platform": platform.platform(), "numpy": np.__version__,
-        "bandwidth_GBs": bandwidth}, "models": {}, "gemv_is_exact": rowwise.gemv_is_exact()}
-    print(f"one-row matmul bandwidth: {bandwidth:.1f} GB/s", flush=True)
-    wanted = args.sizes if "decode" in args.only else []
+    results = {"command": command, "prompt_len": args.prompt_len, "n_tokens": args.n_tokens,
+               "machine": dict(machine_info(), bandwidth_GBs=bandwidth), "models": {},
+               "gemv_is_exact": rowwise.gemv_is_exact()}
+    print(f"{benchmark_report.machine_line(results['machine'])}\none-row matmul bandwidth: {bandwidth:.1f} GB/s",
+          flush=True)
+    wanted = list(args.sizes) if {"decode", "kernels"} & set(args.only) else []
     wanted += [args.target] if "rows" in args.only else []
     wanted += [args.target, args.draft] if {"speculative", "breakdown"} & set(args.only) else []
     wanted += args.serve_sizes if {"serving", "http", "beams"} & set(args.only) else []
@@ -741,6 +831,10 @@ def main(argv=None):
               f"({r['decode'][0]['fraction_of_roofline']:.0%} of roofline)", flush=True)
     if "rows" in args.only:
         results["rows"] = {"target": args.target, "by_n": bench_rows(loaded[args.target], args)}
+    if "kernels" in args.only:
+        results["kernels"] = [row for size in args.sizes for row in bench_kernels(loaded[size], args, size)]
+        if rowwise.KERNEL == "numba":
+            results["kernel_start"] = kernel_start_s()
     if "speculative" in args.only:
         draft, target = loaded[args.draft], loaded[args.target]
         costs = bench_speculative_costs(draft, target, args)

@@ -13,7 +13,7 @@ import sys
 
 def decode_tables(size, r):
     what = "their checkpoint" if r["weights"] == "real" else "as a real-size model.safetensors"
-    load = f"{r['load_s'] * 1e3:.0f} ms to memmap {what} and copy the blocks' matrices to column-major"
+    load = f"{r['load_s'] * 1e3:.0f} ms to memmap {what} and copy the matrices into the row kernel's layout"
     lines = [f"### GPT-2 {size} ({r['weights']} weights; load {load})", "",
              "| batch | KV cache | decode tok/s (min-max) | bandwidth GB/s | roofline tok/s | of roofline | "
              "TTFT ms | ITL p50 / p90 ms | KV cache at n_ctx |", "|---|---|---|---|---|---|---|---|---|"]
@@ -43,11 +43,34 @@ def decode_tables(size, r):
 
 
 def rows_table(rows):
-    one = rows["by_n"][0]["rows"]
-    lines = [f"### Rows: a whole cached {rows['target']} pass over n tokens, in one-token steps", "",
-             "| n | each row its own gemv (used) | one product | best |", "|---|---|---|---|"]
-    lines += [f"| {r['n']} | {r['rows'] / one:.2f} | {r['product'] / one:.2f} | {r['best']} |" for r in rows["by_n"]]
+    ways = [w for w in ("kernel", "gemv", "product") if w in rows["by_n"][0]]
+    names = {"kernel": "numba kernel (used)", "gemv": "each row its own gemv (fallback)",
+             "product": "one BLAS product (not batch invariant)"}
+    ones = {w: rows["by_n"][0][w] for w in ways}
+    lines = [f"### Rows: a whole cached {rows['target']} pass over n tokens, in one-token steps of each way", "",
+             f"one-token step: " + ", ".join(f"{w} {ones[w]:.1f} ms" for w in ways), "",
+             "| n | " + " | ".join(names[w] for w in ways) + " | best |", "|---|" + "---|" * len(ways) + "---|"]
+    lines += [f"| {r['n']} | " + " | ".join(f"{r[w] / ones[w]:.2f}" for w in ways) + f" | {r['best']} |"
+              for r in rows["by_n"]]
     return lines + [""]
+
+
+def kernels_table(rows):
+    lines = ["### Plain decoding: the numba kernel against the NumPy fallback (the code before the kernel), in turns",
+             "", "| model | batch | kernel tok/s | fallback tok/s | kernel / fallback (min-max) |", "|---|---|---|---|---|"]
+    lines += [f"| {r['size']} | {r['batch']} | {r['numba_tok_s']:.1f} | {r['numpy_tok_s']:.1f} | {r['ratio']:.2f}x "
+              f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) |" for r in rows]
+    return lines + [""]
+
+
+def machine_line(m):
+    """The CPU and the kernels each library runs on it: beside every result."""
+    line = f"CPU: {m.get('cpu', '?')} ({m.get('cpu_count')} cores; {'/'.join(m.get('simd', [])) or '?'}); "
+    line += f"BLAS: {', '.join(m.get('blas', [])) or '?'}; row kernel: {m.get('row_kernel', 'numpy')}"
+    if m.get("numba"):
+        line += (f" (numba {m['numba']} for {m['numba_cpu']}, {'/'.join(m['numba_simd'])}, "
+                 f"{m['numba_threads']} threads)")
+    return line
 
 
 def speculative_costs_table(s):
@@ -157,11 +180,18 @@ def markdown(results):
     m = results["machine"]
     lines = [f"Machine: {m['cpu_count']} cores, {m['platform']}, NumPy {m['numpy']}; one-row matmul bandwidth "
              f"{m['bandwidth_GBs']:.1f} GB/s at the start (each decode row measures its own before each run).",
+             machine_line(m) + ".",
              f"Command: `{results['command']}`", ""]
     for size, r in results["models"].items():
         lines += decode_tables(size, r)
     if "rows" in results:
         lines += rows_table(results["rows"])
+    if results.get("kernels"):
+        lines += kernels_table(results["kernels"])
+    if results.get("kernel_start"):
+        k = results["kernel_start"]
+        lines += [f"Importing row_kernel in a fresh Python: {k['compile_s']:.2f} s the first time (numba compiles the "
+                  f"kernel), {k['cached_s']:.2f} s from numba's cache.", ""]
     if "speculative" in results:
         lines += speculative_costs_table(results["speculative"]) + end_to_end_table(results["speculative"])
     if "breakdown" in results:

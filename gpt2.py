@@ -152,14 +152,16 @@ def next_logits(model, cache, texts, n_logits=1, head=None):
     if given (a draft's vocabulary subset), else the full tied head. With a cache the
     pass is shared: every row comes out bitwise as it would alone (rowwise.py)."""
     params, hparams = model
-    if cache is not None:
-        prefill_alone(model, cache, texts, n_logits)
-    inputs, n_new = kv_cache.pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
-    kv = kv_cache.begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wte"], shared=cache is not None)
-    x = hidden(inputs, **params, n_head=hparams["n_head"], kv=kv)  # [B, n, n_embd]
-    if head:
-        return head(x)
-    return head_logits(x, params["wte"], params.get("lm_head"), shared=kv["shared"])  # [B, n, n_vocab]
+    with rowwise.kernel_pass(params):
+        if cache is not None:
+            prefill_alone(model, cache, texts, n_logits)
+        inputs, n_new = kv_cache.pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
+        kv = kv_cache.begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wte"],
+                                 shared=cache is not None)
+        x = hidden(inputs, **params, n_head=hparams["n_head"], kv=kv)  # [B, n, n_embd]
+        if head:
+            return head(x)
+        return head_logits(x, params["wte"], params.get("lm_head"), shared=kv["shared"])  # [B, n, n_vocab]
 
 
 def prefill_alone(model, cache, texts, n_logits):

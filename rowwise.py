@@ -21,10 +21,10 @@ on its batch). `matmul` is the one place where rows meet weights, with two kerne
   weights (`gemv_is_exact` checks this on the machine at hand). One row alone is one
   gemv over the whole matrix with OpenBLAS's own threads: the same numbers.
 
-Each kernel is batch invariant; the two round differently from each other. A pass that
-belongs to a single request (the part of its prompt that needs no logits) may instead
-run as one BLAS product, fastest for many rows, since its rounding then depends on that
-request alone.
+Each kernel is batch invariant; the two round differently from each other. With the
+NumPy fallback, a pass that belongs to a single request (the part of its prompt that
+needs no logits) runs as one BLAS product, fastest for many rows, since its rounding then
+depends on that request alone; the numba kernel runs every pass, long prompts included.
 """
 import contextlib
 import functools
@@ -57,7 +57,6 @@ except ValueError as e:  # main.py and server.py print it as one line
 BLOCK_BYTES = 256 << 10  # a block stays in a core's L2 (512 KiB on Zen 3) while every row uses it
 STRATEGIES = ("rows", "product")  # each row as if alone (batch invariant); one BLAS product (the baseline)
 STRATEGY = "rows"
-PRODUCT_ABOVE = 32  # a pass of one request's own with more rows than this takes the BLAS product
 _second_thread = ThreadPoolExecutor(1)
 
 
@@ -65,11 +64,12 @@ def matmul(rows, w, shared=True, n_out=None):
     """rows [n, n_in] @ w -> [n, n_out]. w: a matrix [n_in, n_out], or its blocks
     [n_blocks, n_in, 64] for the numba kernel (row_kernel.py; n_out then says how many
     outputs are real). shared: the rows belong to a pass that several requests share, so
-    each row must come out as it would alone."""
+    each row must come out as it would alone. The kernel gives that for every pass, and
+    beats OpenBLAS held to one thread (see kernel_pass) at every row count measured (1-256)."""
     if w.ndim == 3:
         import row_kernel
         n_out = n_out or w.shape[0] * row_kernel.W
-        if STRATEGY == "product" or (not shared and rows.shape[0] > PRODUCT_ABOVE):
+        if STRATEGY == "product":
             return row_kernel.product(rows, w, n_out)
         return row_kernel.matmul(rows, w, n_out)
     if not isinstance(rows, np.ndarray) or not shared or STRATEGY == "product":
@@ -130,6 +130,19 @@ def gemv_rows(rows, w):
             part(0, mid, nb)
         other.result()
     return out
+
+
+@contextlib.contextmanager
+def kernel_pass(params):
+    """Around one model pass. With the numba kernel's layout (params has lm_head), numba's
+    threads do the parallel work and OpenBLAS is left with attention's small products: it
+    is held to one thread, so that no worker of its ever spins on a core numba's threads
+    need. Any other layout keeps the BLAS as it is."""
+    if "lm_head" in params:
+        with blas_threads(1):
+            yield
+    else:
+        yield
 
 
 @functools.cache

@@ -22,7 +22,13 @@ def test_quick_benchmark_writes_every_measurement(tmp_path, capsys):
     assert tiny["context"][0]["cached_ms"] > 0
     assert [x["tokens"] for x in tiny["layout"]] == [1, 8] and all(x["speedup"] > 0 for x in tiny["layout"])
     assert [row["n"] for row in r["rows"]["by_n"]] == list(benchmark.ROW_COUNTS)
-    assert all(row["best"] in ("rows", "product") for row in r["rows"]["by_n"])
+    ways = {"kernel", "gemv", "product"} if r["machine"]["row_kernel"] == "numba" else {"gemv", "product"}
+    assert all(row["best"] in ways and all(row[w] > 0 for w in ways) for row in r["rows"]["by_n"])
+    if r["machine"]["row_kernel"] == "numba":  # the kernel against the fallback, and the kernel's start
+        assert [(k["size"], k["batch"]) for k in r["kernels"]] == [("tiny", 1), ("tiny", 2)]
+        assert all(k["ratio"] == pytest.approx(k["numba_tok_s"] / k["numpy_tok_s"]) for k in r["kernels"])
+        assert r["kernel_start"]["compile_s"] > 0 and r["kernel_start"]["cached_s"] > 0
+    assert "CPU:" in out and "row kernel:" in out
     spec = r["speculative"]
     assert [k["K"] for k in spec["by_K"]] == [1, 2] and spec["verify"][0] == 1.0
     assert set(spec["draft_over_target"]) == {"0", "1000"}

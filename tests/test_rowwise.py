@@ -115,3 +115,63 @@ def test_served_sampled_text_equals_the_text_alone(wide, decoder):
     for max_batch in (2, 5, 8):
         finished = {e.index: e.tokens for e in scheduler.serve(reqs, serve_with, max_batch) if e.kind == "finished"}
         assert [finished[i] for i in range(len(reqs))] == want, f"max_batch {max_batch}"
+
+
+# --- the numba kernel (row_kernel.py): skipped where numba does not import --------------
+
+needs_numba = pytest.mark.skipif(rowwise.pick_kernel("numba") != "numba", reason="numba is not installed")
+
+
+@needs_numba
+@pytest.mark.parametrize("n_in, n_out", WIDTHS + [(16, 48), (1600, 4800), (6400, 1600)])
+def test_the_kernel_is_the_product_within_float_rounding(n_in, n_out):
+    import row_kernel
+    rng = np.random.default_rng(n_in + n_out)
+    w = rng.standard_normal((n_in, n_out), dtype=np.float32)
+    rows = rng.standard_normal((5, n_in), dtype=np.float32)
+    got = rowwise.matmul(rows, row_kernel.blocked(w), n_out=n_out)
+    assert got.dtype == np.float32 and got.shape == (5, n_out)
+    want = rows.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(n_in))
+
+
+@needs_numba
+@pytest.mark.parametrize("n_in, n_out", [(768, 2304), (1024, 50257), (4096, 1024)])
+def test_a_kernel_row_is_bitwise_the_same_for_any_row_count_and_place(n_in, n_out):
+    """Row r of 1-16 rows, wherever it sits, equals row r multiplied alone."""
+    import row_kernel
+    rng = np.random.default_rng(7)
+    wb = row_kernel.blocked(rng.standard_normal((n_in, n_out), dtype=np.float32))
+    rows = rng.standard_normal((16, n_in), dtype=np.float32)
+    alone = np.concatenate([rowwise.matmul(rows[i:i + 1], wb, n_out=n_out) for i in range(16)])  # [16, n_out]
+    for n in range(2, 17):
+        for first in {0, 16 - n}:
+            got = rowwise.matmul(rows[first:first + n], wb, n_out=n_out)
+            assert np.array_equal(got, alone[first:first + n]), f"{n} rows from {first}"
+
+
+@needs_numba
+def test_the_kernel_takes_float32_only():
+    """No silent float64 path: the kernel is compiled for float32 and refuses anything else."""
+    import row_kernel
+    wb = row_kernel.blocked(np.ones((8, 64), np.float32))
+    with pytest.raises(TypeError):
+        row_kernel.rows_times_blocks(np.ones((1, 8)), wb, np.empty((1, 64), np.float32))
+
+
+@needs_numba
+def test_padded_head_columns_are_never_logits(tiny):
+    """The head's blocks pad the vocabulary to a multiple of 64. Fill the padding with huge
+    weights: if any padded column reached the logits it would win every argmax."""
+    params, hparams = tiny[2], tiny[1]
+    assert "lm_head" in params and params["lm_head"].shape[0] * 64 > hparams["n_vocab"]
+    poisoned = params["lm_head"].copy()
+    poisoned[-1, :, hparams["n_vocab"] % 64:] = 1e6
+    ids = np.array([[464, 2068, 7586, 21831]])
+    clean = gpt2.gpt2(ids, **params, n_head=hparams["n_head"])  # [1, 4, n_vocab]
+    logits = gpt2.gpt2(ids, **dict(params, lm_head=poisoned), n_head=hparams["n_head"])
+    assert logits.shape == (1, 4, hparams["n_vocab"])
+    np.testing.assert_array_equal(logits, clean)
+    cache = kv_cache.init_cache(hparams, 1, 16, like=params["wte"])
+    step = gpt2.next_logits((dict(params, lm_head=poisoned), hparams), cache, [ids[0].tolist()])
+    assert step.shape == (1, 1, hparams["n_vocab"]) and step.max() < 1e3
