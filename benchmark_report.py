@@ -287,6 +287,7 @@ def plots(results, img_dir):
 def serving_plot(rows, plt, img_dir):
     """Rows in flight over time, static vs continuous (all requests at once, the first
     max_batch measured), and p95 TTFT vs throughput for every run."""
+    rows = [r for r in rows if r["policy"] in ("static", "continuous")]  # not the fallback's comparison run
     at_once = [r for r in rows if r["arrivals"] == "all at once" and r["max_batch"] == rows[0]["max_batch"]
                and r["size"] == rows[0]["size"]]
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))

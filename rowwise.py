@@ -147,24 +147,23 @@ def kernel_pass(params):
 
 @functools.cache
 def _blas():
-    """OpenBLAS's (or another BLAS's) thread control, through threadpoolctl; None if none found."""
+    """Every BLAS loaded in this process (NumPy's OpenBLAS, and SciPy's where something
+    imported it), through threadpoolctl: NumPy's is not always the first one found."""
     from threadpoolctl import ThreadpoolController
-    found = ThreadpoolController().select(user_api="blas").lib_controllers
-    return found[0] if found else None
+    return ThreadpoolController().select(user_api="blas").lib_controllers
 
 
 @contextlib.contextmanager
 def blas_threads(n):
-    """Hold the BLAS to n threads inside the with block (about a microsecond each way)."""
-    blas = _blas()
-    saved = blas.get_num_threads() if blas else None
-    if blas:
+    """Hold every BLAS to n threads inside the with block (about a microsecond each way)."""
+    saved = [blas.get_num_threads() for blas in _blas()]
+    for blas in _blas():
         blas.set_num_threads(n)
     try:
         yield
     finally:
-        if blas:
-            blas.set_num_threads(saved)
+        for blas, threads in zip(_blas(), saved):
+            blas.set_num_threads(threads)
 
 
 @functools.cache

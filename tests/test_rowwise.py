@@ -44,12 +44,15 @@ def test_one_product_is_the_baseline_and_blas_threads_come_back():
     rng = np.random.default_rng(3)
     w = np.asfortranarray(rng.standard_normal((64, 96), dtype=np.float32))
     rows = rng.standard_normal((5, 64), dtype=np.float32)
-    before = rowwise._blas() and rowwise._blas().get_num_threads()
+    before = [blas.get_num_threads() for blas in rowwise._blas()]
     with rowwise.strategy("product"):
         np.testing.assert_array_equal(rowwise.matmul(rows, w), rows @ w)
     assert rowwise.STRATEGY == "rows"
     np.testing.assert_allclose(rowwise.matmul(rows, w), rows @ w, rtol=1e-5, atol=1e-5)
-    assert (rowwise._blas() and rowwise._blas().get_num_threads()) == before
+    assert [blas.get_num_threads() for blas in rowwise._blas()] == before
+    with rowwise.blas_threads(1):
+        assert all(blas.get_num_threads() == 1 for blas in rowwise._blas())
+    assert [blas.get_num_threads() for blas in rowwise._blas()] == before
 
 
 @pytest.fixture(scope="module")
