@@ -280,15 +280,17 @@ def bench_kernels(model, args, size):
     rows = []
     for B in args.batch_sizes:
         prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]
-        tps = {k: [] for k in layouts}
+        tps, ttft = {k: [] for k in layouts}, {k: [] for k in layouts}
         for rep in range(args.reps + 1):  # the first round warms both up
             for k, layout in layouts.items():
                 settle()
                 stats = greedy(prompts, layout, args.n_tokens)[1]
                 if rep:
                     tps[k].append(stats.decode_tokens_per_s)
+                    ttft[k].append(1e3 * stats.ttft_s)
         ratios = np.divide(tps["numba"], tps["numpy"])
         rows.append({"size": size, "batch": B, **{f"{k}_tok_s": float(np.median(v)) for k, v in tps.items()},
+                     **{f"{k}_ttft_ms": float(np.median(v)) for k, v in ttft.items()},
                      "ratio": float(np.median(ratios)), "ratio_min": float(ratios.min()),
                      "ratio_max": float(ratios.max())})
     return rows

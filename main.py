@@ -152,6 +152,8 @@ def read_prompts(args):
 
 
 def load(size, args):
+    if rowwise.KERNEL_ERROR:
+        raise utils.LoadError(rowwise.KERNEL_ERROR)
     encoder, hparams, params = utils.load_encoder_hparams_and_params(size, args.models_dir, args.source,
                                                                      args.base_url)
     return encoder, (utils.to_backend(params, args.backend, args.dtype), hparams)

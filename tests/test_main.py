@@ -16,6 +16,7 @@ import cost_model
 import fileserver
 import gpt2
 import main
+import rowwise
 import sampling
 import speculative
 import utils
@@ -365,3 +366,12 @@ def test_cupy_backend_without_cupy_is_one_clear_line(capsys, models_dir, monkeyp
     rc, out, err = run_main(capsys, "--models_dir", models_dir, "--target_model_size", "124M", "--backend", "cupy")
     assert rc == 2 and err.count("\n") == 1
     assert err.startswith("error: --backend cupy needs CuPy and an NVIDIA GPU") and "pip install cupy" in err
+
+
+def test_a_bad_row_kernel_setting_is_one_line(capsys, models_dir, monkeypatch):
+    with pytest.raises(ValueError, match="GPT2_ROW_KERNEL='cuda': set it to numba or numpy"):
+        rowwise.pick_kernel("cuda")
+    monkeypatch.setattr(rowwise, "KERNEL_ERROR", "GPT2_ROW_KERNEL='cuda': set it to numba or numpy (or unset it)")
+    rc, out, err = run_main(capsys, "--models_dir", models_dir, "--target_model_size", "124M", "--mode",
+                            "autoregressive")
+    assert rc == 2 and err.strip() == "error: GPT2_ROW_KERNEL='cuda': set it to numba or numpy (or unset it)"
