@@ -166,8 +166,9 @@ def test_the_kernel_takes_float32_only():
 def test_padded_head_columns_are_never_logits(tiny):
     """The head's blocks pad the vocabulary to a multiple of 64. Fill the padding with huge
     weights: if any padded column reached the logits it would win every argmax."""
-    params, hparams = tiny[2], tiny[1]
-    assert "lm_head" in params and params["lm_head"].shape[0] * 64 > hparams["n_vocab"]
+    import utils
+    params, hparams = utils.decode_layout(utils.plain_layout(tiny[2]), "numba"), tiny[1]
+    assert params["lm_head"].shape[0] * 64 > hparams["n_vocab"]
     poisoned = params["lm_head"].copy()
     poisoned[-1, :, hparams["n_vocab"] % 64:] = 1e6
     ids = np.array([[464, 2068, 7586, 21831]])
