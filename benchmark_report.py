@@ -57,7 +57,8 @@ def rows_table(rows):
 
 def kernels_table(rows):
     lines = ["### Plain decoding: the numba kernel against the NumPy fallback (the code before the kernel), in turns",
-             "", "| model | batch | kernel tok/s | fallback tok/s | kernel / fallback (min-max) | TTFT ms kernel / fallback |",
+             "", "| model | batch | kernel tok/s | fallback tok/s | kernel / fallback (min-max) | "
+             "TTFT ms kernel / fallback |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['size']} | {r['batch']} | {r['numba_tok_s']:.1f} | {r['numpy_tok_s']:.1f} | {r['ratio']:.2f}x "
               f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {r.get('numba_ttft_ms', 0):.0f} / "

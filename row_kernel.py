@@ -109,10 +109,3 @@ def matmul(rows, wb, n_out):
     rows_times_blocks(np.ascontiguousarray(rows, dtype=np.float32), wb, out)
     return out[:, :n_out]  # [n, n_out]
 
-
-def product(rows, wb, n_out):
-    """The same product through BLAS, block by block (np.matmul over the stacked blocks):
-    faster for many rows (a long prompt), rounded differently from the kernel."""
-    wb = wb[:-(-n_out // W)]
-    out = np.matmul(rows, wb)  # [n_blocks, n, W]
-    return out.transpose(1, 0, 2).reshape(rows.shape[0], -1)[:, :n_out]  # [n, n_out]

@@ -33,6 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+try:
+    import row_kernel  # compiles the kernel, or loads it from numba's cache
+except ImportError:  # no numba: the NumPy fallback
+    row_kernel = None
+
 KERNEL_ENV = "GPT2_ROW_KERNEL"
 KERNELS = ("numba", "numpy")
 
@@ -41,12 +46,7 @@ def pick_kernel(asked):
     """The kernel asked for, or "numpy" when numba cannot be imported."""
     if asked not in KERNELS:
         raise ValueError(f"{KERNEL_ENV}={asked!r}: set it to numba or numpy (or unset it)")
-    if asked == "numba":
-        try:
-            import row_kernel  # noqa: F401 (compiles the kernel, or loads it from numba's cache)
-        except ImportError:
-            return "numpy"
-    return asked
+    return "numpy" if asked == "numba" and row_kernel is None else asked
 
 
 try:
@@ -67,11 +67,7 @@ def matmul(rows, w, shared=True, n_out=None):
     each row must come out as it would alone. The kernel gives that for every pass, and
     beats OpenBLAS held to one thread (see kernel_pass) at every row count measured (1-256)."""
     if w.ndim == 3:
-        import row_kernel
-        n_out = n_out or w.shape[0] * row_kernel.W
-        if STRATEGY == "product":
-            return row_kernel.product(rows, w, n_out)
-        return row_kernel.matmul(rows, w, n_out)
+        return row_kernel.matmul(rows, w, n_out or w.shape[0] * row_kernel.W)
     if not isinstance(rows, np.ndarray) or not shared or STRATEGY == "product":
         return rows @ w  # a GPU (CuPy), or a pass of one request's own: one product
     if rows.shape[0] == 1 and gemv_is_exact():
@@ -183,8 +179,9 @@ def gemv_is_exact():
 
 @contextlib.contextmanager
 def strategy(name):
-    """Run every shared pass with another strategy inside a with block ("rows" or
-    "product"); the benchmark measures both."""
+    """Run every shared pass over plain matrices (the fallback's layout) with another
+    strategy inside a with block ("rows" or "product"); the benchmark measures both. The
+    kernel's blocks always go through the kernel."""
     global STRATEGY
     saved, STRATEGY = STRATEGY, name
     try:

@@ -160,7 +160,8 @@ def vocab_subset_head(params, texts, N):
 
     def head(x):
         logits = np.full((x.shape[0], 1, wte.shape[0]), -np.inf, dtype=np.float32, like=x)
-        logits[:, 0, :N] = gpt2.head_logits(x[:, 0], wte, params.get("lm_head"), N, shared=True)  # [B, N]: N tokens' weights only
+        # [B, N]: reads the weights of the first N tokens only
+        logits[:, 0, :N] = gpt2.head_logits(x[:, 0], wte, params.get("lm_head"), N, shared=True)
         for b, text in enumerate(texts):
             extra = np.unique(np.asarray(text)[np.asarray(text) >= N])  # the text's rarer tokens
             if extra.size:
@@ -210,7 +211,8 @@ def measure_costs(target, draft, K_max, draft_vocab=0, context=32):
         return cost_model.Costs(0.0, verify)
     head = vocab_subset_head(draft[0], [list(range(context))], draft_vocab) if draft_vocab else None
     draft_step = gpt2.pass_seconds(draft, context, head=head)
-    return cost_model.Costs(draft_step / step, verify, gpt2.pass_seconds(draft, context, 2, head, n_logits=1) / draft_step)
+    catch_up = gpt2.pass_seconds(draft, context, 2, head, n_logits=1) / draft_step
+    return cost_model.Costs(draft_step / step, verify, catch_up)
 
 
 def verify(p, q, drafts, k, u, v):

@@ -183,10 +183,10 @@ def decode_layout(params, kernel=None):
     The price either way: a copy of the matrices at load (most of the model's bytes).
     """
     kernel = kernel or rowwise.KERNEL
-    arrange = row_kernel_blocks if kernel == "numba" else column_major
-    out = map_linear(params, lambda layer: {**layer, "w": arrange(layer["w"])})  # [n_in, n_out] or [n_blocks, n_in, 64]
+    arrange = rowwise.row_kernel.blocked if kernel == "numba" else column_major
+    out = map_linear(params, lambda layer: {**layer, "w": arrange(layer["w"])})  # [n_in, n_out], [n_blocks, n_in, 64]
     if kernel == "numba":
-        out["lm_head"] = row_kernel_blocks(params["wte"].T)  # [n_blocks, n_embd, 64]
+        out["lm_head"] = rowwise.row_kernel.blocked(params["wte"].T)  # [n_blocks, n_embd, 64]
     return out
 
 
@@ -206,11 +206,6 @@ def column_major(w, rows=256):
     return out
 
 
-def row_kernel_blocks(w):
-    import row_kernel  # only where the numba kernel is used
-    return row_kernel.blocked(w)
-
-
 def plain_layout(params):
     """decode_layout undone: every weight matrix [n_in, n_out] row-major, as the checkpoint
     stores it, and no lm_head (CuPy multiplies plain matrices; the benchmark measures what
@@ -218,8 +213,7 @@ def plain_layout(params):
     def plain(layer):
         w = layer["w"]
         if w.ndim == 3:
-            import row_kernel
-            w = row_kernel.unblocked(w, layer["b"].shape[-1])
+            w = rowwise.row_kernel.unblocked(w, layer["b"].shape[-1])
         return {**layer, "w": np.ascontiguousarray(w)}  # [n_in, n_out]
     return {name: value for name, value in map_linear(params, plain).items() if name != "lm_head"}
 
