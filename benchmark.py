@@ -575,7 +575,7 @@ def bench_http(model, args, size):
              "--port", "0",
              "--max_queue", str(len(reqs))]
     httpd, engine = server.start(server.parse_args(flags), loaded=(encoder, model, None))
-    port = httpd.server_address[1]
+    port = httpd.address[1]
     rows = []
     try:
         for rep in range(args.reps):

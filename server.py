@@ -6,54 +6,52 @@
 
 Every engine people run (vLLM, llama.cpp's server, TGI) speaks the OpenAI API, so every
 client does too: the official `openai` package, curl, LangChain. The server is three parts:
-- one engine thread runs scheduler.serving over a queue: HTTP handlers put requests (and
-  cancellations) in, and the engine hands each event to the handler that waits for it;
-- handlers (one thread per connection, the standard library's ThreadingHTTPServer) turn a
-  JSON body into batching.Requests, one per prompt and choice, and the engine's tokens
-  into text: whole, or as Server-Sent Events while they come;
+- one engine thread runs scheduler.serving over a queue: requests (and cancellations) go
+  in, and each event goes to the asyncio queue of the request it belongs to;
+- FastAPI on uvicorn (what vLLM's OpenAI server runs on) turns a JSON body into
+  batching.Requests (openai_api.py says what a body may hold), and the engine's tokens into
+  text: whole, or as Server-Sent Events while they come;
 - /v1/models, /health and /metrics (Prometheus text) say what runs and how it goes.
 
-The request's fields mean what they mean in the OpenAI completions API as vLLM serves it
-(https://platform.openai.com/docs/api-reference/completions, https://docs.vllm.ai), with
-vLLM's extras top_k, min_p, repetition_penalty and ignore_eos. A request's text is what
-main.py prints for the same prompt, settings and seed: choice i of prompt j samples with
-seed + j * n + i from its own random stream, whoever else the server is answering.
+Between a socket and the engine's queue, every resource a client can hold is bounded, so
+that no slow or hostile client can hurt the others: the connections (--max_connections,
+then 503), the time to send a request (--read_timeout_s) and to take the response
+(--write_timeout_s: a client that stops reading is cut off and its rows freed), the body
+(--max_body_bytes, 413), the tokens (--max_model_len) and the events waiting for a client.
+SIGTERM (what docker, systemd and Kubernetes send) and Ctrl-C both drain: every request in
+flight ends with an error event (or a JSON error), then the process exits 0.
 """
 import argparse
-import codecs
-import dataclasses
+import asyncio
+import hmac
 import json
 import queue
 import secrets
-import select
+import signal
 import socket
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import numpy as np
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import batching
-import gpt2
 import main
+import openai_api
 import sampling
 import scheduler
 import speculative
 import utils
+from openai_api import ApiError
 
 # the name each size is served under: the names its checkpoints carry on Hugging Face
 MODEL_NAMES = {"124M": "gpt2", "355M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
-MAX_N = 16  # choices per prompt
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)  # histogram buckets
-
-
-class BadRequest(Exception):
-    """A request the API refuses: HTTP status, message, and the field at fault (OpenAI's error body)."""
-
-    def __init__(self, message, param=None, status=400, kind="invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.status, self.kind = message, param, status, kind
+EVENTS_PER_ROW = 1024  # events a request may have waiting for its client, per row, before it is cancelled
 
 
 def parse_args(argv=None):
@@ -61,9 +59,21 @@ def parse_args(argv=None):
     main.add_decoder_flags(ap, modes=("autoregressive", "speculative"), default="autoregressive")
     ap.add_argument("--max_batch", type=int, default=8, help="requests decoded at once (continuous batching)")
     ap.add_argument("--max_queue", type=int, default=256, help="requests waiting for a row; more get 503")
+    ap.add_argument("--max_model_len", type=int,
+                    help="prompt + max_tokens a request may ask for (default: the model's window, 1024); "
+                         "more slides the window, as main.py does")
     ap.add_argument("--host", default="127.0.0.1", help="0.0.0.0 serves other machines too")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--api_key", help="if set, requests must send 'Authorization: Bearer KEY'")
+    ap.add_argument("--api_key", help="if set, every route but /health needs 'Authorization: Bearer KEY'")
+    ap.add_argument("--max_connections", type=int, default=1024, help="open connections; a request past it gets 503")
+    ap.add_argument("--max_body_bytes", type=int, default=1 << 20, help="a larger request body gets 413")
+    ap.add_argument("--keep_alive_s", type=float, default=5.0, help="an idle kept-alive connection is closed")
+    ap.add_argument("--read_timeout_s", type=float, default=10.0,
+                    help="a request's headers and body must arrive within this, or the connection is closed")
+    ap.add_argument("--write_timeout_s", type=float, default=10.0,
+                    help="a client that takes none of the response for this long is cut off, its rows freed")
+    ap.add_argument("--drain_s", type=float, default=10.0,
+                    help="on SIGTERM or Ctrl-C, how long requests in flight get to take their last event")
     main.add_model_flags(ap)
     return ap.parse_args(argv)
 
@@ -74,8 +84,9 @@ def new_engine(args):
     """The engine's state before its models load: /health answers 503 until "decoder" is set."""
     return {"args": args, "inbox": queue.Queue(), "outboxes": {}, "lock": threading.Lock(), "next_index": 0,
             "stats": batching.Stats(), "metrics": new_metrics(), "waiting": set(), "running": set(),
-            "logprobs": set(),  # requests whose tokens keep their logits row (for logprobs)
-            "decoder": None, "encoder": None, "hparams": None, "model": MODEL_NAMES[args.target_model_size]}
+            "logprobs": {},  # index -> how many top tokens its token events report (for logprobs)
+            "stopping": False, "decoder": None, "encoder": None, "hparams": None,
+            "model": MODEL_NAMES[args.target_model_size]}
 
 
 def load(engine, loaded=None):
@@ -90,6 +101,7 @@ def load(engine, loaded=None):
     else:
         decoder = scheduler.autoregressive(target)
     engine["encoder"], engine["hparams"], engine["decoder"] = encoder, target[1], decoder
+    engine["max_model_len"] = args.max_model_len or target[1]["n_ctx"]
 
 
 def run_engine(engine):
@@ -111,7 +123,7 @@ def run_engine(engine):
     n_ctx = engine["hparams"]["n_ctx"]
     last_token_at = {}
     for e in scheduler.serving(intake, step, models, engine["args"].max_batch, n_ctx, stats=engine["stats"]):
-        now = time.perf_counter()
+        now, logprobs = time.perf_counter(), None
         with engine["lock"]:
             box = engine["outboxes"].get(e.index)  # None once its handler has let it go
             if e.kind == "token":
@@ -122,8 +134,7 @@ def run_engine(engine):
                 if box:
                     engine["waiting"].discard(e.index)
                     engine["running"].add(e.index)
-                # a view would keep the whole step's logits alive while a slow client reads: copy one row, or none
-                e = dataclasses.replace(e, logits=e.logits.copy() if e.index in engine["logprobs"] else None)
+                n_top = engine["logprobs"].get(e.index)
             else:
                 last_token_at.pop(e.index, None)
                 if e.kind == "finished":
@@ -131,29 +142,35 @@ def run_engine(engine):
                                       "queue_s"), ("e2e_request_latency_seconds", "e2e_s")):
                         observe(engine["metrics"][name], e.metrics[key])
         if box:
-            box.put(e)
+            if e.kind == "token" and n_top is not None:
+                logprobs = openai_api.token_logprobs(e.logits, e.token, n_top)
+            e.logits = None  # a view of the whole step's logits must not outlive the step
+            box["loop"].call_soon_threadsafe(deliver, engine, box, e, logprobs)
 
 
-def submit(engine, reqs, logprobs=False):
-    """Hand requests to the engine: (the queue their events arrive on, their indices).
-    logprobs: their token events carry the target's logits row."""
-    box = queue.Queue()
+def submit(engine, reqs, logprobs=None):
+    """(on the event loop) Hand requests to the engine; returns their box: the asyncio queue
+    their events arrive on, and their indices. logprobs: how many top tokens each token reports."""
+    box = {"events": asyncio.Queue(), "loop": asyncio.get_running_loop(), "limit": EVENTS_PER_ROW * len(reqs),
+           "closed": False}
     with engine["lock"]:
+        if engine["stopping"]:
+            raise ApiError("the server is shutting down", status=503, kind="server_busy")
         if len(engine["waiting"]) + len(reqs) > engine["args"].max_queue:
-            raise BadRequest(f"the server has {len(engine['waiting'])} requests waiting (--max_queue "
-                             f"{engine['args'].max_queue}); retry later", status=503, kind="server_busy")
-        indices = list(range(engine["next_index"], engine["next_index"] + len(reqs)))
+            raise ApiError(f"the server has {len(engine['waiting'])} requests waiting (--max_queue "
+                           f"{engine['args'].max_queue}); retry later", status=503, kind="server_busy")
+        box["indices"] = list(range(engine["next_index"], engine["next_index"] + len(reqs)))
         engine["next_index"] += len(reqs)
-        for i, r in zip(indices, reqs):
+        for i, r in zip(box["indices"], reqs):
             engine["outboxes"][i] = box
             engine["waiting"].add(i)
-            if logprobs:
-                engine["logprobs"].add(i)
+            if logprobs is not None:
+                engine["logprobs"][i] = logprobs
             engine["metrics"]["prompt_tokens_total"] += len(r.prompt)
     arrival = time.perf_counter() - engine["stats"].start
-    for i, r in zip(indices, reqs):
+    for i, r in zip(box["indices"], reqs):
         engine["inbox"].put(("request", i, batching.Request(**{**vars(r), "arrival_s": arrival})))
-    return box, indices
+    return box
 
 
 def release(engine, indices):
@@ -161,165 +178,107 @@ def release(engine, indices):
     with engine["lock"]:
         for i in indices:
             engine["outboxes"].pop(i, None)
-            for known in (engine["waiting"], engine["running"], engine["logprobs"]):
-                known.discard(i)
+            engine["logprobs"].pop(i, None)
+            engine["waiting"].discard(i)
+            engine["running"].discard(i)
     for i in indices:
         engine["inbox"].put(("cancel", i, None))
 
 
-# --- a completions request: JSON in, batching.Requests out, tokens back to text ---
+def deliver(engine, box, e, logprobs=None):
+    """(on the event loop) An event into its request's queue. A client that lets its box fill
+    up is not reading (its connection's buffers are full too): its requests are cancelled
+    now, so its rows go to others and its events stop piling up."""
+    if box["closed"]:
+        return
+    if box["events"].qsize() >= box["limit"]:
+        e = scheduler.Event("error", e.index, error="the client did not read its response; request cancelled")
+    if e.kind == "error":
+        box["closed"] = True
+        release(engine, box["indices"])
+    box["events"].put_nowait((e, logprobs))
 
-def parse_completion(body, engine):
-    """(the batching.Requests, one per prompt and choice, and what the response needs)."""
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    model = body.get("model", engine["model"])
-    if model != engine["model"]:
-        raise BadRequest(f"The model `{model}` does not exist. This server serves `{engine['model']}`.",
-                         "model", status=404, kind="NotFoundError")
-    n_vocab, encoder = engine["hparams"]["n_vocab"], engine["encoder"]
-    prompts = read_prompts(body.get("prompt"), encoder, n_vocab)
-    n = field(body, "n", int, 1, lambda v: 1 <= v <= MAX_N, f"an integer in [1, {MAX_N}]")
-    max_tokens = field(body, "max_tokens", int, 16, lambda v: v >= 1, "an integer >= 1")
-    logprobs = field(body, "logprobs", int, None, lambda v: 0 <= v <= 5, "an integer in [0, 5]")
-    echo = field(body, "echo", bool, False)
-    if logprobs is not None and echo:
-        raise BadRequest("echo with logprobs would need the prompt's logprobs, which this server does not compute: "
-                         "leave out one of them", "logprobs")
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop or []
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest("stop must be a string or a list of at most 4 non-empty strings", "stop")
-    top_k = field(body, "top_k", int, 0, lambda v: v >= -1, "an integer >= 0 (0 or -1 = off)")
+
+def end_all(engine, message):
+    """(on the event loop) Every request in flight gets an error event; no new ones are taken."""
+    with engine["lock"]:
+        engine["stopping"] = True
+        boxes = {id(box): box for box in engine["outboxes"].values()}.values()
+    for box in boxes:
+        deliver(engine, box, scheduler.Event("error", box["indices"][0], error=message))
+
+
+# --- a request's life on the event loop: events in, text out ---
+
+async def grown(engine, box, how, choices):
+    """Each choice as an event grows it, until all have finished; an error event (the
+    engine's, a client too slow, the server stopping) raises ApiError, a client gone returns."""
+    where = dict(zip(box["indices"], choices))
+    while not all(c["finish_reason"] for c in choices):
+        e, logprobs = await box["events"].get()
+        if e.kind == "gone":
+            return
+        if e.kind == "error":
+            status = 503 if engine["stopping"] else 500
+            raise ApiError(e.error, status=status, kind="server_error")
+        choice = where[e.index]
+        if openai_api.grow(choice, e, engine["encoder"], how, logprobs):
+            release(engine, [e.index])
+        yield choice
+
+
+async def watch_for_hang_up(receive, box):
+    """Tell the request's loop when its client goes away (a closed connection, or one cut
+    off for not reading), so that its rows are freed at once, not at its next write."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    box["events"].put_nowait((scheduler.Event("gone", -1), None))
+
+
+def usage(how, choices):
+    completion_tokens = sum(len(c["tokens"]) for c in choices)
+    return openai_api.Usage(prompt_tokens=how["prompt_tokens"], completion_tokens=completion_tokens,
+                            total_tokens=how["prompt_tokens"] + completion_tokens)
+
+
+def choice_out(choice, text):
+    return openai_api.Choice(index=choice["index"], text=text, logprobs=openai_api.new_logprobs(choice),
+                             finish_reason=choice["finish_reason"])
+
+
+async def events(engine, box, how, choices, head):
+    """The Server-Sent Events of a stream: each choice's new text as it comes (never a part
+    that might become a stop string), the usage if asked for, then [DONE]."""
     try:
-        settings = sampling.SamplingSettings(
-            temperature=field(body, "temperature", float, 1.0), top_k=max(top_k, 0),
-            top_p=field(body, "top_p", float, 1.0), min_p=field(body, "min_p", float, 0.0),
-            presence_penalty=field(body, "presence_penalty", float, 0.0),
-            frequency_penalty=field(body, "frequency_penalty", float, 0.0),
-            repetition_penalty=field(body, "repetition_penalty", float, 1.0))
-    except sampling.BadSetting as e:
-        raise BadRequest(f"{e.name} {e.problem}", e.name)
-    seed = field(body, "seed", int, None, lambda v: v >= 0, "an integer >= 0")
-    seed = secrets.randbelow(2 ** 63) if seed is None else seed
-    eos = None if field(body, "ignore_eos", bool, False) else encoder.eot_token
-    reqs = [batching.Request(tuple(p), max_tokens, settings, seed + j * n + i, eos)
-            for j, p in enumerate(prompts) for i in range(n)]
-    for r in reqs:
-        problem = scheduler.refusal(r, engine["hparams"], engine["hparams"]["n_ctx"])
-        if problem:
-            raise BadRequest(problem, "prompt")
-    return reqs, {"prompts": [prompts[k // n] for k in range(len(reqs))], "stop": stop, "eos": eos,
-                  "prompt_tokens": sum(len(p) for p in prompts),  # once per prompt, whatever n (as OpenAI)
-                  "echo": echo, "logprobs": logprobs, "stream": field(body, "stream", bool, False),
-                  "usage": bool((body.get("stream_options") or {}).get("include_usage"))}
+        async for choice in grown(engine, box, how, choices):
+            text = openai_api.ready_text(choice, how["stop"])
+            if text or choice["finish_reason"]:
+                yield sse(openai_api.Completion(**head, choices=[choice_out(choice, text)]).model_dump_json())
+        if how["usage"]:
+            yield sse(openai_api.Completion(**head, choices=[], usage=usage(how, choices)).model_dump_json())
+    except ApiError as e:
+        yield sse(json.dumps(envelope(e)))
+    yield sse("[DONE]")
 
 
-def field(body, name, kind, default, ok=lambda v: True, allowed=None):
-    """body[name] (or default if absent or null), checked to be of its kind and allowed."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if kind is float and sampling.is_real(value):
-        value = float(value)
-    if type(value) is not kind or not ok(value):
-        raise BadRequest(f"{name} must be {allowed or ('a number' if kind is float else kind.__name__)}, "
-                         f"got {json.dumps(value)}", name)
-    return value
+def sse(data):
+    return f"data: {data}\n\n".encode()
 
 
-def read_prompts(prompt, encoder, n_vocab):
-    """The API's four prompt forms (a string, strings, token ids, lists of token ids) as token ids."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise BadRequest("prompt must be a string, a list of strings, or token ids", "prompt")
-    ids = []
-    for p in prompt:
-        if isinstance(p, str):
-            ids.append(encoder.encode(p, allowed_special={utils.EOT_TOKEN}) or [encoder.eot_token])
-        elif isinstance(p, list) and p and all(type(t) is int and 0 <= t < n_vocab for t in p):
-            ids.append(p)
-        else:
-            raise BadRequest(f"each prompt must be a string or a non-empty list of token ids in [0, {n_vocab})",
-                             "prompt")
-    return ids
+class EventStream(StreamingResponse):
+    """Server-Sent Events whose end, however it comes (done, client gone or cut off, server
+    stopping), frees the request's rows."""
 
+    def __init__(self, body, finish):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.finish = finish
 
-def new_choice(index, prompt_ids, encoder, how):
-    """A choice as it grows: its tokens, its visible text, what has been streamed of it."""
-    text = encoder.decode(prompt_ids) if how["echo"] else ""
-    logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    return {"index": index, "tokens": [], "text": text, "generated_from": len(text), "sent": 0,
-            "logprobs": logprobs if how["logprobs"] is not None else None, "logprobs_sent": 0,
-            "utf8": codecs.getincrementaldecoder("utf-8")(errors="replace"), "finish_reason": None}
-
-
-def grow(choice, event, encoder, how):
-    """One event into a choice; True when the choice has just finished."""
-    stop, eos = how["stop"], how["eos"]
-    if choice["finish_reason"]:
-        return False  # tokens the engine made before it saw this choice's cancellation
-    if event.kind == "token":
-        choice["tokens"].append(event.token)
-        if event.token == eos:
-            choice["finish_reason"] = "stop"
-            return True
-        if choice["logprobs"] is not None:
-            add_logprobs(choice, event, encoder, how["logprobs"])
-        before = len(choice["text"])
-        choice["text"] += choice["utf8"].decode(encoder.decode_single_token_bytes(event.token))
-        # a new stop string ends after `before`, and never starts inside an echoed prompt
-        hits = [at for at in (choice["text"].find(s, max(choice["generated_from"], before - len(s) + 1))
-                              for s in stop) if at >= 0]
-        if hits:
-            choice["text"], choice["finish_reason"] = choice["text"][:min(hits)], "stop"
-            return True
-        return False
-    choice["text"] += choice["utf8"].decode(b"", final=True)
-    choice["finish_reason"] = "length"
-    return True
-
-
-def add_logprobs(choice, event, encoder, n_top):
-    """The token's log-probability under the target's own distribution (the log-softmax of
-    its logits, before temperature, penalties and top-k/p: what vLLM returns by default), with
-    the n_top likeliest tokens. Speculative decoding reports the same numbers: they come from
-    the target's logits at each position of its verify pass."""
-    logits = event.logits.get() if hasattr(event.logits, "get") else event.logits  # CuPy: to the host
-    logp = gpt2.log_softmax(np.asarray(logits, dtype=np.float32))  # [n_vocab]
-    top = np.argpartition(-logp, n_top)[:n_top] if n_top else []
-    top = sorted(top, key=lambda t: -logp[t])
-    lp = choice["logprobs"]
-    lp["tokens"].append(encoder.decode([event.token]))
-    lp["token_logprobs"].append(float(logp[event.token]))
-    lp["top_logprobs"].append({encoder.decode([int(t)]): float(logp[t]) for t in top})
-    lp["text_offset"].append(len(choice["text"]))  # where this token's text starts
-
-
-def new_logprobs(choice):
-    """The logprobs of the tokens not yet streamed (all of them for a whole response)."""
-    lp, k = choice["logprobs"], choice["logprobs_sent"]
-    if lp is None:
-        return None
-    choice["logprobs_sent"] = len(lp["tokens"])
-    return {key: values[k:] for key, values in lp.items()}
-
-
-def ready_text(choice, stop):
-    """The text that can be streamed now: all of it once finished, else all but a tail that
-    might still grow into a stop string (that must never reach the client)."""
-    text = choice["text"]
-    if not choice["finish_reason"]:
-        for s in stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if s.startswith(text[-k:]):
-                    text = text[:-k]
-                    break
-    new, choice["sent"] = text[choice["sent"]:], max(choice["sent"], len(text))
-    return new
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.finish()
 
 
 # --- metrics, in Prometheus's text format ---
@@ -363,178 +322,205 @@ def prometheus(engine):
     return "\n".join(lines) + "\n"
 
 
-# --- HTTP ---
+# --- HTTP: the routes ---
 
-def handler_for(engine):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive; streams are sent chunked
+def envelope(e):
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}}
 
-        def log_message(self, *args):  # one line per request is noise at a few hundred requests a second
-            pass
 
-        def do_GET(self):
-            if self.path == "/health":
-                ready = engine["decoder"] is not None
-                self.send_json(200 if ready else 503, {"status": "ok" if ready else "loading"})
-            elif self.path == "/v1/models":
-                self.send_json(200, {"object": "list", "data": [{"id": engine["model"], "object": "model",
-                                                                   "created": 0, "owned_by": "openai"}]})
-            elif self.path == "/metrics":
-                self.send_body(200, prometheus(engine).encode(), "text/plain; version=0.0.4")
-            else:
-                self.send_error_json(BadRequest(f"no such endpoint: GET {self.path}", status=404,
-                                                kind="NotFoundError"))
+def error_response(e, close=False):
+    return JSONResponse(envelope(e), status_code=e.status, headers={"Connection": "close"} if close else None)
 
-        def do_POST(self):
+
+def api_key_check(key):
+    """A dependency that refuses a request without 'Authorization: Bearer KEY' (the scheme in
+    any case, RFC 9110). Bytes are compared in constant time, whatever the header holds."""
+    async def check(request: Request):
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"), key.encode()):
+            raise ApiError("a valid API key is needed: 'Authorization: Bearer KEY'", status=401,
+                           kind="authentication_error")
+    return Depends(check)
+
+
+def make_app(engine):
+    """The FastAPI app: the routes, and every error as OpenAI's envelope."""
+    app = FastAPI(title="speculative-gpt2", docs_url=None, redoc_url=None, openapi_url=None)
+    guarded = [api_key_check(engine["args"].api_key)]
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, e):
+        return error_response(e)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e):
+        kind = "NotFoundError" if e.status_code == 404 else "invalid_request_error"
+        return error_response(ApiError(f"{e.detail}: {request.method} {request.url.path}", status=e.status_code,
+                                       kind=kind))
+
+    @app.get("/health")
+    async def health():
+        ready = engine["decoder"] is not None
+        return JSONResponse({"status": "ok" if ready else "loading"}, status_code=200 if ready else 503)
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models():
+        return {"object": "list", "data": [{"id": engine["model"], "object": "model", "created": 0,
+                                            "owned_by": "openai"}]}
+
+    @app.get("/metrics", dependencies=guarded)
+    async def metrics():
+        return PlainTextResponse(prometheus(engine), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(request: Request):
+        body = openai_api.parse(await request.body())  # JSON, whatever Content-Type says (curl -d says a form)
+        if engine["decoder"] is None:
+            raise ApiError("the model is still loading; retry when /health says ok", status=503, kind="server_busy")
+        reqs, how = openai_api.to_requests(body, engine["model"], engine["encoder"], engine["hparams"],
+                                           engine["max_model_len"], engine["args"].max_queue)
+        box = submit(engine, reqs, how["logprobs"])
+        choices = [openai_api.new_choice(k, p, engine["encoder"], how) for k, p in enumerate(how["prompts"])]
+        head = {"id": f"cmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": engine["model"]}
+        if how["stream"]:
+            return EventStream(events(engine, box, how, choices, head), lambda: release(engine, box["indices"]))
+        watcher = asyncio.create_task(watch_for_hang_up(request.receive, box))
+        try:
+            async for _ in grown(engine, box, how, choices):
+                pass
+        finally:
+            watcher.cancel()
+            release(engine, box["indices"])
+        completion = openai_api.Completion(**head, usage=usage(how, choices),
+                                           choices=[choice_out(c, c["text"]) for c in choices])
+        return Response(completion.model_dump_json(), media_type="application/json")
+
+    return app
+
+
+# --- HTTP: the limits a socket needs that a web framework does not set ---
+
+def body_limits(app, max_bytes, read_timeout_s):
+    """ASGI middleware: read the whole request body before the app sees it, refusing one
+    larger than max_bytes (413, declared or chunked) or slower than read_timeout_s (408)."""
+    async def limited(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")  # h11 has already refused a malformed one
+        body, deadline = b"", time.monotonic() + read_timeout_s
+        more = declared is None or int(declared) <= max_bytes  # a body declared too large is not read at all
+        while more and len(body) <= max_bytes:
             try:
-                body = self.read_json()
-                if self.path != "/v1/completions":
-                    raise BadRequest(f"no such endpoint: POST {self.path}", status=404, kind="NotFoundError")
-                if engine["decoder"] is None:
-                    raise BadRequest("the model is still loading; retry when /health says ok", status=503,
-                                     kind="server_busy")
-                reqs, how = parse_completion(body, engine)
-                box, indices = submit(engine, reqs, how["logprobs"] is not None)
-            except BadRequest as e:
-                return self.send_error_json(e)
-            try:
-                self.complete(box, indices, how)
-            except OSError:  # the client went away mid-write
-                self.close_connection = True
-            finally:
-                release(engine, indices)
+                message = await asyncio.wait_for(receive(), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                e = ApiError(f"the request body did not arrive within {read_timeout_s} s", status=408)
+                return await error_response(e, close=True)(scope, receive, send)
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        if more or len(body) > max_bytes:
+            e = ApiError(f"the request body is larger than this server's --max_body_bytes {max_bytes}", status=413)
+            return await error_response(e, close=True)(scope, receive, send)
+        replayed = False
 
-        def read_json(self):
-            key = engine["args"].api_key
-            if key and not secrets.compare_digest(self.headers.get("Authorization", ""), f"Bearer {key}"):
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                raise BadRequest("a valid API key is needed: 'Authorization: Bearer KEY'", status=401,
-                                 kind="authentication_error")
-            try:
-                return json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
-            except (ValueError, UnicodeDecodeError) as e:
-                raise BadRequest(f"the body is not JSON: {e}")
-
-        def complete(self, box, indices, how):
-            encoder = engine["encoder"]
-            choices = [new_choice(k, p, encoder, how) for k, p in enumerate(how["prompts"])]
-            where = dict(zip(indices, choices))
-            head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-                    "model": engine["model"]}
-            if how["stream"]:
-                self.start_stream()
-            look_at = time.monotonic() + 0.5
-            while not all(c["finish_reason"] for c in choices):
-                try:
-                    e = box.get(timeout=0.5)
-                except queue.Empty:
-                    e = None
-                if time.monotonic() > look_at:  # a client that left frees its rows (a stream notices at its next write)
-                    if self.client_gone():
-                        return
-                    look_at = time.monotonic() + 0.5
-                if e is None:
-                    continue
-                if e.kind == "error":
-                    if how["stream"]:
-                        return self.end_stream([{"error": {"message": e.error, "type": "server_error"}}])
-                    return self.send_error_json(BadRequest(e.error, status=500, kind="server_error"))
-                choice = where[e.index]
-                if grow(choice, e, encoder, how):
-                    release(engine, [e.index])
-                if how["stream"]:
-                    text = ready_text(choice, how["stop"])
-                    if text or choice["finish_reason"]:
-                        self.send_event({**head, "choices": [
-                            {"index": choice["index"], "text": text, "logprobs": new_logprobs(choice),
-                             "finish_reason": choice["finish_reason"]}]})
-            completion_tokens = sum(len(c["tokens"]) for c in choices)
-            usage = {"prompt_tokens": how["prompt_tokens"], "completion_tokens": completion_tokens,
-                     "total_tokens": how["prompt_tokens"] + completion_tokens}
-            if how["stream"]:
-                return self.end_stream([{**head, "choices": [], "usage": usage}] if how["usage"] else [])
-            self.send_json(200, {**head, "usage": usage, "choices": [
-                {"index": c["index"], "text": c["text"], "logprobs": c["logprobs"], "finish_reason": c["finish_reason"]}
-                for c in choices]})
-
-        def client_gone(self):
-            """Whether the client closed its end (a readable socket with nothing to read)."""
-            try:
-                readable, _, _ = select.select([self.connection], [], [], 0)
-                return bool(readable) and not self.connection.recv(1, socket.MSG_PEEK)
-            except OSError:
-                return True
-
-        def send_json(self, status, obj):
-            self.send_body(status, json.dumps(obj).encode(), "application/json")
-
-        def send_error_json(self, e):
-            self.send_json(e.status, {"error": {"message": e.message, "type": e.kind, "param": e.param,
-                                                "code": e.status}})
-
-        def send_body(self, status, data, content_type):
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def start_stream(self):
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-
-        def send_event(self, obj):
-            self.send_chunk(f"data: {json.dumps(obj)}\n\n".encode())
-
-        def send_chunk(self, data):
-            self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-            self.wfile.flush()
-
-        def end_stream(self, last):
-            for obj in last:
-                self.send_event(obj)
-            self.send_chunk(b"data: [DONE]\n\n")
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
-    return Handler
+        async def replay():  # the body once, then what the connection says next (a disconnect)
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await app(scope, replay, send)
+    return limited
 
 
-class Listener(ThreadingHTTPServer):
-    request_queue_size = 1024  # connections the kernel holds until accepted (5 by default: a burst gets resets)
-    daemon_threads = True
+def connection_protocol(read_timeout_s, write_timeout_s):
+    """uvicorn's HTTP/1.1 protocol (h11) with the two deadlines it lacks: a request's headers
+    must arrive within read_timeout_s of the connection being free for one (a new connection
+    that sends nothing, a slowloris trickling headers), and a client must take some of the
+    response within write_timeout_s once the socket's buffers are full (a stalled reader).
+    A client over either deadline is cut off; uvicorn then tells its request it hung up."""
+    class Connection(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.header_deadline = self.write_deadline = None
+            self.expect_headers()
 
-    def handle_error(self, request, client_address):
-        """A client that hung up is routine (its rows are already freed); anything else is printed."""
-        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
-            super().handle_error(request, client_address)
+        def expect_headers(self):
+            self.header_deadline = self.loop.call_later(read_timeout_s, self.headers_overdue)
+
+        def headers_overdue(self):
+            if self.cycle is None or self.cycle.response_complete:  # still no whole request
+                self.transport.abort()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self.header_deadline.cancel()
+            self.expect_headers()
+
+        def pause_writing(self):
+            super().pause_writing()
+            self.write_deadline = self.loop.call_later(write_timeout_s, self.transport.abort)
+
+        def resume_writing(self):
+            super().resume_writing()
+            if self.write_deadline:
+                self.write_deadline.cancel()
+
+        def connection_lost(self, exc):
+            self.header_deadline.cancel()
+            if self.write_deadline:
+                self.write_deadline.cancel()
+            super().connection_lost(exc)
+    return Connection
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, which first ends the engine's requests when asked to stop, so that
+    their connections can close within the drain time."""
+
+    def __init__(self, config, engine):
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets=None):
+        end_all(self.engine, "the server is shutting down")
+        await super().shutdown(sockets)
+
+
+def listen(args, engine):
+    """Serve the engine's routes on uvicorn, on a thread of its own: the HTTP server."""
+    listener = socket.create_server((args.host, args.port), backlog=2048)
+    app = body_limits(make_app(engine), args.max_body_bytes, args.read_timeout_s)
+    config = uvicorn.Config(app, http=connection_protocol(args.read_timeout_s, args.write_timeout_s),
+                            lifespan="off", log_level="warning", access_log=False,
+                            limit_concurrency=args.max_connections, timeout_keep_alive=args.keep_alive_s,
+                            timeout_graceful_shutdown=args.drain_s)
+    httpd = Server(config, engine)
+    httpd.address = listener.getsockname()[:2]
+    httpd.thread = threading.Thread(target=httpd.run, kwargs={"sockets": [listener]}, daemon=True)
+    httpd.thread.start()
+    return httpd
 
 
 def start(args, loaded=None):
     """Listen at once (/health says 503 while loading), load the models (or take loaded, as
     load does), start the engine. Returns (the HTTP server, serving on its own thread, and the engine)."""
     engine = new_engine(args)
-    httpd = Listener((args.host, args.port), handler_for(engine))
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    httpd = listen(args, engine)
     load(engine, loaded)
     threading.Thread(target=run_engine, args=(engine,), daemon=True).start()
     return httpd, engine
 
 
 def stop(httpd, engine):
-    """Stop taking connections; requests in flight end with an error event."""
-    httpd.shutdown()
-    with engine["lock"]:
-        boxes = list(engine["outboxes"].items())
-    for i, box in boxes:
-        box.put(scheduler.Event("error", i, error="the server is shutting down"))
+    """Stop taking connections; requests in flight end with an error event, then their
+    connections close (or are cut off after --drain_s); the engine stops."""
+    httpd.should_exit = True
+    httpd.thread.join(engine["args"].drain_s + 5)
     engine["inbox"].put(("stop", None, None))
-    deadline = time.monotonic() + 5.0
-    while engine["outboxes"] and time.monotonic() < deadline:  # each handler writes its error, then releases
-        time.sleep(0.01)
-    httpd.server_close()
 
 
 def check(args):
@@ -542,30 +528,36 @@ def check(args):
         raise ValueError("--max_batch and --max_queue must be >= 1")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValueError(f"--max_model_len must be >= 2 (a prompt token and a new one), got {args.max_model_len}")
+    for name in ("max_connections", "max_body_bytes", "keep_alive_s", "read_timeout_s", "write_timeout_s",
+                 "drain_s"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name} must be > 0, got {getattr(args, name)}")
     if args.dtype != "float32" and args.backend == "numpy":
         raise ValueError(f"--dtype {args.dtype} needs --backend cupy; use --dtype float32")
     speculative.check(speculative.SpeculativeConfig(K=args.K, adaptive=args.adaptive_K, K_max=args.K_max,
                                                     draft_vocab=args.draft_vocab))
 
 
-def serve_until_interrupted(argv=None):
+def serve_until_stopped(argv=None):
     args = parse_args(argv)
     check(args)
     httpd, engine = start(args)
-    host, port = httpd.server_address[:2]
+    host, port = httpd.address
+    stop_asked = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop_asked.set())
     print(f"serving {engine['model']} ({args.mode}) at http://{host}:{port}/v1 - Ctrl-C stops", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("\nstopping", file=sys.stderr)
-    finally:
-        stop(httpd, engine)
+    while not stop_asked.wait(1.0) and httpd.thread.is_alive():
+        pass
+    print("stopping", file=sys.stderr)
+    stop(httpd, engine)
 
 
 def entry(argv=None):
     try:
-        serve_until_interrupted(argv)
+        serve_until_stopped(argv)
     except sampling.BadSetting as e:
         print(f"error: --{main.FLAG_OF.get(e.name, e.name)} {e.problem}", file=sys.stderr)
         return 2

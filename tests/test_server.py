@@ -28,13 +28,14 @@ PROMPTS = ["Alan Turing theorized that", "The quick brown fox", "In a shocking f
 def start(models_dir, *flags):
     args = server.parse_args(["--models_dir", models_dir, "--target_model_size", "124M", "--port", "0", *flags])
     httpd, engine = server.start(args)
-    return httpd, engine, f"http://127.0.0.1:{httpd.server_address[1]}"
+    return httpd, engine, f"http://127.0.0.1:{httpd.address[1]}"
 
 
 @pytest.fixture(scope="module", params=["autoregressive", "speculative"])
 def running(request, models_dir):
     """A server per decoder (the tiny model drafts for itself in speculative mode)."""
-    httpd, engine, url = start(models_dir, "--mode", request.param, "--draft_model_size", "355M", "--K", "3")
+    httpd, engine, url = start(models_dir, "--mode", request.param, "--draft_model_size", "355M", "--K", "3",
+                               "--max_model_len", "1000000")
     yield request.param, engine, url
     server.stop(httpd, engine)
 
@@ -249,7 +250,7 @@ def test_models_health_and_metrics(running):
     mode, _, url = running
     assert [m.id for m in client(url).models.list().data] == ["gpt2"]
     client(url).completions.create(model="gpt2", prompt="Hello", max_tokens=5)
-    assert get(url, "/health") == (200, '{"status": "ok"}')
+    assert get(url, "/health") == (200, '{"status":"ok"}')
     status, text = get(url, "/metrics")
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
     assert values["gpt2_generation_tokens_total"] >= 5 and values["gpt2_prompt_tokens_total"] >= 1
@@ -289,7 +290,7 @@ def test_a_client_that_leaves_frees_its_rows(running):
 def test_a_client_that_leaves_while_queued_is_forgotten(models_dir):
     """One row: A decodes, B waits for the row and hangs up; B leaves the queue (and the
     waiting gauge) at once, and A goes on."""
-    httpd, engine, url = start(models_dir, "--max_batch", "1")
+    httpd, engine, url = start(models_dir, "--max_batch", "1", "--max_model_len", "1000000")
     host, port = url.removeprefix("http://").split(":")
     try:
         conns = [http.client.HTTPConnection(host, int(port), timeout=10) for _ in range(2)]
@@ -330,37 +331,44 @@ def test_an_api_key_is_asked_for_when_set(models_dir):
 def test_health_is_503_while_loading(models_dir):
     args = server.parse_args(["--models_dir", models_dir, "--target_model_size", "124M", "--port", "0"])
     engine = server.new_engine(args)
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), server.handler_for(engine))
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd = server.listen(args, engine)
+    url = f"http://127.0.0.1:{httpd.address[1]}"
     try:
         assert post(url, "/v1/completions", {"prompt": "x"})[0] == 503
-        assert get(url, "/health") == (503, '{"status": "loading"}')
+        assert get(url, "/health") == (503, '{"status":"loading"}')
         server.load(engine)
         assert get(url, "/health")[0] == 200
     finally:
-        httpd.shutdown()
-        httpd.server_close()
+        server.stop(httpd, engine)
 
 
-def test_ctrl_c_ends_requests_in_flight_and_exits_0(models_dir):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_sigint_and_sigterm_end_requests_in_flight_and_exit_0(models_dir, sig):
+    """Ctrl-C, and SIGTERM (what docker, systemd and Kubernetes send): a stream in flight gets
+    an error event and [DONE], a whole response a JSON error, and the process exits 0."""
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "server.py"), "--models_dir", models_dir,
-                             "--target_model_size", "124M", "--port", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             "--target_model_size", "124M", "--port", "0", "--max_model_len", "1000000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert line.startswith("serving gpt2 (autoregressive) at http://127.0.0.1:")
         url = line.split(" at ")[1].split("/v1")[0]
-        chunks = []
+        chunks, whole = [], []
         stream = client(url).completions.create(model="gpt2", prompt="x", max_tokens=100000, stream=True,
                                                 extra_body={"ignore_eos": True})
         reader = threading.Thread(target=lambda: chunks.extend(stream.response.iter_lines()))
         reader.start()
+        waiter = threading.Thread(target=lambda: whole.append(post(url, "/v1/completions", {
+            "prompt": "y", "max_tokens": 100000, "ignore_eos": True})))
+        waiter.start()
         time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        started = time.monotonic()
+        proc.send_signal(sig)
+        assert proc.wait(30) == 0 and time.monotonic() - started < 15
         reader.join(30)
+        waiter.join(30)
         lines = [c for c in chunks if c]
         assert any("shutting down" in c for c in lines) and lines[-1] == "data: [DONE]"
+        assert whole[0][0] == 503 and "shutting down" in whole[0][1]["error"]["message"]
     finally:
         proc.kill()
