@@ -33,6 +33,10 @@ import sys
 import threading
 import time
 
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -52,6 +56,10 @@ from openai_api import ApiError
 MODEL_NAMES = {"124M": "gpt2", "355M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)  # histogram buckets
 EVENTS_PER_ROW = 1024  # events a request may have waiting for its client, per row, before it is cancelled
+FILES_TO_SPARE = 64  # open files besides the connections: the listener, checkpoints, pipes, numba's cache
+BUSY_BODY = b'{"error": {"message": "too many connections; retry later", "type": "server_busy", "param": null, "code": 503}}'
+BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(BUSY_BODY), BUSY_BODY))
 
 
 def parse_args(argv=None):
@@ -409,9 +417,9 @@ def body_limits(app, max_bytes, read_timeout_s):
         if scope["type"] != "http":
             return await app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")  # h11 has already refused a malformed one
-        body, deadline = b"", time.monotonic() + read_timeout_s
-        more = declared is None or int(declared) <= max_bytes  # a body declared too large is not read at all
-        while more and len(body) <= max_bytes:
+        body, more, deadline = b"", True, time.monotonic() + read_timeout_s
+        too_large = declared is not None and int(declared) > max_bytes  # then not read at all
+        while more and not too_large:
             try:
                 message = await asyncio.wait_for(receive(), deadline - time.monotonic())
             except asyncio.TimeoutError:
@@ -420,8 +428,8 @@ def body_limits(app, max_bytes, read_timeout_s):
             if message["type"] == "http.disconnect":
                 return
             body += message.get("body", b"")
-            more = message.get("more_body", False)
-        if more or len(body) > max_bytes:
+            more, too_large = message.get("more_body", False), len(body) > max_bytes
+        if too_large:
             e = ApiError(f"the request body is larger than this server's --max_body_bytes {max_bytes}", status=413)
             return await error_response(e, close=True)(scope, receive, send)
         replayed = False
@@ -436,16 +444,27 @@ def body_limits(app, max_bytes, read_timeout_s):
     return limited
 
 
-def connection_protocol(read_timeout_s, write_timeout_s):
-    """uvicorn's HTTP/1.1 protocol (h11) with the two deadlines it lacks: a request's headers
-    must arrive within read_timeout_s of the connection being free for one (a new connection
-    that sends nothing, a slowloris trickling headers), and a client must take some of the
-    response within write_timeout_s once the socket's buffers are full (a stalled reader).
-    A client over either deadline is cut off; uvicorn then tells its request it hung up."""
+def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
+    """uvicorn's HTTP/1.1 protocol (h11) with what it lacks for clients one cannot trust:
+    - no Nagle delay: headers and body leave in two writes, and Nagle's algorithm would hold
+      the second until the client ACKs the first, which it delays by 40 ms;
+    - a connection limit at accept time: past max_connections a connection is answered 503
+      and closed at once, so the process never runs out of files (where asyncio's accept
+      loop would spin, logging);
+    - a request's headers must arrive within read_timeout_s of the connection being free
+      for one (a new connection that sends nothing, a slowloris trickling headers);
+    - a client must take some of the response within write_timeout_s once the socket's
+      buffers are full (a stalled reader).
+    A client over a deadline is cut off; uvicorn then tells its request that it hung up."""
     class Connection(H11Protocol):
         def connection_made(self, transport):
             super().connection_made(transport)
             self.header_deadline = self.write_deadline = None
+            if len(self.connections) > max_connections:
+                transport.write(BUSY)
+                transport.close()
+                return
+            transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.expect_headers()
 
         def expect_headers(self):
@@ -470,11 +489,25 @@ def connection_protocol(read_timeout_s, write_timeout_s):
                 self.write_deadline.cancel()
 
         def connection_lost(self, exc):
-            self.header_deadline.cancel()
-            if self.write_deadline:
-                self.write_deadline.cancel()
+            for deadline in (self.header_deadline, self.write_deadline):
+                if deadline:
+                    deadline.cancel()
             super().connection_lost(exc)
     return Connection
+
+
+def enough_files(max_connections):
+    """Raise this process's open-file limit to what max_connections needs (a socket each, and
+    some to spare for the checkpoints and the listener), or say which flag to lower."""
+    if resource is None:  # Windows: no such limit to raise
+        return
+    need = max_connections + FILES_TO_SPARE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            raise ValueError(f"--max_connections {max_connections} needs {need} open files and this process may "
+                             f"open {hard} (ulimit -n): lower --max_connections to {hard - FILES_TO_SPARE} or less")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 class Server(uvicorn.Server):
@@ -494,7 +527,7 @@ def listen(args, engine):
     """Serve the engine's routes on uvicorn, on a thread of its own: the HTTP server."""
     listener = socket.create_server((args.host, args.port), backlog=2048)
     app = body_limits(make_app(engine), args.max_body_bytes, args.read_timeout_s)
-    config = uvicorn.Config(app, http=connection_protocol(args.read_timeout_s, args.write_timeout_s),
+    config = uvicorn.Config(app, http=connection_protocol(args.max_connections, args.read_timeout_s, args.write_timeout_s),
                             lifespan="off", log_level="warning", access_log=False,
                             limit_concurrency=args.max_connections, timeout_keep_alive=args.keep_alive_s,
                             timeout_graceful_shutdown=args.drain_s)
@@ -534,6 +567,7 @@ def check(args):
                  "drain_s"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name} must be > 0, got {getattr(args, name)}")
+    enough_files(args.max_connections)
     if args.dtype != "float32" and args.backend == "numpy":
         raise ValueError(f"--dtype {args.dtype} needs --backend cupy; use --dtype float32")
     speculative.check(speculative.SpeculativeConfig(K=args.K, adaptive=args.adaptive_K, K_max=args.K_max,
