@@ -573,7 +573,7 @@ def bench_http(model, args, size):
     reqs = serving_workload(args.n_requests, seed=0)
     flags = ["--target_model_size", size if size in utils.MODEL_SIZES else "124M", "--max_batch", str(max_batch),
              "--port", "0",
-             "--max_queue", str(len(reqs))]
+             "--max_queue", str(len(reqs)), "--max_model_len", str(10 ** 7)]
     httpd, engine = server.start(server.parse_args(flags), loaded=(encoder, model, None))
     port = httpd.address[1]
     rows = []
@@ -591,18 +591,102 @@ def bench_http(model, args, size):
             rows.append({"path": "in-process serve(), one request", "rep": rep, **summary})
             rows.append({"path": "HTTP (server.py), one request", "rep": rep,
                          **http_clients([lone], port)})
+        latency = http_pool(http_latency, port, list(lone.prompt))  # kept-alive /health; the openai client
+        alone = [serve_once([batching.Request(lone.prompt, 1, lone.settings, lone.seed)], model, max_batch,
+                            static=False)[0]["ttft_s_p50"] for _ in range(len(latency["openai_s"]))]
+        latency["engine_s_p50"] = float(np.median(alone))
+        print(f"  kept-alive GET /health p50 {1e3 * latency['health_s_p50']:.2f} ms; openai client, 1 token: "
+              f"{1e3 * latency['openai_s_p50']:.1f} ms, the engine alone {1e3 * latency['engine_s_p50']:.1f} ms",
+              flush=True)
+        hostile = []
+        few = [(list(r.prompt), r.max_new_tokens, r.seed) for r in reqs[:max_batch]]
+        for rep in range(args.reps):  # 8 normal clients alone, then beside stalled readers and idle connections
+            for others in (False, True):
+                rss_before = rss_mb()
+                hostile.append({"rep": rep, "hostile": others, **http_pool(http_beside_hostile, few, port, others),
+                                "rss_before_mb": rss_before})
+                deadline = time.monotonic() + 30  # the stalled readers are cut off (--write_timeout_s) and freed
+                while (engine["running"] or engine["outboxes"]) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                hostile[-1]["rss_after_mb"] = rss_mb()
+            print(f"  8 clients beside 8 stalled readers + 200 idle connections: throughput "
+                  f"{hostile[-1]['tokens_per_s'] / hostile[-2]['tokens_per_s']:.3f}x alone; stalled readers cut "
+                  f"off after {hostile[-1]['stalled_held_s']:.1f} s; server RSS {hostile[-1]['rss_before_mb']:.0f} "
+                  f"-> {hostile[-1]['rss_after_mb']:.0f} MB", flush=True)
     finally:
         server.stop(httpd, engine)
-    return {"size": size, "max_batch": max_batch, "n_requests": len(reqs), "runs": rows}
+    return {"size": size, "max_batch": max_batch, "n_requests": len(reqs), "runs": rows, "latency": latency,
+            "hostile": hostile}
+
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS"))
+
+
+def http_pool(fn, *fn_args):
+    """fn in a process of its own, as real clients are: in this one, client threads would
+    take turns with the server's engine for Python's interpreter lock."""
+    import multiprocessing
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, fn_args)
+
+
+def http_latency(port, prompt, n=200):
+    """Kept-alive GET /health (one connection), and the official openai client's 1-token
+    completions (it keeps its connection alive too): seconds per call, median."""
+    import http.client
+    import openai
+    conn, health = http.client.HTTPConnection("127.0.0.1", port), []
+    for _ in range(n):
+        start = time.perf_counter()
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+        health.append(time.perf_counter() - start)
+    client, calls = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0), []
+    for i in range(n // 4):
+        start = time.perf_counter()
+        client.completions.create(model="gpt2", prompt=prompt, max_tokens=1, seed=i, temperature=0)
+        calls.append(time.perf_counter() - start)
+    return {"health_s_p50": float(np.median(health[n // 10:])), "openai_s_p50": float(np.median(calls[2:])),
+            "openai_s": calls[2:]}
+
+
+def http_beside_hostile(reqs, port, hostile):
+    """http_run, with (hostile) 8 streams that are never read and 200 connections that send
+    nothing opened first; the stalled streams are held until the server cuts them off (then
+    "stalled_held_s", how long the last was held: its rows decoded for nobody that long)."""
+    import select
+    import socket
+    held, started = [], time.perf_counter()
+    if hostile:
+        body = json.dumps({"prompt": [464], "max_tokens": 10 ** 6, "ignore_eos": True, "stream": True}).encode()
+        for _ in range(8):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            held.append(sock)
+        held += [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
+    try:
+        result = http_run(reqs, port)
+        if hostile:  # wait (without reading) until the server has reset each stalled stream
+            poll = select.poll()
+            for sock in held[:8]:
+                poll.register(sock, select.POLLERR | select.POLLHUP | getattr(select, "POLLRDHUP", 0))
+            cut = set()
+            while len(cut) < 8 and time.perf_counter() - started < 300:
+                cut |= {fd for fd, _ in poll.poll(100)}
+            result["stalled_held_s"] = time.perf_counter() - started
+        return result
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def http_clients(reqs, port):
-    """http_run in a process of its own, as real clients are: in this one, 64 client threads
-    would take turns with the server's engine for Python's interpreter lock."""
-    import multiprocessing
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1) as pool:
-        return pool.apply(http_run, ([(list(r.prompt), r.max_new_tokens, r.seed) for r in reqs], port))
+    return http_pool(http_run, [(list(r.prompt), r.max_new_tokens, r.seed) for r in reqs], port)
 
 
 def http_run(reqs, port):

@@ -166,6 +166,22 @@ def http_table(h):
                      f"{1e3 * statistics.median([r['ttft_s_p50'] for r in lone[::2]]):.1f} ms, over HTTP "
                      f"{1e3 * statistics.median([r['ttft_s_p50'] for r in lone[1::2]]):.1f} ms (median); HTTP adds "
                      f"{statistics.median(gaps):+.1f} ms (range {min(gaps):+.1f} to {max(gaps):+.1f}).")
+    if h.get("latency"):
+        lat = h["latency"]
+        lines.append(f"\nKept-alive connections: GET /health p50 {1e3 * lat['health_s_p50']:.2f} ms; the official "
+                     f"openai client's 1-token completion p50 {1e3 * lat['openai_s_p50']:.1f} ms, the same request "
+                     f"in-process {1e3 * lat['engine_s_p50']:.1f} ms.")
+    if h.get("hostile"):
+        lines += ["\n8 clients alone, then beside 8 streams that are never read and 200 connections that send "
+                  "nothing (in turns):\n", "| rep | others | tokens/s | TTFT p50 s | beside / alone | stalled streams "
+                  "cut off after | server RSS before -> after MB |", "|---|---|---|---|---|---|---|"]
+        for alone, beside in zip(h["hostile"][::2], h["hostile"][1::2]):
+            for r in (alone, beside):
+                extra = (f"{beside['tokens_per_s'] / alone['tokens_per_s']:.3f}x | {r['stalled_held_s']:.1f} s"
+                         if r is beside else " | ")
+                lines.append(f"| {r['rep']} | {'8 stalled + 200 idle' if r['hostile'] else 'none'} | "
+                             f"{r['tokens_per_s']:.1f} | {r['ttft_s_p50']:.2f} | {extra} | "
+                             f"{r['rss_before_mb']:.0f} -> {r['rss_after_mb']:.0f} |")
     return lines
 
 

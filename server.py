@@ -56,6 +56,7 @@ from openai_api import ApiError
 MODEL_NAMES = {"124M": "gpt2", "355M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)  # histogram buckets
 EVENTS_PER_ROW = 1024  # events a request may have waiting for its client, per row, before it is cancelled
+SEND_BUFFER = 32 * 1024  # bytes of response asyncio, and twice that the kernel, hold for a client not reading
 FILES_TO_SPARE = 64  # open files besides the connections: the listener, checkpoints, pipes, numba's cache
 BUSY_BODY = b'{"error": {"message": "too many connections; retry later", "type": "server_busy", "param": null, "code": 503}}'
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
@@ -261,7 +262,8 @@ async def events(engine, box, how, choices, head):
         async for choice in grown(engine, box, how, choices):
             text = openai_api.ready_text(choice, how["stop"])
             if text or choice["finish_reason"]:
-                yield sse(openai_api.Completion(**head, choices=[choice_out(choice, text)]).model_dump_json())
+                chunk = openai_api.Completion(**head, choices=[choice_out(choice, text)])
+                yield sse(chunk.model_dump_json(exclude={"usage"}))
         if how["usage"]:
             yield sse(openai_api.Completion(**head, choices=[], usage=usage(how, choices)).model_dump_json())
     except ApiError as e:
@@ -448,6 +450,8 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
     """uvicorn's HTTP/1.1 protocol (h11) with what it lacks for clients one cannot trust:
     - no Nagle delay: headers and body leave in two writes, and Nagle's algorithm would hold
       the second until the client ACKs the first, which it delays by 40 ms;
+    - a fixed send buffer: the kernel would grow it to megabytes for a client that does not
+      read: minutes of a stream's tokens (~250 bytes each) before its stall would show;
     - a connection limit at accept time: past max_connections a connection is answered 503
       and closed at once, so the process never runs out of files (where asyncio's accept
       loop would spin, logging);
@@ -464,7 +468,10 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
                 transport.write(BUSY)
                 transport.close()
                 return
-            transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = transport.get_extra_info("socket")
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+            transport.set_write_buffer_limits(high=SEND_BUFFER)
             self.expect_headers()
 
         def expect_headers(self):

@@ -174,8 +174,9 @@ def stream_raw(url, body, leave_after=None):
 
 def test_load_64_streaming_clients_some_leaving_some_malformed(running):
     """64 streaming clients at once with the serving workload's spread of lengths, every 10th
-    hanging up mid-stream, 8 malformed requests among them: each finished text is its solo
-    text, no request is lost or answered twice, no row leaks, and memory stays flat."""
+    hanging up mid-stream, 8 malformed and 4 oversized requests among them: each finished
+    text is its solo text, no request is lost or answered twice, no row leaks, and memory
+    and threads stay flat."""
     _, engine, url = running
     rng = np.random.default_rng(0)
     bodies = [{"model": "gpt2", "prompt": [int(t) for t in rng.integers(0, 50000, rng.integers(4, 17))],
@@ -185,15 +186,18 @@ def test_load_64_streaming_clients_some_leaving_some_malformed(running):
            {"prompt": "x", "model": "nope"}, {"prompt": "x", "n": 0}, {"prompt": "x", "stop": 7},
            {"prompt": [99999]}, {"prompt": "x", "temperature": None, "top_k": -5}]
     solo = [stream_raw(url, b)[1] for b in bodies]
+    oversized = 4  # bodies declared past --max_body_bytes, their first bytes sent
 
     def round_of_load():
-        results = [None] * (len(bodies) + len(bad))
+        results = [None] * (len(bodies) + len(bad) + oversized)
 
         def ask(k):
             if k < len(bodies):
                 results[k] = stream_raw(url, bodies[k], leave_after=2 if k % 10 == 9 else None)
-            else:
+            elif k < len(bodies) + len(bad):
                 results[k] = stream_raw(url, bad[k - len(bodies)])
+            else:
+                results[k] = too_large(url)
         threads = [threading.Thread(target=ask, args=(k,)) for k in range(len(results))]
         for t in threads:
             t.start()
@@ -207,19 +211,29 @@ def test_load_64_streaming_clients_some_leaving_some_malformed(running):
     tracemalloc.start()
     try:
         round_of_load()
-        before = tracemalloc.get_traced_memory()[0]
+        before, threads = tracemalloc.get_traced_memory()[0], threading.active_count()
         results = round_of_load()
         after = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()
+    assert threading.active_count() == threads  # no thread per connection, none left behind
     for k, (status, texts) in enumerate(results[:len(bodies)]):
         if k % 10 == 9:
             assert status == "left" and all(solo[k][0].startswith(t) for t in texts.values())
         else:
             assert status == 200 and texts == solo[k]
-    assert all(status in (400, 404) for status, _ in results[len(bodies):])
+    assert all(status in (400, 404) for status, _ in results[len(bodies):len(bodies) + len(bad)])
+    assert all(status == 413 for status, _ in results[len(bodies) + len(bad):])
     assert not engine["running"] and not engine["waiting"] and not engine["outboxes"]
     assert after - before < 1 << 20  # a second round leaves no more behind than the first
+
+
+def too_large(url):
+    """A body declared at 10 MB, its first bytes sent: (the status, None)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n" + b"x" * 4096)
+        return int(sock.recv(100).split()[1]), None
 
 
 @pytest.mark.parametrize("body, status, param", [
