@@ -29,6 +29,7 @@ import queue
 import secrets
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -488,7 +489,14 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
 
         def pause_writing(self):
             super().pause_writing()
-            self.write_deadline = self.loop.call_later(write_timeout_s, self.transport.abort)
+            self.write_deadline = self.loop.call_later(write_timeout_s, self.reset)
+
+        def reset(self):
+            """Cut the connection off with a TCP reset: a plain close would queue a FIN behind
+            the bytes the client is not reading, and the kernel would keep trying to send them."""
+            self.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                               struct.pack("ii", 1, 0))
+            self.transport.abort()
 
         def resume_writing(self):
             super().resume_writing()
