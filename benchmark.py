@@ -573,7 +573,7 @@ def bench_http(model, args, size):
     reqs = serving_workload(args.n_requests, seed=0)
     flags = ["--target_model_size", size if size in utils.MODEL_SIZES else "124M", "--max_batch", str(max_batch),
              "--port", "0",
-             "--max_queue", str(len(reqs)), "--max_model_len", str(10 ** 7)]
+             "--max_queue", str(len(reqs) + 8), "--max_model_len", str(10 ** 7)]  # + the 8 stalled streams
     httpd, engine = server.start(server.parse_args(flags), loaded=(encoder, model, None))
     port = httpd.address[1]
     rows = []
