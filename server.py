@@ -56,8 +56,10 @@ from openai_api import ApiError
 # the name each size is served under: the names its checkpoints carry on Hugging Face
 MODEL_NAMES = {"124M": "gpt2", "355M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)  # histogram buckets
-EVENTS_PER_ROW = 1024  # events a request may have waiting for its client, per row, before it is cancelled
-SEND_BUFFER = 32 * 1024  # bytes of response asyncio, and twice that the kernel, hold for a client not reading
+# A request is cancelled (its rows freed) when its client is not taking its events: EVENTS_PER_ROW
+# of them waiting per row, or STUCK_PER_ROW per row with none taken for STUCK_S seconds
+EVENTS_PER_ROW, STUCK_PER_ROW, STUCK_S = 1024, 32, 1.0
+SEND_BUFFER = 16 * 1024  # bytes of response asyncio, and twice that the kernel, hold for a client not reading
 FILES_TO_SPARE = 64  # open files besides the connections: the listener, checkpoints, pipes, numba's cache
 BUSY_BODY = b'{"error": {"message": "too many connections; retry later", "type": "server_busy", "param": null, "code": 503}}'
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
@@ -161,8 +163,8 @@ def run_engine(engine):
 def submit(engine, reqs, logprobs=None):
     """(on the event loop) Hand requests to the engine; returns their box: the asyncio queue
     their events arrive on, and their indices. logprobs: how many top tokens each token reports."""
-    box = {"events": asyncio.Queue(), "loop": asyncio.get_running_loop(), "limit": EVENTS_PER_ROW * len(reqs),
-           "closed": False}
+    loop = asyncio.get_running_loop()
+    box = {"events": asyncio.Queue(), "loop": loop, "rows": len(reqs), "taken_at": loop.time(), "closed": False}
     with engine["lock"]:
         if engine["stopping"]:
             raise ApiError("the server is shutting down", status=503, kind="server_busy")
@@ -196,12 +198,15 @@ def release(engine, indices):
 
 
 def deliver(engine, box, e, logprobs=None):
-    """(on the event loop) An event into its request's queue. A client that lets its box fill
-    up is not reading (its connection's buffers are full too): its requests are cancelled
-    now, so its rows go to others and its events stop piling up."""
+    """(on the event loop) An event into its request's queue. A handler takes events as fast
+    as they come unless its client's socket is full: then it waits to write, and the events
+    pile up. A client that stops reading is found so, and its requests are cancelled at once,
+    its rows going to others (its connection is cut off later, after --write_timeout_s)."""
     if box["closed"]:
         return
-    if box["events"].qsize() >= box["limit"]:
+    waiting = box["events"].qsize()
+    stuck = waiting >= STUCK_PER_ROW * box["rows"] and box["loop"].time() - box["taken_at"] > STUCK_S
+    if stuck or waiting >= EVENTS_PER_ROW * box["rows"]:
         e = scheduler.Event("error", e.index, error="the client did not read its response; request cancelled")
     if e.kind == "error":
         box["closed"] = True
@@ -226,6 +231,7 @@ async def grown(engine, box, how, choices):
     where = dict(zip(box["indices"], choices))
     while not all(c["finish_reason"] for c in choices):
         e, logprobs = await box["events"].get()
+        box["taken_at"] = box["loop"].time()
         if e.kind == "gone":
             return
         if e.kind == "error":

@@ -121,8 +121,8 @@ def test_2_a_client_that_stops_reading_is_cut_off_and_its_rows_freed(tight):
 
 
 def test_2_the_events_waiting_for_a_client_are_bounded_without_a_write_timeout(models_dir):
-    """With a write timeout too long to act, a stalled stream's box reaches its bound
-    (EVENTS_PER_ROW per row) and its request is cancelled: its rows are freed anyway."""
+    """With a write timeout too long to act, a stalled stream's events pile up until its
+    handler has taken none for STUCK_S seconds: its request is cancelled, its rows freed."""
     args = server.parse_args(["--models_dir", models_dir, "--target_model_size", "124M", "--port", "0",
                               "--write_timeout_s", "3600", "--max_model_len", "10000000"])
     httpd, engine = server.start(args)
