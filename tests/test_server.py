@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 import tracemalloc
-from http.server import ThreadingHTTPServer
 
 import numpy as np
 import openai
