@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import hmac
 import json
+import os
 import queue
 import secrets
 import signal
@@ -546,7 +547,10 @@ class Server(uvicorn.Server):
 
 def listen(args, engine):
     """Serve the engine's routes on uvicorn, on a thread of its own: the HTTP server."""
-    listener = socket.create_server((args.host, args.port), backlog=2048)
+    try:
+        listener = socket.create_server((args.host, args.port), backlog=2048)
+    except OSError as e:
+        raise OSError(f"cannot listen on {args.host}:{args.port} ({os.strerror(e.errno)}): pick another --port or --host")
     app = body_limits(make_app(engine), args.max_body_bytes, args.read_timeout_s)
     config = uvicorn.Config(app, http=connection_protocol(args.max_connections, args.read_timeout_s, args.write_timeout_s),
                             lifespan="off", log_level="warning", access_log=False,

@@ -338,3 +338,11 @@ def test_8_fields_at_their_defaults_are_taken(tight):
     body = {"prompt": "x", "max_tokens": 1, "best_of": 1, "logit_bias": {}, "suffix": None, "user": "me",
             "stop": None, "temperature": None}
     assert exchange(tight[0], request(body))[0] == 200
+
+
+def test_a_port_in_use_is_one_line(models_dir):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "server.py"), "--models_dir", models_dir,
+                               "--target_model_size", "124M", "--port", str(taken.getsockname()[1])],
+                              capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--port" in proc.stderr
