@@ -226,8 +226,7 @@ def token_logprobs(logits, token, n_top):
     """(the token's log-probability, the n_top likeliest (token, log-probability)) under the
     target's own distribution: the log-softmax of its logits, before temperature, penalties
     and top-k/p (what vLLM returns by default). Speculative decoding reports the same numbers:
-    they come from the target's logits at each position of its verify pass. The engine thread
-    computes this, so an event carries a few numbers and not a whole logits row."""
+    they come from the target's logits at each position of its verify pass."""
     logits = logits.get() if hasattr(logits, "get") else logits  # CuPy: to the host
     logp = gpt2.log_softmax(np.asarray(logits, dtype=np.float32))  # [n_vocab]
     top = np.argpartition(-logp, n_top)[:n_top] if n_top else []

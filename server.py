@@ -136,7 +136,7 @@ def run_engine(engine):
     n_ctx = engine["hparams"]["n_ctx"]
     last_token_at = {}
     for e in scheduler.serving(intake, step, models, engine["args"].max_batch, n_ctx, stats=engine["stats"]):
-        now, logprobs = time.perf_counter(), None
+        now, n_top = time.perf_counter(), None
         with engine["lock"]:
             box = engine["outboxes"].get(e.index)  # None once its handler has let it go
             if e.kind == "token":
@@ -155,10 +155,11 @@ def run_engine(engine):
                                       "queue_s"), ("e2e_request_latency_seconds", "e2e_s")):
                         observe(engine["metrics"][name], e.metrics[key])
         if box:
-            if e.kind == "token" and n_top is not None:
-                logprobs = openai_api.token_logprobs(e.logits, e.token, n_top)
-            e.logits = None  # a view of the whole step's logits must not outlive the step
-            box["loop"].call_soon_threadsafe(deliver, engine, box, e, logprobs)
+            # a view would keep the whole step's logits alive: copy this row, or none; the event
+            # loop turns it into logprobs (not this thread: every row's next step waits on it)
+            logits = e.logits.copy() if e.kind == "token" and n_top is not None else None
+            e.logits = None
+            box["loop"].call_soon_threadsafe(deliver, engine, box, e, logits, n_top)
 
 
 def submit(engine, reqs, logprobs=None):
@@ -198,7 +199,7 @@ def release(engine, indices):
         engine["inbox"].put(("cancel", i, None))
 
 
-def deliver(engine, box, e, logprobs=None):
+def deliver(engine, box, e, logits=None, n_top=None):
     """(on the event loop) An event into its request's queue. A handler takes events as fast
     as they come unless its client's socket is full: then it waits to write, and the events
     pile up. A client that stops reading is found so, and its requests are cancelled at once,
@@ -212,7 +213,8 @@ def deliver(engine, box, e, logprobs=None):
     if e.kind == "error":
         box["closed"] = True
         release(engine, box["indices"])
-    box["events"].put_nowait((e, logprobs))
+    logprobs = None if logits is None or e.kind != "token" else openai_api.token_logprobs(logits, e.token, n_top)
+    box["events"].put_nowait((e, logprobs))  # a few numbers wait for a slow client, not a logits row
 
 
 def end_all(engine, message):
