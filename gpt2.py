@@ -56,23 +56,36 @@ def layer_norm(x, g, b, eps=1e-5):
     return (g * (h / np.sqrt(variance + eps)) + b).astype(x.dtype, copy=False)
 
 
-def linear(x, w, b, shared=False):
+def linear(x, w, b, shared=False, scale=None):
     """x @ w + b over the last axis, the rows of the batch flattened together. w: a matrix
-    [n_in, n_out] or the row kernel's blocks of it (rowwise.py; b says n_out). shared: the
-    pass serves several requests, so each row must come out as it would alone."""
+    [n_in, n_out] or the row kernel's blocks of it (rowwise.py; b says n_out), in float32,
+    bfloat16 or int8 with its column scales (weight_formats.py). shared: the pass serves
+    several requests, so each row must come out as it would alone."""
     rows = x.reshape(-1, x.shape[-1])  # [n, n_in]
     n_out = b.shape[-1]
-    return (rowwise.matmul(rows, w, shared, n_out) + b).reshape(*x.shape[:-1], n_out)  # [B, T, n_out]
+    return (rowwise.matmul(rows, w, shared, n_out, scale) + b).reshape(*x.shape[:-1], n_out)  # [B, T, n_out]
 
 
 def head_logits(x, wte, lm_head=None, n_vocab=None, shared=False):
     """x @ wte.T: the head is the token embedding again (tied weights), for the first
     n_vocab tokens (default: all). lm_head, where the params have it, is the same matrix
-    wte.T stored as the row kernel's blocks (utils.decode_layout)."""
+    wte.T stored as the row kernel's blocks, {"w"} (and "scale" for int8; utils.decode_layout)."""
     n_vocab = n_vocab or wte.shape[0]
     rows = x.reshape(-1, x.shape[-1])  # [n, n_embd]
-    w = lm_head if lm_head is not None else wte[:n_vocab].T  # [n_embd, n_vocab], or its blocks
-    return rowwise.matmul(rows, w, shared, n_vocab).reshape(*x.shape[:-1], n_vocab)  # [B, n, n_vocab]
+    if lm_head is None:
+        return rowwise.matmul(rows, wte[:n_vocab].T, shared).reshape(*x.shape[:-1], n_vocab)  # [B, n, n_vocab]
+    logits = rowwise.matmul(rows, lm_head["w"], shared, n_vocab, lm_head.get("scale"))  # [n, n_vocab]
+    return logits.reshape(*x.shape[:-1], n_vocab)  # [B, n, n_vocab]
+
+
+def embed(inputs, wte, lm_head=None):
+    """Token embeddings [B, T, n_embd] of inputs [B, T]: rows of wte, or, with the row
+    kernel's layout, the same numbers read from the head's blocks (wte.T), in the head's
+    format: a bfloat16 or int8 model keeps one copy of its embedding, the narrow one."""
+    if lm_head is None:
+        return wte[inputs]  # [B, T, n_embd]
+    rows = rowwise.columns(lm_head, inputs.reshape(-1))  # [B*T, n_embd]
+    return rows.reshape(*inputs.shape, rows.shape[-1])  # [B, T, n_embd]
 
 
 def ffn(x, c_fc, c_proj, shared=False):
@@ -117,13 +130,13 @@ def transformer_block(x, mlp, attn, ln_1, ln_2, n_head, kv):
 
 
 def hidden(inputs, wte, wpe, blocks, ln_f, n_head, kv=None, lm_head=None):
-    """The transformer without its head (lm_head is not read here): the final hidden
+    """The transformer without its head (lm_head gives only the embeddings): the final hidden
     states [B, n, n_embd] of a batch of token ids inputs [B, T], at every position
     (without kv) or where kv (kv_cache.begin_pass) says logits are needed: each row's
     last few real tokens. kv also gives the tokens' positions, the mask and the caches."""
     B, T = inputs.shape
     kv = kv or kv_cache.begin_pass(None, np.full(B, T), T, T, like=wte)
-    x = wte[inputs] + wpe[np.minimum(kv["positions"], wpe.shape[0] - 1)]  # [B, T, n_embd]
+    x = embed(inputs, wte, lm_head) + wpe[np.minimum(kv["positions"], wpe.shape[0] - 1)]  # [B, T, n_embd]
     for block, layer in zip(blocks, kv["layers"]):
         x = transformer_block(x, **block, n_head=n_head, kv=layer)
     if kv["cache"] is not None:
@@ -135,7 +148,7 @@ def hidden(inputs, wte, wpe, blocks, ln_f, n_head, kv=None, lm_head=None):
 def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, kv=None, lm_head=None):
     """Logits [B, T, n_vocab] at every position, as picoGPT (or [B, n, n_vocab] where kv says).
     The 50257-wide head is the largest matmul of a step, so it runs only where logits are needed."""
-    x = hidden(inputs, wte, wpe, blocks, ln_f, n_head, kv)  # [B, n, n_embd]
+    x = hidden(inputs, wte, wpe, blocks, ln_f, n_head, kv, lm_head)  # [B, n, n_embd]
     return head_logits(x, wte, lm_head)  # [B, n, n_vocab]
 
 

@@ -60,19 +60,24 @@ STRATEGY = "rows"
 _second_thread = ThreadPoolExecutor(1)
 
 
-def matmul(rows, w, shared=True, n_out=None):
+def matmul(rows, w, shared=True, n_out=None, scale=None):
     """rows [n, n_in] @ w -> [n, n_out]. w: a matrix [n_in, n_out], or its blocks
     [n_blocks, n_in, 64] for the numba kernel (row_kernel.py; n_out then says how many
-    outputs are real). shared: the rows belong to a pass that several requests share, so
+    outputs are real), float32, bfloat16 (uint16) or int8 with its scale. shared: the rows belong to a pass that several requests share, so
     each row must come out as it would alone. The kernel gives that for every pass, and
     beats OpenBLAS held to one thread (see kernel_pass) at every row count measured (1-256)."""
     if w.ndim == 3:
-        return row_kernel.matmul(rows, w, n_out or w.shape[0] * row_kernel.W)
+        return row_kernel.matmul(rows, w, n_out or w.shape[0] * row_kernel.W, scale)
     if not isinstance(rows, np.ndarray) or not shared or STRATEGY == "product":
         return rows @ w  # a GPU (CuPy), or a pass of one request's own: one product
     if rows.shape[0] == 1 and gemv_is_exact():
         return gemv_one(rows, w)
     return gemv_rows(rows, w)
+
+
+def columns(lm_head, tokens):
+    """The embeddings [n, n_embd] of tokens, read from the head's blocks (gpt2.embed)."""
+    return row_kernel.columns(lm_head["w"], tokens, lm_head.get("scale"))
 
 
 def block_width(w):

@@ -165,7 +165,7 @@ def vocab_subset_head(params, texts, N):
         for b, text in enumerate(texts):
             extra = np.unique(np.asarray(text)[np.asarray(text) >= N])  # the text's rarer tokens
             if extra.size:
-                logits[b, 0, extra] = wte[extra] @ x[b, 0]
+                logits[b, 0, extra] = gpt2.embed(extra, wte, params.get("lm_head")) @ x[b, 0]
         return logits
     return head
 

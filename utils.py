@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 import checkpoint
 import rowwise
+import weight_formats
 from checkpoint import LoadError  # the one error a user can fix: its message says how
 
 MODEL_SIZES = ("124M", "355M", "774M", "1558M")
@@ -168,25 +169,34 @@ def sha256_of(path):
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
 
-def decode_layout(params, kernel=None):
+def decode_layout(params, kernel=None, dtype="float32"):
     """params with every weight matrix of the blocks copied into the layout that the row
     kernel reads fastest (rowwise.py); wte and the other tensors stay memory-mapped as
     the checkpoint stores them. Shapes of activations and values do not change.
 
     kernel "numba" (row_kernel.py): each matrix w [n_in, n_out] becomes its blocks of 64
-    output columns, wb [n_blocks, n_in, 64], and the tied head wte.T gets blocks of its own,
-    params["lm_head"] (the vocabulary padded to a multiple of 64, as nanoGPT pads it; the
-    padding is cut off the logits). wte stays for the embedding lookup: a memmap of the
-    checkpoint, so only the rows of tokens looked up are ever read into memory.
+    output columns, wb [n_blocks, n_in, 64], in the format dtype (weight_formats.py:
+    float32, bfloat16 or int8 with a scale per column), and the tied head wte.T gets blocks
+    of its own, params["lm_head"] (the vocabulary padded to a multiple of 64, as nanoGPT
+    pads it; the padding is cut off the logits). The embeddings are read from those blocks
+    too (gpt2.embed); wte stays a memmap of the checkpoint that the decoder never reads.
     kernel "numpy": each matrix column-major (Fortran order), so that the fallback's blocks
     of output columns are contiguous runs of memory; the head wte.T is column-major already.
     The price either way: a copy of the matrices at load (most of the model's bytes).
     """
     kernel = kernel or rowwise.KERNEL
-    arrange = rowwise.row_kernel.blocked if kernel == "numba" else column_major
-    out = map_linear(params, lambda layer: {**layer, "w": arrange(layer["w"])})  # [n_in, n_out], [n_blocks, n_in, 64]
-    if kernel == "numba":
-        out["lm_head"] = rowwise.row_kernel.blocked(params["wte"].T)  # [n_blocks, n_embd, 64]
+    if dtype not in weight_formats.DTYPES:
+        raise LoadError(f"--dtype {dtype}: the CPU runs {', '.join(weight_formats.DTYPES)}")
+    if kernel != "numba":
+        if dtype != "float32":
+            raise LoadError(f"--dtype {dtype} needs the numba row kernel (pip install numba, and leave "
+                            f"{rowwise.KERNEL_ENV} unset); the NumPy fallback runs --dtype float32")
+        return map_linear(params, lambda layer: {**layer, "w": column_major(layer["w"])})  # [n_in, n_out]
+
+    def narrow(w):  # [n_in, n_out] -> {"w": [n_blocks, n_in, 64] in dtype, "scale"?}
+        return weight_formats.stored(rowwise.row_kernel.blocked(w), dtype)
+    out = map_linear(params, lambda layer: {**layer, **narrow(layer["w"])})
+    out["lm_head"] = narrow(params["wte"].T)  # {"w": [n_blocks, n_embd, 64], "scale"?}
     return out
 
 
@@ -212,9 +222,11 @@ def plain_layout(params):
     the layout buys)."""
     def plain(layer):
         w = layer["w"]
+        if w.dtype != np.float32:
+            raise LoadError(f"a {w.dtype} model has no plain float32 layout: load it as --dtype float32")
         if w.ndim == 3:
             w = rowwise.row_kernel.unblocked(w, layer["b"].shape[-1])
-        return {**layer, "w": np.ascontiguousarray(w)}  # [n_in, n_out]
+        return {"w": np.ascontiguousarray(w), "b": layer["b"]}  # [n_in, n_out]
     return {name: value for name, value in map_linear(params, plain).items() if name != "lm_head"}
 
 
@@ -250,14 +262,16 @@ def tree_map(f, tree):
 
 
 def load_encoder_hparams_and_params(model_size, models_dir="models", source="openai", base_url=None,
-                                    verify_crc=False, **download_kw):
+                                    verify_crc=False, dtype="float32", **download_kw):
     """picoGPT's entry point: download what is missing, then (encoder, hparams, params)."""
     model_dir = download_model(model_size, models_dir, source, base_url, **download_kw)
-    return load_model_dir(model_dir, verify_crc)
+    return load_model_dir(model_dir, verify_crc, dtype)
 
 
-def load_model_dir(model_dir, verify_crc=False):
-    """(encoder, hparams, params) from a directory that already holds a model."""
+def load_model_dir(model_dir, verify_crc=False, dtype="float32"):
+    """(encoder, hparams, params) from a directory that already holds a model, its
+    matrices in the format dtype (weight_formats.py), converted from the checkpoint's
+    float32 as they are laid out."""
     try:
         hparams = load_hparams(model_dir)
     except (OSError, ValueError, KeyError) as e:
@@ -268,4 +282,4 @@ def load_model_dir(model_dir, verify_crc=False):
     except (OSError, ValueError, KeyError, IndexError) as e:
         raise LoadError(f"cannot read the checkpoint in {model_dir} ({type(e).__name__}: {e})")
     checkpoint.check_params(params, hparams)
-    return encoder, hparams, decode_layout(params)
+    return encoder, hparams, decode_layout(params, dtype=dtype)

@@ -87,7 +87,7 @@ def test_params_are_memory_mapped_except_the_decode_layout_copies(models_dir, ke
             else:  # column-major
                 assert w.flags.f_contiguous and not w.flags.c_contiguous
     if kernel == "numba":  # the tied head as blocks, the vocabulary padded to a multiple of 64
-        assert params["lm_head"].shape == (-(-50257 // 64), 16, 64)
+        assert params["lm_head"]["w"].shape == (-(-50257 // 64), 16, 64)
     else:
         assert "lm_head" not in params and params["wte"].T.flags.f_contiguous  # the head: column-major as stored
 
@@ -103,8 +103,8 @@ def test_decode_layout_keeps_shapes_and_values(models_dir, kernel):
         assert fast["blocks"][1][m][name]["b"] is raw["blocks"][1][m][name]["b"]
     if kernel == "numba":
         import row_kernel
-        np.testing.assert_array_equal(row_kernel.unblocked(fast["lm_head"], 50257), raw["wte"].T)
-        assert not fast["lm_head"][-1, :, 50257 % 64:].any()  # the padding is zeros
+        np.testing.assert_array_equal(row_kernel.unblocked(fast["lm_head"]["w"], 50257), raw["wte"].T)
+        assert not fast["lm_head"]["w"][-1, :, 50257 % 64:].any()  # the padding is zeros
     assert raw["blocks"][1]["mlp"]["c_fc"]["w"].flags.c_contiguous  # the input is not modified
 
 

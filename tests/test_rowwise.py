@@ -163,14 +163,18 @@ def test_the_kernel_takes_float32_only():
 
 
 @needs_numba
-def test_padded_head_columns_are_never_logits(tiny):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_padded_head_columns_are_never_logits(tiny, dtype):
     """The head's blocks pad the vocabulary to a multiple of 64. Fill the padding with huge
     weights: if any padded column reached the logits it would win every argmax."""
     import utils
-    params, hparams = utils.decode_layout(utils.plain_layout(tiny[2]), "numba"), tiny[1]
-    assert params["lm_head"].shape[0] * 64 > hparams["n_vocab"]
-    poisoned = params["lm_head"].copy()
-    poisoned[-1, :, hparams["n_vocab"] % 64:] = 1e6
+    params, hparams = utils.decode_layout(utils.plain_layout(tiny[2]), "numba", dtype), tiny[1]
+    head = params["lm_head"]
+    assert head["w"].shape[0] * 64 > hparams["n_vocab"]
+    poisoned = {name: a.copy() for name, a in head.items()}
+    poisoned["w"][-1, :, hparams["n_vocab"] % 64:] = {"float32": 1e6, "bfloat16": 0x4974, "int8": 127}[dtype]
+    if dtype == "int8":
+        poisoned["scale"][hparams["n_vocab"]:] = 1e6
     ids = np.array([[464, 2068, 7586, 21831]])
     clean = gpt2.gpt2(ids, **params, n_head=hparams["n_head"])  # [1, 4, n_vocab]
     logits = gpt2.gpt2(ids, **dict(params, lm_head=poisoned), n_head=hparams["n_head"])

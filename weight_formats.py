@@ -1,0 +1,67 @@
+"""Fewer bytes per weight: bfloat16 and int8 copies of GPT-2's float32 matrices.
+
+Decoding one token reads every weight once and does two flops with each, so a CPU
+spends its time waiting for memory: the time of a step is the bytes of weights over
+the memory bandwidth (the roofline's memory-bound side). Storing a weight in 2 bytes
+(bfloat16) or 1 (int8) instead of 4 divides that time by up to 2 or 4, as long as the
+kernel that reads them widens them back to float32 in the core, where arithmetic is
+nearly free (row_kernel.py). Activations, layer norms, biases, attention and every sum
+stay float32; only the stored matrices change.
+
+- bfloat16 (https://cloud.google.com/tpu/docs/bfloat16): a float32 with the low 16 bits
+  of its mantissa rounded away (to nearest, ties to even). Same exponent range, so no
+  scale is needed; 8 bits of precision (a relative error up to 2**-9). Widening is
+  exact: the 16 bits shifted back up are a float32.
+- int8, weight-only, symmetric, one scale per output column (as LLM.int8's vector-wise
+  quantization without its outliers, https://arxiv.org/abs/2208.07339, and ctranslate2's
+  int8): w[k, j] ~ q[k, j] * scale[j] with q in [-127, 127] and scale[j] = max_k
+  |w[k, j]| / 127. A column's error is at most scale[j] / 2 per weight. Since the scale
+  is per output, x @ w = (x @ q) * scale: the kernel sums x[k] * q[k, j] in float32 and
+  scales each output once at the end.
+
+Both are approximations of the float32 model (plain decoding's text can differ); as a
+speculative draft they cost nothing in exactness, since rejection sampling keeps the
+output the float32 target's (speculative.py). `python benchmark.py --only formats`
+measures how far the logits move.
+"""
+import numpy as np
+
+DTYPES = ("float32", "bfloat16", "int8")
+
+
+def to_bfloat16(w):
+    """float32 array -> its bfloat16 bits as uint16, rounded to nearest, ties to even."""
+    u = np.ascontiguousarray(w, np.float32).view(np.uint32)
+    lsb = (u >> 16) & 1  # 1 where the kept part is odd: a tie then rounds up, to even
+    return ((u + np.uint32(0x7FFF) + lsb) >> 16).astype(np.uint16)
+
+
+def from_bfloat16(h):
+    """uint16 bfloat16 bits -> float32, exactly."""
+    return (h.astype(np.uint32) << 16).view(np.float32)
+
+
+def to_int8(w, axis=0):
+    """float32 w -> (q int8, scale float32): q * scale ~ w, one scale per slice along
+    every axis but `axis` (the inputs k: one scale per output column). A column of zeros
+    gets scale 0 (the padding of the head's last block)."""
+    scale = (np.abs(w).max(axis=axis, keepdims=True) / np.float32(127)).astype(np.float32)
+    q = np.rint(np.divide(w, scale, out=np.zeros(w.shape, np.float32), where=scale > 0))
+    return q.astype(np.int8), np.squeeze(scale, axis)
+
+
+def from_int8(q, scale, axis=0):
+    """(q, scale) -> float32 q * scale, the weights int8 decoding uses."""
+    return q.astype(np.float32) * np.expand_dims(scale, axis)
+
+
+def stored(wb, dtype):
+    """Float32 blocks [n_blocks, n_in, W] (row_kernel.blocked) in the format `dtype`, as
+    the params keep them: {"w": blocks} (uint16 for bfloat16), plus for int8 "scale"
+    [n_blocks * W], one per output column."""
+    if dtype == "float32":
+        return {"w": wb}
+    if dtype == "bfloat16":
+        return {"w": to_bfloat16(wb)}
+    q, scale = to_int8(wb, axis=1)  # [n_blocks, n_in, W], [n_blocks, W]
+    return {"w": q, "scale": scale.reshape(-1)}
