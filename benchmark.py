@@ -45,8 +45,9 @@ SHAPES = {  # n_embd, n_head, n_layer of OpenAI's releases
 GREEDY = sampling.SamplingSettings(temperature=0.0)
 
 
-def random_params(size, seed=0, n_vocab=50257, n_ctx=1024):
-    """GPT-2 params of the real shapes, random values (N(0, 0.02), like GPT-2's init)."""
+def random_params(size, seed=0, n_vocab=50257, n_ctx=1024, dtype="float32"):
+    """GPT-2 params of the real shapes, random values (N(0, 0.02), like GPT-2's init),
+    the matrices stored in dtype (weight_formats.py)."""
     n_embd, n_head, n_layer = SHAPES[size]
     rng = np.random.default_rng(seed)
 
@@ -63,7 +64,7 @@ def random_params(size, seed=0, n_vocab=50257, n_ctx=1024):
                        "c_proj": {"w": r(4 * n_embd, n_embd), "b": r(n_embd)}}} for _ in range(n_layer)]
     hparams = {"n_vocab": n_vocab, "n_ctx": n_ctx, "n_embd": n_embd, "n_head": n_head, "n_layer": n_layer}
     params = {"wte": r(n_vocab, n_embd), "wpe": r(n_ctx, n_embd), "blocks": blocks, "ln_f": ln()}
-    return utils.decode_layout(params), hparams  # the memory order a loaded model has
+    return utils.decode_layout(params, dtype=dtype), hparams  # the memory order a loaded model has
 
 
 def load_or_random(size, models_dir, seed):

@@ -29,7 +29,9 @@ import sampling
 import scheduler
 import speculative
 import utils
+import weight_formats
 
+DTYPES = weight_formats.DTYPES + ("float16",)  # float16: CuPy's
 DEFAULT_PROMPT = "Alan Turing theorized that computers would one day become"
 GREEN, RESET = "\033[32m", "\033[0m"
 # the library names its settings; the command line calls some of them differently
@@ -94,14 +96,18 @@ def add_decoder_flags(ap, modes, default):
     ap.add_argument("--draft_vocab", type=int, default=0,
                     help="the draft model computes logits only for the N most frequent tokens and the text's "
                          "own (a cheaper draft step; still exact); 0 = all")
+    ap.add_argument("--draft_dtype", choices=DTYPES,
+                    help="the draft's weights (default: --dtype); with --draft_model_size equal to "
+                         "--target_model_size, --draft_dtype int8 drafts with the target's own int8 copy")
 
 
 def add_model_flags(ap):
     """Where the models come from and what runs them (main.py and server.py share these)."""
     ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy",
                     help="cupy: the same code on an NVIDIA GPU (pip install cupy-cuda12x)")
-    ap.add_argument("--dtype", choices=["float32", "float16"], default="float32",
-                    help="float16 halves the weights read per token (GPU only)")
+    ap.add_argument("--dtype", choices=DTYPES, default="float32",
+                    help="the weights as stored: bfloat16 / int8 read 2x / 4x fewer bytes per token (the CPU's "
+                         "numba kernel; an approximation of float32, see README); float16: --backend cupy only")
     ap.add_argument("--models_dir", default="models")
     ap.add_argument("--source", choices=list(utils.SOURCES), default="openai",
                     help="openai: OpenAI's TensorFlow checkpoints; hf: the Hugging Face safetensors")
@@ -114,9 +120,7 @@ def check_args(args):
         raise ValueError(f"--n_tokens_to_generate must be >= 1, got {args.n_tokens_to_generate}")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
-    if args.dtype != "float32" and args.backend == "numpy":
-        raise ValueError(f"--dtype {args.dtype} needs --backend cupy (NumPy has no fast {args.dtype} matmul); "
-                         "use --dtype float32")
+    check_dtypes(args)
     settings = sampling.SamplingSettings(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
@@ -137,6 +141,24 @@ def check_args(args):
     return settings, config, prompts
 
 
+def check_dtypes(args):
+    """Each weight format runs where a kernel for it exists: bfloat16 and int8 on the
+    CPU's numba kernel, float16 on a GPU (CuPy); float32 everywhere."""
+    for flag in ("dtype", "draft_dtype"):
+        dtype = getattr(args, flag, None)
+        if dtype is None or dtype == "float32":
+            continue
+        if args.backend == "cupy" and dtype != "float16":
+            raise ValueError(f"--{flag} {dtype} runs on the CPU's row kernel; with --backend cupy use "
+                             "float32 or float16")
+        if args.backend == "numpy" and dtype == "float16":
+            raise ValueError(f"--{flag} float16 needs --backend cupy (NumPy has no fast float16 matmul); "
+                             "on the CPU use bfloat16 or int8")
+        if args.backend == "numpy" and rowwise.KERNEL != "numba":
+            raise ValueError(f"--{flag} {dtype} needs the numba row kernel (pip install numba, and leave "
+                             f"{rowwise.KERNEL_ENV} unset); the NumPy fallback runs float32")
+
+
 def read_prompts(args):
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -151,21 +173,32 @@ def read_prompts(args):
     return prompts if args.prompt is not None or args.prompts_file else [DEFAULT_PROMPT]
 
 
-def load(size, args):
+def load(size, args, dtype):
+    """(encoder, (params, hparams)) of GPT-2 `size` with its weights in `dtype`. The CPU
+    converts them as it lays them out; a GPU copies float32 over and converts there."""
     if rowwise.KERNEL_ERROR:
         raise utils.LoadError(rowwise.KERNEL_ERROR)
-    encoder, hparams, params = utils.load_encoder_hparams_and_params(size, args.models_dir, args.source,
-                                                                     args.base_url)
-    return encoder, (utils.to_backend(params, args.backend, args.dtype), hparams)
+    start = time.perf_counter()
+    encoder, hparams, params = utils.load_encoder_hparams_and_params(
+        size, args.models_dir, args.source, args.base_url, dtype=dtype if args.backend == "numpy" else "float32")
+    params = utils.to_backend(params, args.backend, dtype)
+    print(f"loaded GPT-2 {size} as {dtype} in {time.perf_counter() - start:.1f}s")
+    return encoder, (params, hparams)
 
 
 def load_models(args):
-    """(encoder, target, drafter): the drafter is the draft model, or "prompt_lookup"."""
-    encoder, target = load(args.target_model_size, args)
+    """(encoder, target, drafter): the drafter is the draft model, or "prompt_lookup". A
+    draft of the target's own size and format is the target itself; of its size in another
+    format (the self-draft), a second copy of the same checkpoint in that format."""
+    encoder, target = load(args.target_model_size, args, args.dtype)
     rowwise.gemv_is_exact()  # its one-time probe (about a second) belongs to loading, not to the first token
     drafter = args.drafter
     if args.mode != "autoregressive" and args.drafter == "model":
-        drafter = target if args.draft_model_size == args.target_model_size else load(args.draft_model_size, args)[1]
+        draft_dtype = args.draft_dtype or args.dtype
+        if args.draft_model_size == args.target_model_size and draft_dtype == args.dtype:
+            drafter = target
+        else:
+            drafter = load(args.draft_model_size, args, draft_dtype)[1]
     return encoder, target, drafter
 
 
@@ -291,7 +324,7 @@ def run_beams(args, beams, prompts):
     encoder, target, _ = load_models(args)
     ids = tokenize(encoder, prompts, target[1]["n_ctx"])
     beam_search.check_window(target[1]["n_ctx"], ids, args.n_tokens_to_generate)
-    print(f"\n=== beam search: GPT-2 {args.target_model_size}, {beams.num_beams} beams ===")
+    print(f"\n=== beam search: GPT-2 {named(args.target_model_size, args.dtype)}, {beams.num_beams} beams ===")
     start = time.perf_counter()
     results = beam_search.beam_search(ids, target, args.n_tokens_to_generate, beams,
                                       None if args.ignore_eos else encoder.eot_token)
@@ -301,6 +334,11 @@ def run_beams(args, beams, prompts):
             print(f"--- {prompt!r} #{rank + 1}, score {score:.3f}\n{prompt}{encoder.decode(tokens)}")
     print(f"{sum(len(t) for hyps in results for t, _ in hyps[:1])} tokens (best texts) in {seconds:.2f}s")
     return {"beam_search": {"results": results, "texts": [[encoder.decode(t) for t, _ in h] for h in results]}}
+
+
+def named(size, dtype):
+    """ "355M", or "355M int8" for weights stored in another format than float32."""
+    return size if dtype == "float32" else f"{size} {dtype}"
 
 
 def run(args):
@@ -315,15 +353,16 @@ def run(args):
     use_cache = not args.no_kv_cache
     runs = {}  # decoder: (title, generate(callback), the decoder as the scheduler runs it)
     if args.mode in ("autoregressive", "both"):
-        runs["autoregressive"] = (f"autoregressive: GPT-2 {args.target_model_size}",
+        runs["autoregressive"] = (f"autoregressive: GPT-2 {named(args.target_model_size, args.dtype)}",
                                   lambda cb: gpt2.generate(reqs, target, use_cache, cb),
                                   lambda: scheduler.autoregressive(target))
     if args.mode in ("speculative", "both"):
         if config.K >= n_ctx:
             print(f"note: --K {config.K} is more drafts than GPT-2's {n_ctx}-token window holds: "
                   "each step drafts at most what fits before the window restarts")
-        who = f"draft {args.draft_model_size}" if args.drafter == "model" else "prompt lookup"
-        runs["speculative"] = (f"speculative: target {args.target_model_size}, {who}, K={config.K}"
+        draft = named(args.draft_model_size, args.draft_dtype or args.dtype)
+        who = f"draft {draft}" if args.drafter == "model" else "prompt lookup"
+        runs["speculative"] = (f"speculative: target {named(args.target_model_size, args.dtype)}, {who}, K={config.K}"
                                f"{' (adaptive)' if config.adaptive else ''}",
                                lambda cb: speculative.speculative_generate(reqs, target, drafter, config, use_cache,
                                                                            cb),

@@ -595,8 +595,7 @@ def check(args):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name} must be > 0, got {getattr(args, name)}")
     enough_files(args.max_connections)
-    if args.dtype != "float32" and args.backend == "numpy":
-        raise ValueError(f"--dtype {args.dtype} needs --backend cupy; use --dtype float32")
+    main.check_dtypes(args)
     speculative.check(speculative.SpeculativeConfig(K=args.K, adaptive=args.adaptive_K, K_max=args.K_max,
                                                     draft_vocab=args.draft_vocab))
 

@@ -1,0 +1,242 @@
+"""bfloat16 and int8 weights (weight_formats.py, row_kernel.py): the conversions are what
+they claim, the kernels multiply what is stored, every row comes out as it would alone,
+and a narrow draft leaves speculative decoding exact."""
+import os
+
+import numpy as np
+import pytest
+
+import benchmark
+import gpt2
+import kv_cache
+import main
+import rowwise
+import sampling
+import utils
+import weight_formats
+from test_speculative import PROMPTS, chi_square_ok, first_tokens, plain, spec
+
+needs_numba = pytest.mark.skipif(rowwise.pick_kernel("numba") != "numba", reason="numba is not installed")
+NARROW = ["bfloat16", "int8"]
+GREEDY = sampling.SamplingSettings(temperature=0.0)
+
+
+def test_bfloat16_rounds_to_nearest_ties_to_even():
+    rng = np.random.default_rng(0)
+    w = np.concatenate([rng.standard_normal(100_000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 100_000),
+                        np.array([0.0, -0.0, 1.0, -2.5, 3.3e38, 1e-40], np.float32)]).astype(np.float32)
+    h = weight_formats.to_bfloat16(w)
+    assert h.dtype == np.uint16
+    down = weight_formats.from_bfloat16(h).astype(np.float64)
+    # the bfloat16 neighbours of each chosen value: none is nearer to w
+    for step in (-1, 1):
+        other = weight_formats.from_bfloat16((h.astype(np.int64) + step).astype(np.uint16)).astype(np.float64)
+        finite = np.isfinite(other)
+        err, err_other = np.abs(down - w), np.abs(other - w)
+        assert (err[finite] <= err_other[finite]).all()
+        tie = finite & (err == err_other)
+        assert (h[tie] % 2 == 0).all()  # a tie goes to the even neighbour
+    # ties constructed exactly: halfway between two bfloat16 values
+    halfway = ((np.arange(1, 200, dtype=np.uint32) << 16) | 0x8000).view(np.float32)
+    assert (weight_formats.to_bfloat16(halfway) % 2 == 0).all()
+    exact = weight_formats.from_bfloat16(np.arange(0, 0x7F80, 7, dtype=np.uint16))
+    np.testing.assert_array_equal(weight_formats.from_bfloat16(weight_formats.to_bfloat16(exact)), exact)
+
+
+def test_int8_is_symmetric_per_output_column_within_half_a_step():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((300, 70)).astype(np.float32) * rng.uniform(0.01, 5, 70).astype(np.float32)
+    w[:, 3] = 0  # a column of zeros (the head's padding)
+    q, scale = weight_formats.to_int8(w)
+    assert q.dtype == np.int8 and scale.dtype == np.float32 and scale.shape == (70,)
+    assert scale[3] == 0 and not q[:, 3].any()
+    assert (np.abs(q).max(axis=0)[np.arange(70) != 3] == 127).all() and q.min() >= -127
+    back = weight_formats.from_int8(q, scale)
+    assert (np.abs(back - w) <= scale / 2 * (1 + 1e-5) + 1e-12).all()
+
+
+def narrow_blocks(w, dtype):
+    import row_kernel
+    return weight_formats.stored(row_kernel.blocked(w), dtype)
+
+
+def widened(stored, n_out):
+    """The float32 matrix [n_in, n_out] that stored blocks hold."""
+    import row_kernel
+    wb = stored["w"]
+    if wb.dtype == np.uint16:
+        wb = weight_formats.from_bfloat16(wb)
+    elif wb.dtype == np.int8:
+        wb = weight_formats.from_int8(wb, stored["scale"].reshape(wb.shape[0], -1), axis=1)
+    return row_kernel.unblocked(wb, n_out)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", NARROW)
+@pytest.mark.parametrize("n_in, n_out", [(16, 48), (768, 2304), (1600, 4800), (4096, 1024)])
+def test_the_kernel_multiplies_the_stored_weights(dtype, n_in, n_out):
+    rng = np.random.default_rng(n_in + n_out)
+    st = narrow_blocks(rng.standard_normal((n_in, n_out), dtype=np.float32), dtype)
+    rows = rng.standard_normal((5, n_in), dtype=np.float32)
+    got = rowwise.matmul(rows, st["w"], n_out=n_out, scale=st.get("scale"))
+    assert got.dtype == np.float32 and got.shape == (5, n_out)
+    want = rows.astype(np.float64) @ widened(st, n_out).astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(n_in))
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", NARROW)
+@pytest.mark.parametrize("n_in, n_out", [(768, 2304), (1024, 50257), (4096, 1024)])
+def test_a_narrow_row_is_bitwise_the_same_for_any_row_count_and_place(dtype, n_in, n_out):
+    rng = np.random.default_rng(7)
+    st = narrow_blocks(rng.standard_normal((n_in, n_out), dtype=np.float32), dtype)
+    rows = rng.standard_normal((16, n_in), dtype=np.float32)
+
+    def mm(x):
+        return rowwise.matmul(x, st["w"], n_out=n_out, scale=st.get("scale"))
+    alone = np.concatenate([mm(rows[i:i + 1]) for i in range(16)])  # [16, n_out]
+    for n in range(2, 17):
+        for first in {0, 16 - n}:
+            assert np.array_equal(mm(rows[first:first + n]), alone[first:first + n]), f"{n} rows from {first}"
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", ["float32"] + NARROW)
+def test_embeddings_are_read_from_the_heads_stored_weights(tiny, dtype):
+    _, hparams, params = tiny
+    fast = utils.decode_layout(utils.plain_layout(params), "numba", dtype)
+    ids = np.array([[0, 5, 63, 64, 50256], [1, 2, 3, 4, 40000]])
+    got = gpt2.embed(ids, fast["wte"], fast["lm_head"])  # [2, 5, n_embd]
+    want = widened(fast["lm_head"], hparams["n_vocab"]).T[ids]
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+    if dtype == "float32":
+        np.testing.assert_array_equal(got, np.asarray(params["wte"])[ids])
+
+
+@pytest.fixture(scope="module")
+def wide_formats():
+    """wide (test_rowwise.py: 124M's widths, 2 layers) in every format."""
+    params, hparams = benchmark.random_params("124M", seed=5, n_ctx=256)
+    plain_params = utils.plain_layout(dict(params, blocks=params["blocks"][:2]))
+    hparams = dict(hparams, n_layer=2)
+    return {dtype: (utils.decode_layout(plain_params, "numba", dtype), hparams) for dtype in ["float32"] + NARROW}
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", NARROW)
+def test_a_narrow_models_logits_are_bitwise_the_same_in_any_company(wide_formats, dtype):
+    """Row A decoded alone, then beside rows of other lengths and logit counts."""
+    model = wide_formats[dtype]
+    rng = np.random.default_rng(0)
+    A = rng.integers(0, 50257, 12).tolist()
+    others = [rng.integers(0, 50257, n).tolist() for n in (3, 40, 1, 17)]
+
+    def step(texts, n_logits):
+        cache = kv_cache.init_cache(model[1], len(texts), 256, like=model[0]["wte"])
+        return gpt2.next_logits(model, cache, texts, n_logits)
+    alone = step([A], np.array([3]))[0]
+    for company in ([A] + others[:1], others[1:3] + [A], others + [A]):
+        got = step(company, np.array([3 if t is A else 1 + len(t) % 4 for t in company]))
+        np.testing.assert_array_equal(got[company.index(A), :3], alone)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", NARROW)
+def test_narrow_logits_stay_near_float32_and_keep_the_hot_path_float32(wide_formats, dtype):
+    ids = np.random.default_rng(2).integers(0, 50257, (1, 40))
+    full = gpt2.gpt2(ids, **wide_formats["float32"][0], n_head=12)
+    got = gpt2.gpt2(ids, **wide_formats[dtype][0], n_head=12)
+    assert got.dtype == np.float32
+    rel = np.abs(got - full).max() / np.abs(full).max()
+    assert 0 < rel < {"bfloat16": 0.02, "int8": 0.05}[dtype]
+    assert (got.argmax(-1) == full.argmax(-1)).mean() > 0.5
+
+
+@pytest.fixture(scope="module")
+def self_drafts(tiny):
+    """The tiny GPT-2 (float32, the target) and its own copies in each narrow format."""
+    _, hparams, params = tiny
+    plain_params = utils.plain_layout(params)
+    return (params, hparams), {d: (utils.decode_layout(plain_params, "numba", d), hparams) for d in NARROW}
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", NARROW)
+@pytest.mark.parametrize("K", [1, 4, 7])
+def test_greedy_with_a_narrow_self_draft_is_greedy_float32(self_drafts, dtype, K):
+    target, drafts = self_drafts
+    want = [plain([p], target, 30)[0] for p in PROMPTS]
+    out, stats = spec(PROMPTS, target, drafts[dtype], 30, K)
+    assert out == want and stats.accepted > 0
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", NARROW)
+def test_a_narrow_target_with_a_float32_draft_is_greedy_narrow(self_drafts, dtype):
+    """The exactness is the target's, whatever it stores: an int8 target verified against
+    a float32 draft decodes as the int8 model does alone."""
+    target, drafts = self_drafts
+    want = [plain([p], drafts[dtype], 30)[0] for p in PROMPTS]
+    assert spec(PROMPTS, drafts[dtype], target, 30, 4)[0] == want
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", NARROW)
+def test_first_token_with_a_narrow_self_draft_is_distributed_as_the_target(self_drafts, dtype):
+    """Chi-square: the first token of 2000 sampled requests (temperature 1.3, top-k 8)
+    follows the float32 target's processed distribution p, with its own narrow copy as
+    the draft (K = 2)."""
+    target, drafts = self_drafts
+    s = sampling.SamplingSettings(temperature=1.3, top_k=8)
+    prompt = PROMPTS[1]
+    p = sampling.probabilities(gpt2.gpt2(np.array([prompt]), **target[0], n_head=2)[:, -1], None, s)[0]
+    out, accepted = first_tokens(prompt, target, drafts[dtype], 3, 2, s)
+    assert accepted > 0
+    ok, chi2, dof = chi_square_ok(np.bincount([o[0] for o in out], minlength=p.size), p.astype(np.float64), len(out))
+    assert ok, (chi2, dof)
+
+
+def run_main(capsys, *argv):
+    rc = main.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@needs_numba
+def test_main_self_draft_prints_the_float32_greedy_text(capsys, models_dir):
+    rc, out, err = run_main(capsys, "--models_dir", models_dir, "--target_model_size", "124M",
+                            "--draft_model_size", "124M", "--draft_dtype", "int8", "--temperature", "0",
+                            "--n_tokens_to_generate", "20")
+    assert rc == 0, err
+    assert "loaded GPT-2 124M as float32" in out and "loaded GPT-2 124M as int8" in out
+    assert "draft 124M int8" in out and "greedy texts identical: yes" in out
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", NARROW)
+def test_main_decodes_in_a_narrow_format(capsys, models_dir, dtype):
+    rc, out, err = run_main(capsys, "--models_dir", models_dir, "--target_model_size", "124M", "--dtype", dtype,
+                            "--mode", "autoregressive", "--n_tokens_to_generate", "8")
+    assert rc == 0, err
+    assert f"loaded GPT-2 124M as {dtype}" in out and f"GPT-2 124M {dtype}" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dtype", "int8", "--backend", "cupy"], "--dtype int8 runs on the CPU's row kernel"),
+    (["--draft_dtype", "bfloat16", "--backend", "cupy"], "--draft_dtype bfloat16 runs on the CPU's row kernel"),
+    (["--draft_dtype", "float16"], "--draft_dtype float16 needs --backend cupy"),
+    (["--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
+])
+def test_bad_format_combinations_are_one_line(capsys, tmp_path, argv, message):
+    rc, out, err = run_main(capsys, "--models_dir", str(tmp_path), "--base_url", "http://127.0.0.1:9", *argv)
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not os.listdir(tmp_path)
+
+
+def test_the_numpy_fallback_refuses_narrow_formats_in_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(rowwise, "KERNEL", "numpy")
+    rc, out, err = run_main(capsys, "--models_dir", str(tmp_path), "--dtype", "int8")
+    assert rc == 2 and err.count("\n") == 1 and "--dtype int8 needs the numba row kernel" in err, err
+    with pytest.raises(utils.LoadError, match="--dtype bfloat16 needs the numba row kernel"):
+        utils.decode_layout({"wte": np.zeros((64, 8), np.float32), "blocks": []}, "numpy", "bfloat16")
