@@ -37,6 +37,7 @@ import sampling
 import scheduler
 import speculative
 import utils
+import weight_formats
 
 SHAPES = {  # n_embd, n_head, n_layer of OpenAI's releases
     "124M": (768, 12, 12), "355M": (1024, 16, 24), "774M": (1280, 20, 36), "1558M": (1600, 25, 48),
@@ -184,6 +185,106 @@ def bench_decode(params, hparams, args, probe):
                  "roofline_tok_s": roofline, "fraction_of_roofline": stats.decode_tokens_per_s / roofline,
                  "itl_ms_p50": stats.itl_ms(50), "ttft_ms": stats.ttft_s * 1e3})
     return rows
+
+
+def in_format(model, dtype):
+    """(model with its matrices stored in dtype, seconds the conversion took): from the
+    float32 matrices, as loading a checkpoint in that format converts them."""
+    if dtype == "float32":
+        return model, 0.0
+    plain = utils.plain_layout(model[0])
+    start = time.perf_counter()
+    params = utils.decode_layout(plain, "numba", dtype)
+    return (params, model[1]), time.perf_counter() - start
+
+
+def stored_mib(params):
+    """MiB of the matrices as stored (blocks and head; biases, norms and wpe left out)."""
+    layers = [layer for block in params["blocks"] for part in ("attn", "mlp") for layer in block[part].values()]
+    return sum(a.nbytes for layer in layers + [params["lm_head"]] for name, a in layer.items() if name != "b") / 2**20
+
+
+def agreement(model, other, n_positions=256, n_tokens=64, n_prompts=4):
+    """How far `other` (a narrow copy) moves model's (float32) output: the logits of one
+    pass over n_positions tokens (max error, relative to the largest logit, and how often
+    the top token agrees), and greedy text over n_tokens for a few prompts (the tokens
+    before the first difference, and the share of positions that agree)."""
+    ids = np.array([prompt_ids(n_positions, seed=9)])
+    want = gpt2.gpt2(ids, **model[0], n_head=model[1]["n_head"])[0]  # [n_positions, n_vocab]
+    got = gpt2.gpt2(ids, **other[0], n_head=model[1]["n_head"])[0]
+    prompts = [prompt_ids(8, seed=20 + i) for i in range(n_prompts)]
+    a, b = greedy(prompts, model, n_tokens)[0], greedy(prompts, other, n_tokens)[0]
+    same = [np.equal(x, y) for x, y in zip(a, b)]
+    return {"logits_max_abs_error": float(np.abs(got - want).max()),
+            "logits_max_rel_error": float(np.abs(got - want).max() / np.abs(want).max()),
+            "top1_agreement": float((got.argmax(-1) == want.argmax(-1)).mean()), "positions": n_positions,
+            "greedy_common_prefix": float(np.mean([np.argmin(m) if not m.all() else len(m) for m in same])),
+            "greedy_agreement": float(np.mean(same)), "greedy_tokens": n_tokens}
+
+
+def format_load(size, dtype, models_dir):
+    """In a process of its own, so that memory is this format's alone: load GPT-2 size in
+    dtype (the checkpoint, or random weights of its shape) and report the seconds and the
+    memory: RssAnon (what the process itself holds: the matrices and, for random weights,
+    wte) and the peak."""
+    code = ("import json, resource, sys, time, benchmark, utils, os\n"
+            f"t = time.perf_counter(); d = os.path.join({models_dir!r}, {size!r})\n"
+            f"real = {size!r} in utils.MODEL_SIZES and utils.is_complete(d)\n"
+            f"m = utils.load_model_dir(d, dtype={dtype!r}) if real else benchmark.random_params({size!r}, dtype={dtype!r})\n"
+            "load = time.perf_counter() - t\n"
+            "anon = [int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('RssAnon')]\n"
+            "print(json.dumps({'load_s': load, 'weights': 'real' if real else 'random', 'rss_anon_mib': anon[0] / 1024 "
+            "if anon else None, 'peak_rss_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    if out.returncode:
+        return {"error": out.stderr.strip().splitlines()[-1]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_model_agreement():
+    """agreement() on the test suite's tiny GPT-2 (tests/fixtures), where present."""
+    model_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "fixtures", "tiny-openai")
+    if not os.path.exists(model_dir):
+        return {}
+    hparams = utils.load_hparams(model_dir)
+    plain = checkpoint.load_params(model_dir, hparams["n_layer"])
+    model = (utils.decode_layout(plain, "numba"), hparams)
+    n = min(256, hparams["n_ctx"] - 8)
+    return {dtype: agreement(model, (utils.decode_layout(plain, "numba", dtype), hparams), n, min(64, n - 8))
+            for dtype in weight_formats.DTYPES[1:]}
+
+
+def bench_formats(model, args, size):
+    """Each weight format against float32 on one model: decode tokens/s at each batch
+    size (the formats in turns, each rep; the ratio is the median of the paired ratios),
+    the stored matrices' size, the conversion time, memory in a process of its own, and
+    how far the output moves (agreement)."""
+    models, convert_s = {}, {}
+    for dtype in args.dtypes:
+        models[dtype], convert_s[dtype] = in_format(model, dtype)
+    rows = []
+    for B in args.format_batches:
+        prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]
+        tps = {dtype: [] for dtype in args.dtypes}
+        for _ in range(args.reps + 1):
+            for dtype in args.dtypes:
+                tps[dtype].append(greedy(prompts, models[dtype], args.n_tokens)[1].decode_tokens_per_s)
+        for dtype in args.dtypes:
+            runs = tps[dtype][1:]  # the first rep warms up
+            ratios = np.divide(runs, tps["float32"][1:]) if "float32" in tps else [float("nan")]
+            rows.append({"size": size, "dtype": dtype, "batch": B, "decode_tok_s": float(np.median(runs)),
+                         "decode_tok_s_min": min(runs), "decode_tok_s_max": max(runs),
+                         "over_float32": float(np.median(ratios)), "over_float32_min": float(np.min(ratios)),
+                         "over_float32_max": float(np.max(ratios))})
+            print(f"  {size} {dtype} batch {B}: {rows[-1]['decode_tok_s']:.1f} tok/s, "
+                  f"{rows[-1]['over_float32']:.2f}x float32", flush=True)
+    formats = []
+    for dtype in args.dtypes:
+        formats.append({"size": size, "dtype": dtype, "stored_mib": stored_mib(models[dtype][0]),
+                        "convert_s": convert_s[dtype], **format_load(size, dtype, args.models_dir),
+                        **(agreement(models["float32"], models[dtype]) if dtype != "float32" else {})})
+    return {"decode": rows, "formats": formats}
 
 
 def bench_context(params, hparams, args):
@@ -455,6 +556,23 @@ def bench_speculative_end_to_end(draft, target, costs, args):
     plain_tok_s = float(np.median(plain_runs))
     return [{"decoder": "autoregressive", "a": None, "K": 0, "draft_vocab": None, "tok_s": plain_tok_s,
              "speedup": 1.0}] + rows
+
+
+def bench_self_draft(target, args, weights):
+    """The target's own copy in args.self_draft (int8) as its draft: the costs and the
+    controlled end-to-end speedups as for the other draft (at args.self_draft_alphas), and
+    the acceptance rate the copy really gets on greedy text. On random weights that rate
+    says little about a trained GPT-2 (it is labelled with the weights it came from)."""
+    draft, convert_s = in_format(target, args.self_draft)
+    label = f"{args.target} {args.self_draft}"
+    sub = argparse.Namespace(**dict(vars(args), draft=label, e2e_alphas=args.self_draft_alphas))
+    costs = bench_speculative_costs(draft, target, sub)
+    end_to_end = bench_speculative_end_to_end(draft, target, costs, sub)
+    prompts = [prompt_ids(args.prompt_len, seed=30 + i) for i in range(4)]
+    reqs = batching.requests(prompts, args.n_tokens * 2, GREEDY)
+    natural = speculative.speculative_generate(reqs, target, draft, speculative.SpeculativeConfig(K=args.K))[1]
+    return dict(costs, end_to_end=end_to_end, K=args.K, draft_vocab=args.draft_vocab, dtype=args.self_draft,
+                convert_s=convert_s, natural_acceptance=natural.acceptance_rate, weights=weights)
 
 
 def bench_breakdown(draft, target, args):
@@ -864,7 +982,8 @@ def parse_args(argv=None):
     ap.add_argument("--serve_sizes", nargs="+", choices=list(SHAPES), help="serving: default 124M (none with --target "
                     "only runs)")
     ap.add_argument("--only", nargs="+",
-                    choices=["decode", "kernels", "rows", "speculative", "serving", "breakdown", "http", "beams"],
+                    choices=["decode", "formats", "kernels", "rows", "speculative", "serving", "breakdown", "http",
+                             "beams"],
                     help="run only these parts (default: all but breakdown)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--models_dir", default="models")
@@ -872,12 +991,18 @@ def parse_args(argv=None):
     ap.add_argument("--img_dir", default="img")
     ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy")
     ap.add_argument("--dtype", choices=["float32", "float16"], default="float32", help="float16: cupy only")
+    ap.add_argument("--dtypes", nargs="+", choices=weight_formats.DTYPES, default=list(weight_formats.DTYPES),
+                    help="formats: the weight formats measured against float32")
+    ap.add_argument("--format_batches", nargs="+", type=int, default=[1, 8], help="formats: batch sizes")
+    ap.add_argument("--self_draft", choices=weight_formats.DTYPES[1:] + ("none",), default="int8",
+                    help="speculative: also the target's own copy in this format as its draft")
+    ap.add_argument("--self_draft_alphas", nargs="+", type=float, default=[0.8, 0.9, 0.95])
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few tokens: a smoke test")
     args = ap.parse_args(argv)
     gpu = args.backend == "cupy"
     defaults = {"sizes": list(SHAPES)[:4] if gpu else ["124M", "355M"], "batch_sizes": [1, 8] if gpu else [1, 8, 32],
                 "n_tokens": 128 if gpu else 32, "target": "1558M" if gpu else "355M", "serve_sizes": ["124M"],
-                "only": ["decode", "kernels", "rows", "speculative", "serving", "http", "beams"]}
+                "only": ["decode", "formats", "kernels", "rows", "speculative", "serving", "http", "beams"]}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -887,7 +1012,7 @@ def parse_args(argv=None):
         args.sizes, args.draft, args.target, args.serve_sizes = ["tiny"], "tiny", "tiny", ["tiny"]
         args.batch_sizes, args.n_tokens, args.prompt_len, args.contexts, args.reps = [1, 2], 4, 8, [16], 1
         args.K, args.K_max, args.e2e_alphas, args.draft_vocabs, args.draft_vocab = 2, 2, [0.8], [1000], 1000
-        args.n_requests, args.max_batches = 6, [2]
+        args.n_requests, args.max_batches, args.format_batches, args.self_draft_alphas = 6, [2], [1, 2], [0.9]
     return args
 
 
@@ -908,14 +1033,14 @@ def main(argv=None):
                "gemv_is_exact": rowwise.gemv_is_exact()}
     print(f"{benchmark_report.machine_line(results['machine'])}\none-row matmul bandwidth: {bandwidth:.1f} GB/s",
           flush=True)
-    wanted = list(args.sizes) if {"decode", "kernels"} & set(args.only) else []
+    wanted = list(args.sizes) if {"decode", "kernels", "formats"} & set(args.only) else []
     wanted += [args.target] if "rows" in args.only else []
     wanted += [args.target, args.draft] if {"speculative", "breakdown"} & set(args.only) else []
     wanted += args.serve_sizes if {"serving", "http", "beams"} & set(args.only) else []
-    loaded = {}
+    loaded, weights = {}, {}
     for size in dict.fromkeys(wanted):
         params, hparams, info = load_or_random(size, args.models_dir, seed=len(loaded))
-        loaded[size] = (params, hparams)
+        loaded[size], weights[size] = (params, hparams), info["weights"]
         print(f"GPT-2 {size}: {info['weights']} weights", flush=True)
         if size not in args.sizes or "decode" not in args.only:
             continue
@@ -925,6 +1050,12 @@ def main(argv=None):
         results["models"][size] = r
         print(f"  batch-1 decode {r['decode'][0]['decode_tok_s']:.1f} tok/s "
               f"({r['decode'][0]['fraction_of_roofline']:.0%} of roofline)", flush=True)
+    if "formats" in args.only:
+        if rowwise.KERNEL != "numba" or "float32" not in args.dtypes:
+            print("formats: skipped (bfloat16 and int8 need the numba row kernel; --dtypes must hold float32)")
+        else:
+            results["formats"] = [bench_formats(loaded[size], args, size) for size in args.sizes]
+            results["formats_test_model"] = test_model_agreement()
     if "rows" in args.only:
         results["rows"] = {"target": args.target, "by_n": bench_rows(loaded[args.target], args)}
     if "kernels" in args.only:
@@ -937,6 +1068,8 @@ def main(argv=None):
         results["speculative"] = dict(costs, end_to_end=bench_speculative_end_to_end(draft, target, costs, args),
                                       coverage=subset_coverage(args.draft_vocabs), K=args.K,
                                       draft_vocab=args.draft_vocab)
+        if args.self_draft != "none" and rowwise.KERNEL == "numba":
+            results["self_draft"] = bench_self_draft(target, args, weights[args.target])
     if "breakdown" in args.only:
         results["breakdown"] = bench_breakdown(loaded[args.draft], loaded[args.target], args)
     if "serving" in args.only:

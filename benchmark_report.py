@@ -120,6 +120,49 @@ def end_to_end_table(s):
     return lines
 
 
+def formats_tables(results):
+    """Weight formats against float32: speed, size, memory, and how far the output moves."""
+    lines = ["", "### Weight formats (weight_formats.py): tokens/s against float32, in turns within one run", "",
+             "| model | batch | format | decode tok/s (min-max) | over float32 (range of paired ratios) |",
+             "|---|---|---|---|---|"]
+    for f in results["formats"]:
+        lines += [f"| {d['size']} | {d['batch']} | {d['dtype']} | {d['decode_tok_s']:.1f} "
+                  f"({d['decode_tok_s_min']:.1f}-{d['decode_tok_s_max']:.1f}) | {d['over_float32']:.2f}x "
+                  f"({d['over_float32_min']:.2f}-{d['over_float32_max']:.2f}) |" for d in f["decode"]]
+    lines += ["", "Stored matrices, conversion from float32, and a fresh process that loads the model in the format "
+              "(RssAnon: the memory the process itself holds; random weights keep a float32 wte besides):", "",
+              "| model | weights | format | matrices MiB | convert s | load s | RssAnon MiB | peak RSS MiB |",
+              "|---|---|---|---|---|---|---|---|"]
+    for f in results["formats"]:
+        for x in f["formats"]:
+            mem = (f"{x['load_s']:.1f} | {x['rss_anon_mib']:.0f} | {x['peak_rss_mib']:.0f}" if "load_s" in x
+                   else f"{x.get('error', '-')} | - | -")
+            lines.append(f"| {x['size']} | {x.get('weights', '-')} | {x['dtype']} | {x['stored_mib']:.0f} | "
+                         f"{x['convert_s']:.2f} | {mem} |")
+    rows = [(x["size"], x) for f in results["formats"] for x in f["formats"] if x["dtype"] != "float32"]
+    rows += [("test model (tests/fixtures)", dict(x, dtype=d)) for d, x in results.get("formats_test_model", {}).items()]
+    lines += ["", "How far each format moves the float32 model's output: the logits of one pass (max error, and "
+              "relative to the largest logit), the top token at each position, and greedy text from 4 prompts "
+              "(tokens before the first difference, mean; positions that agree). Random weights cannot say how a "
+              "trained GPT-2 quantizes:", "",
+              "| model | format | logits max error (relative) | top-1 agreement | greedy: same tokens before the first "
+              "difference | greedy positions agreeing |", "|---|---|---|---|---|---|"]
+    lines += [f"| {size} | {x['dtype']} | {x['logits_max_abs_error']:.4f} ({x['logits_max_rel_error']:.2%}) | "
+              f"{x['top1_agreement']:.1%} of {x['positions']} | {x['greedy_common_prefix']:.1f} of "
+              f"{x['greedy_tokens']} | {x['greedy_agreement']:.1%} |" for size, x in rows]
+    return lines
+
+
+def self_draft_tables(s):
+    lines = ["", f"### The self-draft: target {s['target']} drafted by its own {s['dtype']} copy "
+             f"(converted in {s['convert_s']:.1f} s)"]
+    lines += speculative_costs_table(s)[1:] + end_to_end_table(dict(s, coverage=None))
+    lines += ["", f"The acceptance rate the {s['dtype']} copy really gets on greedy text of these "
+              f"{s['weights']} weights (K = {s['K']}): {s['natural_acceptance']:.1%}"
+              + (" (random weights: not what a trained GPT-2 gets)." if s["weights"] == "random" else ".")]
+    return lines
+
+
 def breakdown_table(b):
     lines = ["", f"### Where a speculative step's time goes: draft {b['draft']} -> target {b['target']}", "",
              "Controlled drafter, greedy; per decode step after the first, against c, the draft's catch-up pass "
@@ -211,8 +254,12 @@ def markdown(results):
         k = results["kernel_start"]
         lines += [f"Importing row_kernel in a fresh Python: {k['compile_s']:.2f} s the first time (numba compiles the "
                   f"kernel), {k['cached_s']:.2f} s from numba's cache.", ""]
+    if "formats" in results:
+        lines += formats_tables(results)
     if "speculative" in results:
         lines += speculative_costs_table(results["speculative"]) + end_to_end_table(results["speculative"])
+    if "self_draft" in results:
+        lines += self_draft_tables(results["self_draft"])
     if "breakdown" in results:
         lines += breakdown_table(results["breakdown"])
     if "serving" in results:

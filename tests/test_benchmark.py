@@ -42,6 +42,21 @@ def test_quick_benchmark_writes_every_measurement(tmp_path, capsys):
     assert {row["policy"] for row in r["serving"]} == policies and len(r["serving"]) == 2 + len(policies)
     assert all(row["requests"] == 6 for row in r["serving"])
     assert all(len(row["timeline"]) == 6 for row in r["serving"] if row["policy"] != "continuous, NumPy fallback")
+    if r["machine"]["row_kernel"] == "numba":  # weight formats, and the self-draft
+        f = r["formats"][0]
+        assert [(d["dtype"], d["batch"]) for d in f["decode"]] == [(t, b) for b in (1, 2)
+                                                                    for t in ("float32", "bfloat16", "int8")]
+        assert all(d["decode_tok_s"] > 0 for d in f["decode"])
+        assert all(d["over_float32"] == 1.0 for d in f["decode"] if d["dtype"] == "float32")
+        sizes = {x["dtype"]: x["stored_mib"] for x in f["formats"]}
+        assert sizes["bfloat16"] == sizes["float32"] / 2 and sizes["int8"] < sizes["float32"] / 3.5
+        assert all(x["rss_anon_mib"] > 0 and x["load_s"] > 0 for x in f["formats"])
+        for x in f["formats"][1:] + list(r["formats_test_model"].values()):
+            assert 0 < x["logits_max_rel_error"] < 0.1 and 0.5 < x["top1_agreement"] <= 1
+        self_draft = r["self_draft"]
+        assert self_draft["draft"] == "tiny int8" and 0 < self_draft["natural_acceptance"] <= 1
+        assert [e["a"] for e in self_draft["end_to_end"][1:]] == [0.9] * len(self_draft["end_to_end"][1:])
+        assert "### Weight formats" in open(tmp_path / "results.md").read()
     assert "| batch |" in open(tmp_path / "results.md").read()
 
 
