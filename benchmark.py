@@ -226,15 +226,15 @@ def format_load(size, dtype, models_dir):
     """In a process of its own, so that memory is this format's alone: load GPT-2 size in
     dtype (the checkpoint, or random weights of its shape) and report the seconds and the
     memory: RssAnon (what the process itself holds: the matrices and, for random weights,
-    wte) and the peak."""
-    code = ("import json, resource, sys, time, benchmark, utils, os\n"
+    wte) and the peak (VmHWM: ru_maxrss would carry the parent's peak across exec)."""
+    code = ("import json, time, benchmark, utils, os\n"
             f"t = time.perf_counter(); d = os.path.join({models_dir!r}, {size!r})\n"
             f"real = {size!r} in utils.MODEL_SIZES and utils.is_complete(d)\n"
             f"m = utils.load_model_dir(d, dtype={dtype!r}) if real else benchmark.random_params({size!r}, dtype={dtype!r})\n"
             "load = time.perf_counter() - t\n"
-            "anon = [int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('RssAnon')]\n"
-            "print(json.dumps({'load_s': load, 'weights': 'real' if real else 'random', 'rss_anon_mib': anon[0] / 1024 "
-            "if anon else None, 'peak_rss_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))\n")
+            "status = {l.split(':')[0]: int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(('RssAnon', 'VmHWM'))}\n"
+            "print(json.dumps({'load_s': load, 'weights': 'real' if real else 'random', "
+            "'rss_anon_mib': status['RssAnon'] / 1024, 'peak_rss_mib': status['VmHWM'] / 1024}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.abspath(__file__)))
     if out.returncode:

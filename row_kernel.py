@@ -33,8 +33,11 @@ Narrow weights (weight_formats.py): the same blocks stored as bfloat16 (uint16) 
 read by two more kernels that first widen a few k-steps of the block to float32 in a
 small scratch (in L1: a few KiB), then run the very loop above over it for every row.
 Widening once per weight, not once per row and weight, keeps batches as cheap as the
-float32 kernel's; the sums and their order are those of the float32 kernel, so each
-format is batch invariant the same way. int8 multiplies each output by its column's
+float32 kernel's. A single row has nothing to share, and widens each weight right where
+it multiplies it (`row_times_*`: 7-25% faster than through the scratch). The sums and
+their order are those of the float32 kernel in every case, so each format is batch
+invariant the same way (tested: a row alone, through the one-row kernel, is bitwise the
+row among others). int8 multiplies each output by its column's
 scale once, after the sum. Eight k-steps per widening suit int8 (its 8 weights of a
 column share a load), four suit bfloat16: measured on a 355M pass, 1-8 rows.
 """
@@ -87,6 +90,12 @@ def as_float32(typingctx, bits):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
     return types.float32(types.uint32), codegen
+
+
+@njit(inline="always")
+def widen(bits):
+    """A bfloat16's bits (uint16) -> its float32: the 16 bits become the high half."""
+    return as_float32(np.uint32(bits) << 16)
 
 
 @intrinsic
@@ -149,7 +158,7 @@ def rows_times_bfloat16_blocks(x, wb, out):
                 prefetch(wb, b, ahead, W // 2)
             for t in range(4):
                 for j in range(W):
-                    f[t, j] = as_float32(np.uint32(wb[b, k + t, j]) << 16)
+                    f[t, j] = widen(wb[b, k + t, j])
             w0, w1, w2, w3 = f[0], f[1], f[2], f[3]
             for i in range(R):
                 x0, x1, x2, x3 = x[i, k], x[i, k + 1], x[i, k + 2], x[i, k + 3]
@@ -188,6 +197,48 @@ def rows_times_int8_blocks(x, wb, scale, out):
                 out[i, b * W + j] = acc[i, j] * scale[b * W + j]
 
 
+@njit("void(float32[::1], uint16[:, :, ::1], float32[::1])", parallel=True, fastmath={"contract"}, cache=True,
+      nogil=True)
+def row_times_bfloat16_blocks(x, wb, out):
+    """One row: no scratch, each weight widened where it is used (once either way), so
+    the loop is all loads and multiply-adds. The same sums in the same order as above."""
+    n_blocks, n_in, _ = wb.shape
+    for b in prange(n_blocks):
+        acc = np.zeros(W, np.float32)  # [W]
+        w = wb[b]  # [n_in, W]
+        for k in range(0, n_in, 4):
+            for ahead in range(k + 2 * PREFETCH, k + 2 * PREFETCH + 4):
+                prefetch(wb, b, ahead, 0)
+                prefetch(wb, b, ahead, W // 2)
+            x0, x1, x2, x3 = x[k], x[k + 1], x[k + 2], x[k + 3]
+            for j in range(W):
+                acc[j] = (acc[j] + x0 * widen(w[k, j]) + x1 * widen(w[k + 1, j])
+                          + x2 * widen(w[k + 2, j]) + x3 * widen(w[k + 3, j]))
+        out[b * W:(b + 1) * W] = acc
+
+
+@njit("void(float32[::1], int8[:, :, ::1], float32[::1], float32[::1])", parallel=True, fastmath={"contract"},
+      cache=True, nogil=True)
+def row_times_int8_blocks(x, wb, scale, out):
+    """One row of rows_times_int8_blocks, each weight widened where it is used."""
+    n_blocks, n_in, _ = wb.shape
+    for b in prange(n_blocks):
+        acc = np.zeros(W, np.float32)  # [W]
+        w = wb[b]  # [n_in, W]
+        for k in range(0, n_in, 8):
+            for ahead in range(k + 4 * PREFETCH, k + 4 * PREFETCH + 8):
+                prefetch(wb, b, ahead, 0)
+            x0, x1, x2, x3 = x[k], x[k + 1], x[k + 2], x[k + 3]
+            x4, x5, x6, x7 = x[k + 4], x[k + 5], x[k + 6], x[k + 7]
+            for j in range(W):
+                acc[j] = (acc[j] + x0 * np.float32(w[k, j]) + x1 * np.float32(w[k + 1, j])
+                          + x2 * np.float32(w[k + 2, j]) + x3 * np.float32(w[k + 3, j])
+                          + x4 * np.float32(w[k + 4, j]) + x5 * np.float32(w[k + 5, j])
+                          + x6 * np.float32(w[k + 6, j]) + x7 * np.float32(w[k + 7, j]))
+        for j in range(W):
+            out[b * W + j] = acc[j] * scale[b * W + j]
+
+
 def matmul(rows, wb, n_out, scale=None):
     """rows [n, n_in] @ w -> [n, n_out], w given as its blocks wb [n_blocks, n_in, W] in
     any format (float32, bfloat16 as uint16, int8 with its scale [n_blocks * W]); only the
@@ -198,9 +249,10 @@ def matmul(rows, wb, n_out, scale=None):
     x = np.ascontiguousarray(rows, dtype=np.float32)  # [n, n_in]
     out = np.empty((rows.shape[0], n_blocks * W), np.float32)  # [n, n_blocks * W]
     if wb.dtype == np.uint16:
-        rows_times_bfloat16_blocks(x, wb, out)
+        (row_times_bfloat16_blocks(x[0], wb, out[0]) if len(x) == 1 else rows_times_bfloat16_blocks(x, wb, out))
     elif wb.dtype == np.int8:
-        rows_times_int8_blocks(x, wb, scale[:n_blocks * W], out)
+        scale = scale[:n_blocks * W]
+        (row_times_int8_blocks(x[0], wb, scale, out[0]) if len(x) == 1 else rows_times_int8_blocks(x, wb, scale, out))
     else:
         rows_times_blocks(x, wb, out)
     return out[:, :n_out]  # [n, n_out]
