@@ -173,7 +173,7 @@ def read_prompts(args):
     return prompts if args.prompt is not None or args.prompts_file else [DEFAULT_PROMPT]
 
 
-def load(size, args, dtype):
+def load(size, args, dtype, log=print):
     """(encoder, (params, hparams)) of GPT-2 `size` with its weights in `dtype`. The CPU
     converts them as it lays them out; a GPU copies float32 over and converts there."""
     if rowwise.KERNEL_ERROR:
@@ -182,15 +182,16 @@ def load(size, args, dtype):
     encoder, hparams, params = utils.load_encoder_hparams_and_params(
         size, args.models_dir, args.source, args.base_url, dtype=dtype if args.backend == "numpy" else "float32")
     params = utils.to_backend(params, args.backend, dtype)
-    print(f"loaded GPT-2 {size} as {dtype} in {time.perf_counter() - start:.1f}s")
+    log(f"loaded GPT-2 {size} as {dtype} in {time.perf_counter() - start:.1f}s")
     return encoder, (params, hparams)
 
 
-def load_models(args):
+def load_models(args, log=print):
     """(encoder, target, drafter): the drafter is the draft model, or "prompt_lookup". A
     draft of the target's own size and format is the target itself; of its size in another
-    format (the self-draft), a second copy of the same checkpoint in that format."""
-    encoder, target = load(args.target_model_size, args, args.dtype)
+    format (the self-draft), a second copy of the same checkpoint in that format. log
+    takes a line per model loaded (the server's go to stderr, with its other logs)."""
+    encoder, target = load(args.target_model_size, args, args.dtype, log)
     rowwise.gemv_is_exact()  # its one-time probe (about a second) belongs to loading, not to the first token
     drafter = args.drafter
     if args.mode != "autoregressive" and args.drafter == "model":
@@ -198,7 +199,7 @@ def load_models(args):
         if args.draft_model_size == args.target_model_size and draft_dtype == args.dtype:
             drafter = target
         else:
-            drafter = load(args.draft_model_size, args, draft_dtype)[1]
+            drafter = load(args.draft_model_size, args, draft_dtype, log)[1]
     return encoder, target, drafter
 
 

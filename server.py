@@ -106,7 +106,7 @@ def load(engine, loaded=None):
     """Load the models (downloading what is missing) and build the decoder the engine runs.
     loaded: (encoder, target, drafter) already in memory (the benchmark's random models)."""
     args = engine["args"]
-    encoder, target, drafter = loaded or main.load_models(args)
+    encoder, target, drafter = loaded or main.load_models(args, lambda line: print(line, file=sys.stderr))
     if args.mode == "speculative":
         config = speculative.SpeculativeConfig(K=args.K, adaptive=args.adaptive_K, K_max=args.K_max,
                                                draft_vocab=args.draft_vocab)
