@@ -240,3 +240,21 @@ def test_the_numpy_fallback_refuses_narrow_formats_in_one_line(capsys, tmp_path,
     assert rc == 2 and err.count("\n") == 1 and "--dtype int8 needs the numba row kernel" in err, err
     with pytest.raises(utils.LoadError, match="--dtype bfloat16 needs the numba row kernel"):
         utils.decode_layout({"wte": np.zeros((64, 8), np.float32), "blocks": []}, "numpy", "bfloat16")
+
+
+@needs_numba
+def test_the_server_serves_the_self_draft_with_the_float32_targets_text(models_dir, capsys):
+    """server.py with --draft_dtype int8: a greedy completion is main.py's float32 greedy text."""
+    import server
+    from test_server import client, start
+    httpd, engine, url = start(models_dir, "--mode", "speculative", "--draft_model_size", "124M",
+                               "--draft_dtype", "int8")
+    try:
+        got = client(url).completions.create(model="gpt2", prompt="Alan Turing", max_tokens=12, temperature=0)
+    finally:
+        server.stop(httpd, engine)
+    assert "loaded GPT-2 124M as int8" in capsys.readouterr().err
+    rc, out, err = run_main(capsys, "--models_dir", models_dir, "--target_model_size", "124M", "--mode",
+                            "autoregressive", "--prompt", "Alan Turing", "--temperature", "0",
+                            "--n_tokens_to_generate", "12", "--ignore_eos")
+    assert rc == 0 and "Alan Turing" + got.choices[0].text in out
