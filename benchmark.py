@@ -255,11 +255,37 @@ def test_model_agreement():
             for dtype in weight_formats.DTYPES[1:]}
 
 
+def fallback_widening(model, reps):
+    """What int8 would cost the NumPy fallback, over one token's matrices (the blocks' and
+    the head's): seconds of float32 gemvs, and of int8 widened by NumPy block by block
+    (256 KiB of float32, in L2) with a gemv per block. (float32 s, int8 s), the best of reps."""
+    plain = utils.plain_layout(model[0])
+    mats = [utils.column_major(layer["w"]) for block in plain["blocks"] for part in ("attn", "mlp")
+            for layer in block[part].values()] + [np.asarray(plain["wte"]).T]  # [n_in, n_out] each
+    quantized = [weight_formats.to_int8(w) for w in mats]  # (q [n_in, n_out], scale [n_out])
+    x = np.random.default_rng(0).standard_normal(max(w.shape[0] for w in mats), dtype=np.float32)
+
+    def float32():
+        for w in mats:
+            x[:w.shape[0]] @ w
+
+    def int8():
+        for q, scale in quantized:
+            n_in, n_out = q.shape
+            step = (256 << 10) // (4 * n_in)
+            buf = np.empty((n_in, step), np.float32, order="F")  # [n_in, step]
+            for j in range(0, n_out, step):
+                widened = buf[:, :min(step, n_out - j)]
+                np.copyto(widened, q[:, j:j + step], casting="unsafe")
+                (x[:n_in] @ widened) * scale[j:j + step]
+    return timed(float32, reps)[1], timed(int8, reps)[1]
+
+
 def bench_formats(model, args, size):
     """Each weight format against float32 on one model: decode tokens/s at each batch
     size (the formats in turns, each rep; the ratio is the median of the paired ratios),
     the stored matrices' size, the conversion time, memory in a process of its own, and
-    how far the output moves (agreement)."""
+    how far the output moves (agreement); and what int8 would cost the NumPy fallback."""
     models, convert_s = {}, {}
     for dtype in args.dtypes:
         models[dtype], convert_s[dtype] = in_format(model, dtype)
@@ -284,7 +310,9 @@ def bench_formats(model, args, size):
         formats.append({"size": size, "dtype": dtype, "stored_mib": stored_mib(models[dtype][0]),
                         "convert_s": convert_s[dtype], **format_load(size, dtype, args.models_dir),
                         **(agreement(models["float32"], models[dtype]) if dtype != "float32" else {})})
-    return {"decode": rows, "formats": formats}
+    f32_s, int8_s = fallback_widening(model, args.reps)
+    fallback = {"float32_gemv_s": f32_s, "int8_widened_gemv_s": int8_s, "int8_over_float32": f32_s / int8_s}
+    return {"decode": rows, "formats": formats, "numpy_fallback": fallback}
 
 
 def bench_context(params, hparams, args):

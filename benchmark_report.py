@@ -139,6 +139,11 @@ def formats_tables(results):
                    else f"{x.get('error', '-')} | - | -")
             lines.append(f"| {x['size']} | {x.get('weights', '-')} | {x['dtype']} | {x['stored_mib']:.0f} | "
                          f"{x['convert_s']:.2f} | {mem} |")
+    lines += ["", "The NumPy fallback, one token's matrices: float32 gemvs against int8 widened by NumPy block by "
+              "block (256 KiB in L2), then a gemv per block:", ""]
+    lines += [f"- {f['decode'][0]['size']}: float32 {f['numpy_fallback']['float32_gemv_s'] * 1e3:.1f} ms, int8 "
+              f"{f['numpy_fallback']['int8_widened_gemv_s'] * 1e3:.1f} ms: "
+              f"{f['numpy_fallback']['int8_over_float32']:.2f}x" for f in results["formats"]]
     rows = [(x["size"], x) for f in results["formats"] for x in f["formats"] if x["dtype"] != "float32"]
     rows += [("test model (tests/fixtures)", dict(x, dtype=d)) for d, x in results.get("formats_test_model", {}).items()]
     lines += ["", "How far each format moves the float32 model's output: the logits of one pass (max error, and "

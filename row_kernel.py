@@ -37,9 +37,9 @@ float32 kernel's. A single row has nothing to share, and widens each weight righ
 it multiplies it (`row_times_*`: 7-25% faster than through the scratch). The sums and
 their order are those of the float32 kernel in every case, so each format is batch
 invariant the same way (tested: a row alone, through the one-row kernel, is bitwise the
-row among others). int8 multiplies each output by its column's
-scale once, after the sum. Eight k-steps per widening suit int8 (its 8 weights of a
-column share a load), four suit bfloat16: measured on a 355M pass, 1-8 rows.
+row among others). int8 multiplies each output by its column's scale once, after the
+sum. Eight k-steps per widening suit int8 (its 8 weights of a column share a load),
+four suit bfloat16: measured on a 355M pass, 1-8 rows.
 """
 import numpy as np
 from llvmlite import ir
@@ -55,8 +55,12 @@ PREFETCH = 8  # k-steps ahead (8 rows of a block: 2 KiB) that the kernel asks me
 
 def blocked(w):
     """w [n_in, n_out] -> wb [ceil(n_out / W), n_in, W]: each block's weights contiguous,
-    the last block padded with zero columns (its extra outputs are cut off by `matmul`)."""
+    the last block padded with zero columns (its extra outputs are cut off by `matmul`).
+    The kernels take 4 or 8 inputs a step, unchecked: n_in must be a multiple of 8 (it is
+    for every GPT-2)."""
     n_in, n_out = w.shape
+    if n_in % 8:
+        raise ValueError(f"the row kernel needs a multiple of 8 inputs, got a {n_in} x {n_out} matrix")
     n_blocks = -(-n_out // W)
     wb = np.zeros((n_blocks, n_in, W), np.float32)  # [n_blocks, n_in, W]
     for b in range(n_blocks):  # block by block: a whole-matrix transposing copy strides through memory

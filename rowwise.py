@@ -9,8 +9,8 @@ on its batch). `matmul` is the one place where rows meet weights, with two kerne
 - "numba" (the default, row_kernel.py): the weights stored as contiguous blocks of 64
   output columns (in float32, bfloat16 or int8: weight_formats.py), and a kernel of our
   own that reads each weight once for all rows and sums every output in the same order
-  whatever the rows. A pass over 2-8 rows costs
-  little more than one (`python benchmark.py --only rows`).
+  whatever the rows. A pass over 2-8 rows costs little more than one
+  (`python benchmark.py --only rows`).
 - "numpy" (the fallback, when numba is missing or GPT2_ROW_KERNEL=numpy): BLAS alone.
   Its matrix product (sgemm) repacks the weights first, which for 2-8 rows costs 2-3
   one-row passes, and rounds a row differently depending on how many rows share it. So
@@ -64,8 +64,9 @@ _second_thread = ThreadPoolExecutor(1)
 def matmul(rows, w, shared=True, n_out=None, scale=None):
     """rows [n, n_in] @ w -> [n, n_out]. w: a matrix [n_in, n_out], or its blocks
     [n_blocks, n_in, 64] for the numba kernel (row_kernel.py; n_out then says how many
-    outputs are real), float32, bfloat16 (uint16) or int8 with its scale. shared: the rows belong to a pass that several requests share, so
-    each row must come out as it would alone. The kernel gives that for every pass, and
+    outputs are real), float32, bfloat16 (uint16) or int8 with its scale. shared: the
+    rows belong to a pass that several requests share, so each row must come out as it
+    would alone. The kernel gives that for every pass, and
     beats OpenBLAS held to one thread (see kernel_pass) at every row count measured (1-256)."""
     if w.ndim == 3:
         return row_kernel.matmul(rows, w, n_out or w.shape[0] * row_kernel.W, scale)

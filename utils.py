@@ -226,7 +226,7 @@ def plain_layout(params):
             raise LoadError(f"a {w.dtype} model has no plain float32 layout: load it as --dtype float32")
         if w.ndim == 3:
             w = rowwise.row_kernel.unblocked(w, layer["b"].shape[-1])
-        return {"w": np.ascontiguousarray(w), "b": layer["b"]}  # [n_in, n_out]
+        return {**layer, "w": np.ascontiguousarray(w)}  # [n_in, n_out]
     return {name: value for name, value in map_linear(params, plain).items() if name != "lm_head"}
 
 

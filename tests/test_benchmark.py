@@ -53,6 +53,9 @@ def test_quick_benchmark_writes_every_measurement(tmp_path, capsys):
         assert all(x["rss_anon_mib"] > 0 and x["load_s"] > 0 for x in f["formats"])
         for x in f["formats"][1:] + list(r["formats_test_model"].values()):
             assert 0 < x["logits_max_rel_error"] < 0.1 and 0.5 < x["top1_agreement"] <= 1
+        fallback = f["numpy_fallback"]
+        assert fallback["int8_over_float32"] == pytest.approx(fallback["float32_gemv_s"]
+                                                              / fallback["int8_widened_gemv_s"])
         self_draft = r["self_draft"]
         assert self_draft["draft"] == "tiny int8" and 0 < self_draft["natural_acceptance"] <= 1
         assert [e["a"] for e in self_draft["end_to_end"][1:]] == [0.9] * len(self_draft["end_to_end"][1:])

@@ -183,3 +183,10 @@ def test_padded_head_columns_are_never_logits(tiny, dtype):
     cache = kv_cache.init_cache(hparams, 1, 16, like=params["wte"])
     step = gpt2.next_logits((dict(params, lm_head=poisoned), hparams), cache, [ids[0].tolist()])
     assert step.shape == (1, 1, hparams["n_vocab"]) and step.max() < 1e3
+
+
+@needs_numba
+def test_blocks_refuse_an_input_width_the_kernels_would_read_past():
+    import row_kernel
+    with pytest.raises(ValueError, match="multiple of 8 inputs, got a 12 x 64 matrix"):
+        row_kernel.blocked(np.ones((12, 64), np.float32))

@@ -14,7 +14,10 @@ import rowwise
 import sampling
 import utils
 import weight_formats
-from test_speculative import PROMPTS, chi_square_ok, first_tokens, plain, spec
+import scheduler
+import speculative
+from test_rowwise import requests
+from test_speculative import N_CTX, PROMPTS, chi_square_ok, first_tokens, plain, spec
 
 needs_numba = pytest.mark.skipif(rowwise.pick_kernel("numba") != "numba", reason="numba is not installed")
 NARROW = ["bfloat16", "int8"]
@@ -169,6 +172,38 @@ def test_greedy_with_a_narrow_self_draft_is_greedy_float32(self_drafts, dtype, K
     want = [plain([p], target, 30)[0] for p in PROMPTS]
     out, stats = spec(PROMPTS, target, drafts[dtype], 30, K)
     assert out == want and stats.accepted > 0
+
+
+@needs_numba
+@pytest.mark.parametrize("K", [2, 5])
+def test_greedy_with_an_int8_self_draft_across_the_window_edge(self_drafts, K):
+    """Prompts ending 0-3 tokens before the window's edge, on it and past it, 45 new
+    tokens each, batched: the int8 self-draft gives the float32 greedy text."""
+    target, drafts = self_drafts
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 50000, n).tolist() for n in (N_CTX - 3, N_CTX - 1, N_CTX, 80)]
+    assert spec(prompts, target, drafts["int8"], 45, K)[0] == plain(prompts, target, 45)
+
+
+@needs_numba
+@pytest.mark.parametrize("decoder", ["autoregressive", "speculative"])
+def test_an_int8_models_sampled_text_is_its_text_alone_among_others(wide_formats, decoder):
+    """Full-vocabulary sampling, max_batch 2 and 5, rows joining and leaving: each
+    request's text from the int8 model (speculative: drafted by its own first layer)
+    is its text alone."""
+    model = wide_formats["int8"]
+    draft = (dict(model[0], blocks=model[0]["blocks"][:1]), dict(model[1], n_layer=1))
+    config = speculative.SpeculativeConfig(K=3)
+    if decoder == "autoregressive":
+        serve_with, alone = scheduler.autoregressive(model), lambda r: gpt2.generate([r], model)[0][0]
+    else:
+        serve_with = scheduler.speculative_decoder(model, draft, config)
+        alone = lambda r: speculative.speculative_generate([r], model, draft, config)[0][0]  # noqa: E731
+    reqs = requests(8, seed=2)
+    want = [alone(r) for r in reqs]
+    for max_batch in (2, 5):
+        finished = {e.index: e.tokens for e in scheduler.serve(reqs, serve_with, max_batch) if e.kind == "finished"}
+        assert [finished[i] for i in range(len(reqs))] == want, f"max_batch {max_batch}"
 
 
 @needs_numba
