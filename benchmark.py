@@ -230,9 +230,11 @@ def format_load(size, dtype, models_dir):
     code = ("import json, time, benchmark, utils, os\n"
             f"t = time.perf_counter(); d = os.path.join({models_dir!r}, {size!r})\n"
             f"real = {size!r} in utils.MODEL_SIZES and utils.is_complete(d)\n"
-            f"m = utils.load_model_dir(d, dtype={dtype!r}) if real else benchmark.random_params({size!r}, dtype={dtype!r})\n"
+            f"m = (utils.load_model_dir(d, dtype={dtype!r}) if real\n"
+            f"     else benchmark.random_params({size!r}, dtype={dtype!r}))\n"
             "load = time.perf_counter() - t\n"
-            "status = {l.split(':')[0]: int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(('RssAnon', 'VmHWM'))}\n"
+            "status = {l.split(':')[0]: int(l.split()[1]) for l in open('/proc/self/status')\n"
+            "          if l.startswith(('RssAnon', 'VmHWM'))}\n"
             "print(json.dumps({'load_s': load, 'weights': 'real' if real else 'random', "
             "'rss_anon_mib': status['RssAnon'] / 1024, 'peak_rss_mib': status['VmHWM'] / 1024}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -262,7 +264,7 @@ def fallback_widening(model, reps):
     plain = utils.plain_layout(model[0])
     mats = [utils.column_major(layer["w"]) for block in plain["blocks"] for part in ("attn", "mlp")
             for layer in block[part].values()] + [np.asarray(plain["wte"]).T]  # [n_in, n_out] each
-    quantized = [weight_formats.to_int8(w) for w in mats]  # (q [n_in, n_out], scale [n_out])
+    quantized = [(np.asfortranarray(q), scale) for q, scale in map(weight_formats.to_int8, mats)]  # column-major q
     x = np.random.default_rng(0).standard_normal(max(w.shape[0] for w in mats), dtype=np.float32)
 
     def float32():
