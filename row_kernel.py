@@ -10,54 +10,65 @@ compiles a Python function to machine code through LLVM.
 
 Layout: each weight matrix w [n_in, n_out] is stored once as contiguous blocks of
 W = 64 output columns, wb [n_blocks, n_in, W] (`blocked`; the last block padded with
-zeros). A block is then one sequential stream of memory. For each block, the kernel
-walks k = 0..n_in-1 and, for every row i, adds x[i, k] * wb[b, k, :] to that row's 64
-sums: each weight comes from memory once, and every row uses it while it is in cache.
-The W columns are independent, so the compiler turns the inner loop into vector
-instructions (8 floats on AVX2, 16 on AVX-512) with no reordering of any sum.
+zeros). A block is then one sequential stream of memory, and numba's threads (prange)
+share the blocks out.
+
+Registers: the arithmetic is fused multiply-adds on vectors of V = 8 floats (AVX2's
+256-bit registers; 16 such registers per core). The cost to beat is not the multiply but
+the loads around it: if each row's sums lived in memory, every multiply-add would load
+and store a sum and reload a weight, and 8 rows would take as long to add up as the
+weights take to arrive. So the sums live in registers. numba has no vector type, so this
+file gives it one (`float32x8`, an LLVM <8 x float>) and four operations on it, each a
+few lines of LLVM IR: `load8` (8 weights, widened to float32 if they are stored
+narrower), `fma8` (acc + x * w in every lane), `store8`, `zero8`. A value of that type
+is a register, as a float64 local is.
+
+- One row (`row_times_blocks`): a block's 64 sums are 8 registers; for k = 0..n_in-1
+  each gets x[k] * wb[b, k, 8 lanes]. Each weight is loaded once, next to its use.
+- Rows (`rows_times_blocks`): a register tile of 4 rows x 16 columns (8 sums and 2
+  weight registers): per k, two loads of weights serve 8 multiply-adds. The tile walks
+  CHUNK k-steps, then parks its sums in L1 and the next tile (columns, rows) takes
+  the same CHUNK steps of the block, now in L1, so each weight still comes from memory
+  once for all rows. Row counts are padded to a multiple of 4 with zero rows.
 
 Batch invariance by construction: output j of row i is x[i, 0] w[0, j] + x[i, 1] w[1, j]
-+ ..., added in that order, one fused multiply-add at a time, whatever the number of
-rows, the row's place among them, the block it sits in or the thread that runs it. So a
-row's logits are bitwise the same alone or beside any others (tests/test_rowwise.py).
-Four k per iteration, written as one left-to-right sum, keep that order (the sum is
-((acc + x0 w0) + x1 w1) + ...) while touching the accumulators a quarter as often.
++ ..., added in that order, one fused multiply-add at a time, in both kernels, whatever
+the number of rows, the row's place among them, the block it sits in or the thread that
+runs it. So a row's logits are bitwise the same alone or beside any others
+(tests/test_rowwise.py).
 
 Why the prefetch: while the core is busy with multiply-adds, fewer loads are in flight,
 and the weights arrive later than they could; a pass then costs its memory time plus its
-arithmetic. Asking for the weights PREFETCH k-steps ahead (the `prefetch` intrinsic below,
+arithmetic. Asking for the weights a few KiB ahead (the `prefetch` intrinsic below,
 LLVM's llvm.prefetch) keeps memory busy while the arithmetic runs, so the two overlap.
 `python benchmark.py --only rows` measures what a pass over n rows costs.
 
 Narrow weights (weight_formats.py): the same blocks stored as bfloat16 (uint16) or int8,
-read by two more kernels that first widen a few k-steps of the block to float32 in a
-small scratch (in L1: a few KiB), then run the very loop above over it for every row.
-Widening once per weight, not once per row and weight, keeps batches as cheap as the
-float32 kernel's. A single row has nothing to share, and widens each weight right where
-it multiplies it (`row_times_*`: 7-25% faster than through the scratch). The sums and
-their order are those of the float32 kernel in every case, so each format is batch
-invariant the same way (tested: a row alone, through the one-row kernel, is bitwise the
-row among others). int8 multiplies each output by its column's scale once, after the
-sum. Eight k-steps per widening suit int8 (its 8 weights of a column share a load),
-four suit bfloat16: measured on a 355M pass, 1-8 rows.
+read by the same two kernels: `load8` widens 8 of them in registers (bfloat16: the 16
+bits become a float32's high half; int8: a conversion), so the sums and their order are
+the float32 kernel's and each format is batch invariant the same way. int8 multiplies
+each output by its column's scale once, after the sum (`matmul`).
 """
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, models, register_model
 
 import weight_formats
 
 W = 64  # outputs per block: a multiple of every vector width (8 on AVX2, 16 on AVX-512)
-PREFETCH = 8  # k-steps ahead (8 rows of a block: 2 KiB) that the kernel asks memory for
+V = 8  # floats per vector register (AVX2)
+CHUNK = 8  # k-steps a tile takes before the next tile reuses them from L1
+AHEAD = 2048  # bytes of a block that one row asks memory for ahead of its loads
+AHEAD_ROWS = 8192  # the same for a register tile, whose arithmetic takes longer
 
 
 def blocked(w):
     """w [n_in, n_out] -> wb [ceil(n_out / W), n_in, W]: each block's weights contiguous,
     the last block padded with zero columns (its extra outputs are cut off by `matmul`).
-    The kernels take 4 or 8 inputs a step, unchecked: n_in must be a multiple of 8 (it is
-    for every GPT-2)."""
+    The rows kernel takes CHUNK = 8 inputs at a time, unchecked: n_in must be a multiple
+    of 8 (it is for every GPT-2)."""
     n_in, n_out = w.shape
     if n_in % 8:
         raise ValueError(f"the row kernel needs a multiple of 8 inputs, got a {n_in} x {n_out} matrix")
@@ -88,159 +99,208 @@ def columns(wb, tokens, scale=None):
     return cols
 
 
+
+
+class Float32x8(types.Type):
+    """numba's type for 8 float32 lanes in one vector register (LLVM's <8 x float>)."""
+    def __init__(self):
+        super().__init__(name="float32x8")
+
+
+float32x8 = Float32x8()
+VECTOR = ir.VectorType(ir.FloatType(), V)
+
+
+@register_model(Float32x8)
+class Float32x8Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, VECTOR)
+
+
+def _address(context, builder, array_type, array, index):
+    """LLVM pointer to array[index] (index: a tuple of ints, unchecked)."""
+    array = context.make_array(array_type)(context, builder, array)
+    return cgutils.get_item_pointer2(context, builder, data=array.data,
+                                     shape=cgutils.unpack_tuple(builder, array.shape),
+                                     strides=cgutils.unpack_tuple(builder, array.strides),
+                                     layout=array_type.layout, inds=cgutils.unpack_tuple(builder, index),
+                                     wraparound=False)
+
+
 @intrinsic
-def as_float32(typingctx, bits):
-    """The float32 whose bits are `bits` (uint32): a bitcast, no conversion."""
+def load8(typingctx, a, index):
+    """a[index], a[index] + 1, ..., 8 consecutive elements of the last axis as float32
+    lanes: float32 as they are, bfloat16 bits (uint16) shifted into a float32's high
+    half (exact), int8 converted (exact)."""
     def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.uint32), codegen
-
-
-@njit(inline="always")
-def widen(bits):
-    """A bfloat16's bits (uint16) -> its float32: the 16 bits become the high half."""
-    return as_float32(np.uint32(bits) << 16)
+        address = _address(context, builder, signature.args[0], args[0], args[1])
+        dtype = signature.args[0].dtype
+        if dtype == types.float32:
+            return builder.load(builder.bitcast(address, VECTOR.as_pointer()), align=4)
+        narrow = ir.VectorType(ir.IntType(dtype.bitwidth), V)
+        bits = builder.load(builder.bitcast(address, narrow.as_pointer()), align=dtype.bitwidth // 8)
+        if dtype == types.int8:
+            return builder.sitofp(bits, VECTOR)
+        i32 = ir.VectorType(ir.IntType(32), V)
+        return builder.bitcast(builder.shl(builder.zext(bits, i32), ir.Constant(i32, [16] * V)), VECTOR)
+    if a.dtype not in (types.float32, types.uint16, types.int8):
+        return None
+    return float32x8(a, index), codegen
 
 
 @intrinsic
-def prefetch(typingctx, wb, b, k, j):
-    """Ask the cache for the line that holds wb[b, k, j]. A hint: it never faults (even
-    past the end of the array) and changes no value, only when the bytes arrive."""
+def store8(typingctx, a, index, value):
+    """a[index], ..., a[index] + 7 = the 8 lanes of value (a: float32)."""
     def codegen(context, builder, signature, args):
-        array_type = signature.args[0]
-        array = context.make_array(array_type)(context, builder, args[0])
-        address = cgutils.get_item_pointer2(context, builder, data=array.data,
-                                            shape=cgutils.unpack_tuple(builder, array.shape),
-                                            strides=cgutils.unpack_tuple(builder, array.strides),
-                                            layout=array_type.layout, inds=args[1:], wraparound=False)
+        address = _address(context, builder, signature.args[0], args[0], args[1])
+        builder.store(args[2], builder.bitcast(address, VECTOR.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.void(a, index, value), codegen
+
+
+@intrinsic
+def fma8(typingctx, acc, x, w):
+    """acc + x * w in every lane (x a float32, the same for all 8): llvm.fmuladd, one fused
+    multiply-add where the CPU has one, one rounding either way, the same in both kernels."""
+    def codegen(context, builder, signature, args):
+        lanes = ir.Constant(ir.VectorType(ir.IntType(32), V), [0] * V)
+        xs = builder.insert_element(ir.Constant(VECTOR, ir.Undefined), args[1], ir.IntType(32)(0))
+        xs = builder.shuffle_vector(xs, ir.Constant(VECTOR, ir.Undefined), lanes)  # x in every lane
+        fmuladd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VECTOR, [VECTOR] * 3),
+                                                 "llvm.fmuladd.v8f32")
+        return builder.call(fmuladd, [xs, args[2], args[0]])
+    return float32x8(float32x8, types.float32, float32x8), codegen
+
+
+@intrinsic
+def zero8(typingctx):
+    """8 lanes of 0.0."""
+    def codegen(context, builder, signature, args):
+        return ir.Constant(VECTOR, [0.0] * V)
+    return float32x8(), codegen
+
+
+@intrinsic
+def prefetch(typingctx, a, index):
+    """Ask the cache for the line that holds a[index]. A hint: it never faults (even past
+    the end of the array) and changes no value, only when the bytes arrive."""
+    def codegen(context, builder, signature, args):
+        address = _address(context, builder, signature.args[0], args[0], args[1])
         i32 = ir.IntType(32)
         llvm_prefetch = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32]), "llvm.prefetch.p0")
         builder.call(llvm_prefetch, [address, i32(0), i32(2), i32(1)])  # read, keep in L2, data
         return context.get_dummy_value()
-    return types.void(wb, b, k, j), codegen
+    return types.void(a, index), codegen
 
 
-@njit("void(float32[:, ::1], float32[:, :, ::1], float32[:, ::1])", parallel=True, fastmath={"contract"},
-      cache=True, nogil=True)
-def rows_times_blocks(x, wb, out):
-    """out [R, n_blocks * W] = x [R, n_in] @ the matrix whose blocks are wb [n_blocks, n_in, W].
-    n_in must be a multiple of 4. The blocks are shared among numba's threads (prange).
-    fastmath "contract" only: a * b + c may become one fused multiply-add, but no sum is
-    ever reordered, so every output is summed over k in order, row by row the same."""
-    n_blocks, n_in, width = wb.shape
-    R = x.shape[0]
-    for b in prange(n_blocks):
-        acc = np.zeros((R, width), np.float32)  # [R, W]: this block's outputs for every row
-        for k in range(0, n_in, 4):
-            for ahead in range(k + PREFETCH, k + PREFETCH + 4):
-                for j in range(0, width, 16):  # a cache line holds 16 floats
-                    prefetch(wb, b, ahead, j)
-            w0, w1, w2, w3 = wb[b, k], wb[b, k + 1], wb[b, k + 2], wb[b, k + 3]  # [W] each
-            for i in range(R):
-                x0, x1, x2, x3 = x[i, k], x[i, k + 1], x[i, k + 2], x[i, k + 3]
-                a = acc[i]
-                for j in range(width):
-                    a[j] = a[j] + x0 * w0[j] + x1 * w1[j] + x2 * w2[j] + x3 * w3[j]
-        out[:, b * width:(b + 1) * width] = acc
+FORMATS = ("float32", "uint16", "int8")  # float32, bfloat16's bits, int8 (weight_formats.py)
 
 
-@njit("void(float32[:, ::1], uint16[:, :, ::1], float32[:, ::1])", parallel=True, fastmath={"contract"},
-      cache=True, nogil=True)
-def rows_times_bfloat16_blocks(x, wb, out):
-    """rows_times_blocks for bfloat16 blocks (uint16 bits): four k-steps of the block are
-    widened (shifted into a float32's high half) into f, then every row adds them up
-    exactly as rows_times_blocks does."""
-    n_blocks, n_in, _ = wb.shape
-    R = x.shape[0]
-    for b in prange(n_blocks):
-        acc = np.zeros((R, W), np.float32)  # [R, W]
-        f = np.empty((4, W), np.float32)  # [4, W]: k..k+3 of this block, widened
-        for k in range(0, n_in, 4):
-            for ahead in range(k + 2 * PREFETCH, k + 2 * PREFETCH + 4):
-                prefetch(wb, b, ahead, 0)  # 64 bfloat16 columns: two cache lines
-                prefetch(wb, b, ahead, W // 2)
-            for t in range(4):
-                for j in range(W):
-                    f[t, j] = widen(wb[b, k + t, j])
-            w0, w1, w2, w3 = f[0], f[1], f[2], f[3]
-            for i in range(R):
-                x0, x1, x2, x3 = x[i, k], x[i, k + 1], x[i, k + 2], x[i, k + 3]
-                a = acc[i]
-                for j in range(W):
-                    a[j] = a[j] + x0 * w0[j] + x1 * w1[j] + x2 * w2[j] + x3 * w3[j]
-        out[:, b * W:(b + 1) * W] = acc
-
-
-@njit("void(float32[:, ::1], int8[:, :, ::1], float32[::1], float32[:, ::1])", parallel=True, fastmath={"contract"},
-      cache=True, nogil=True)
-def rows_times_int8_blocks(x, wb, scale, out):
-    """out = (x @ q) * scale for int8 blocks q and one scale per output column: eight
-    k-steps widened into f at a time (n_in must be a multiple of 8), every row summed as
-    rows_times_blocks sums, each output scaled once at the end."""
-    n_blocks, n_in, _ = wb.shape
-    R = x.shape[0]
-    for b in prange(n_blocks):
-        acc = np.zeros((R, W), np.float32)  # [R, W]
-        f = np.empty((8, W), np.float32)  # [8, W]: k..k+7 of this block, widened
-        for k in range(0, n_in, 8):
-            for ahead in range(k + 4 * PREFETCH, k + 4 * PREFETCH + 8):
-                prefetch(wb, b, ahead, 0)  # 64 int8 columns: one cache line
-            for t in range(8):
-                for j in range(W):
-                    f[t, j] = np.float32(wb[b, k + t, j])
-            for i in range(R):
-                x0, x1, x2, x3 = x[i, k], x[i, k + 1], x[i, k + 2], x[i, k + 3]
-                x4, x5, x6, x7 = x[i, k + 4], x[i, k + 5], x[i, k + 6], x[i, k + 7]
-                a = acc[i]
-                for j in range(W):
-                    a[j] = (a[j] + x0 * f[0, j] + x1 * f[1, j] + x2 * f[2, j] + x3 * f[3, j]
-                            + x4 * f[4, j] + x5 * f[5, j] + x6 * f[6, j] + x7 * f[7, j])
-        for i in range(R):
-            for j in range(W):
-                out[i, b * W + j] = acc[i, j] * scale[b * W + j]
-
-
-@njit("void(float32[::1], uint16[:, :, ::1], float32[::1])", parallel=True, fastmath={"contract"}, cache=True,
+@njit([f"void(float32[::1], {t}[:, :, ::1], float32[::1])" for t in FORMATS], parallel=True, cache=True,
       nogil=True)
-def row_times_bfloat16_blocks(x, wb, out):
-    """One row: no scratch, each weight widened where it is used (once either way), so
-    the loop is all loads and multiply-adds. The same sums in the same order as above."""
+def row_times_blocks(x, wb, out):
+    """out [n_blocks * W] = x [n_in] @ the matrix whose blocks are wb [n_blocks, n_in, W]:
+    per block, 64 sums in 8 registers, one multiply-add per weight."""
     n_blocks, n_in, _ = wb.shape
+    ahead = AHEAD // (W * wb.itemsize)  # k-steps
+    line = 64 // wb.itemsize  # a cache line's elements
     for b in prange(n_blocks):
-        acc = np.zeros(W, np.float32)  # [W]
-        w = wb[b]  # [n_in, W]
-        for k in range(0, n_in, 4):
-            for ahead in range(k + 2 * PREFETCH, k + 2 * PREFETCH + 4):
-                prefetch(wb, b, ahead, 0)
-                prefetch(wb, b, ahead, W // 2)
-            x0, x1, x2, x3 = x[k], x[k + 1], x[k + 2], x[k + 3]
-            for j in range(W):
-                acc[j] = (acc[j] + x0 * widen(w[k, j]) + x1 * widen(w[k + 1, j])
-                          + x2 * widen(w[k + 2, j]) + x3 * widen(w[k + 3, j]))
-        out[b * W:(b + 1) * W] = acc
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero8()
+        for k in range(n_in):
+            for j in range(0, W, line):
+                prefetch(wb, (b, k + ahead, j))
+            xk = x[k]
+            s0 = fma8(s0, xk, load8(wb, (b, k, 0)))
+            s1 = fma8(s1, xk, load8(wb, (b, k, 8)))
+            s2 = fma8(s2, xk, load8(wb, (b, k, 16)))
+            s3 = fma8(s3, xk, load8(wb, (b, k, 24)))
+            s4 = fma8(s4, xk, load8(wb, (b, k, 32)))
+            s5 = fma8(s5, xk, load8(wb, (b, k, 40)))
+            s6 = fma8(s6, xk, load8(wb, (b, k, 48)))
+            s7 = fma8(s7, xk, load8(wb, (b, k, 56)))
+        c = b * W
+        store8(out, (c,), s0)
+        store8(out, (c + 8,), s1)
+        store8(out, (c + 16,), s2)
+        store8(out, (c + 24,), s3)
+        store8(out, (c + 32,), s4)
+        store8(out, (c + 40,), s5)
+        store8(out, (c + 48,), s6)
+        store8(out, (c + 56,), s7)
 
 
-@njit("void(float32[::1], int8[:, :, ::1], float32[::1], float32[::1])", parallel=True, fastmath={"contract"},
-      cache=True, nogil=True)
-def row_times_int8_blocks(x, wb, scale, out):
-    """One row of rows_times_int8_blocks, each weight widened where it is used."""
+@njit(inline="always")
+def four_rows(x, i, wb, b, k0, acc, ahead):
+    """Rows i..i+3 of x times steps k0..k0+CHUNK-1 of block b, in register tiles of 4 rows
+    x 16 columns: sNv holds row i+N's columns j+8v..j+8v+7. The tile starts from zero or
+    from acc [R, W], where the previous chunk parked it. Per k, two loads of weights
+    serve 8 multiply-adds."""
+    for j in range(0, W, 16):
+        if k0 == 0:
+            s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = zero8()
+        else:
+            s00, s01 = load8(acc, (i, j)), load8(acc, (i, j + 8))
+            s10, s11 = load8(acc, (i + 1, j)), load8(acc, (i + 1, j + 8))
+            s20, s21 = load8(acc, (i + 2, j)), load8(acc, (i + 2, j + 8))
+            s30, s31 = load8(acc, (i + 3, j)), load8(acc, (i + 3, j + 8))
+        for k in range(k0, k0 + CHUNK):
+            prefetch(wb, (b, k + ahead, j))
+            w0, w1 = load8(wb, (b, k, j)), load8(wb, (b, k, j + 8))  # the tile's 16 weights of step k
+            x0, x1, x2, x3 = x[i, k], x[i + 1, k], x[i + 2, k], x[i + 3, k]
+            s00, s01 = fma8(s00, x0, w0), fma8(s01, x0, w1)
+            s10, s11 = fma8(s10, x1, w0), fma8(s11, x1, w1)
+            s20, s21 = fma8(s20, x2, w0), fma8(s21, x2, w1)
+            s30, s31 = fma8(s30, x3, w0), fma8(s31, x3, w1)
+        for n, (lo, hi) in enumerate(((s00, s01), (s10, s11), (s20, s21), (s30, s31))):
+            store8(acc, (i + n, j), lo)
+            store8(acc, (i + n, j + 8), hi)
+
+
+@njit(inline="always")
+def two_rows(x, i, wb, b, k0, acc, ahead):
+    """Rows i, i+1 as `four_rows` takes four, in tiles of 2 rows x 32 columns: a last pair
+    costs half the arithmetic of four rows, two of them padding."""
+    for j in range(0, W, 32):
+        if k0 == 0:
+            s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = zero8()
+        else:
+            s00, s01, s02, s03 = load8(acc, (i, j)), load8(acc, (i, j + 8)), load8(acc, (i, j + 16)), load8(acc, (i, j + 24))
+            s10, s11 = load8(acc, (i + 1, j)), load8(acc, (i + 1, j + 8))
+            s12, s13 = load8(acc, (i + 1, j + 16)), load8(acc, (i + 1, j + 24))
+        for k in range(k0, k0 + CHUNK):
+            prefetch(wb, (b, k + ahead, j))
+            prefetch(wb, (b, k + ahead, j + 16))
+            w0, w1 = load8(wb, (b, k, j)), load8(wb, (b, k, j + 8))
+            w2, w3 = load8(wb, (b, k, j + 16)), load8(wb, (b, k, j + 24))
+            x0, x1 = x[i, k], x[i + 1, k]
+            s00, s01, s02, s03 = fma8(s00, x0, w0), fma8(s01, x0, w1), fma8(s02, x0, w2), fma8(s03, x0, w3)
+            s10, s11, s12, s13 = fma8(s10, x1, w0), fma8(s11, x1, w1), fma8(s12, x1, w2), fma8(s13, x1, w3)
+        for n, (a, b_, c, d) in enumerate(((s00, s01, s02, s03), (s10, s11, s12, s13))):
+            store8(acc, (i + n, j), a)
+            store8(acc, (i + n, j + 8), b_)
+            store8(acc, (i + n, j + 16), c)
+            store8(acc, (i + n, j + 24), d)
+
+
+@njit([f"void(float32[:, ::1], {t}[:, :, ::1], float32[:, ::1])" for t in FORMATS], parallel=True, cache=True,
+      nogil=True)
+def rows_times_blocks(x, wb, out):
+    """out [R, n_blocks * W] = x [R, n_in] @ the blocks wb, R even: per block, CHUNK
+    k-steps at a time, rows four by four, then a last pair if R is not a multiple of 4."""
     n_blocks, n_in, _ = wb.shape
+    R = x.shape[0]
+    ahead = AHEAD_ROWS // (W * wb.itemsize)  # k-steps
     for b in prange(n_blocks):
-        acc = np.zeros(W, np.float32)  # [W]
-        w = wb[b]  # [n_in, W]
-        for k in range(0, n_in, 8):
-            for ahead in range(k + 4 * PREFETCH, k + 4 * PREFETCH + 8):
-                prefetch(wb, b, ahead, 0)
-            x0, x1, x2, x3 = x[k], x[k + 1], x[k + 2], x[k + 3]
-            x4, x5, x6, x7 = x[k + 4], x[k + 5], x[k + 6], x[k + 7]
-            for j in range(W):
-                acc[j] = (acc[j] + x0 * np.float32(w[k, j]) + x1 * np.float32(w[k + 1, j])
-                          + x2 * np.float32(w[k + 2, j]) + x3 * np.float32(w[k + 3, j])
-                          + x4 * np.float32(w[k + 4, j]) + x5 * np.float32(w[k + 5, j])
-                          + x6 * np.float32(w[k + 6, j]) + x7 * np.float32(w[k + 7, j]))
-        for j in range(W):
-            out[b * W + j] = acc[j] * scale[b * W + j]
+        acc = np.empty((R, W), np.float32)  # [R, W]: this block's sums, between chunks
+        for k0 in range(0, n_in, CHUNK):
+            i = 0
+            while i + 4 <= R:
+                four_rows(x, i, wb, b, k0, acc, ahead)
+                i += 4
+            if i < R:
+                two_rows(x, i, wb, b, k0, acc, ahead)
+        out[:, b * W:(b + 1) * W] = acc
 
 
 def matmul(rows, wb, n_out, scale=None):
@@ -250,13 +310,16 @@ def matmul(rows, wb, n_out, scale=None):
     the head's first blocks only)."""
     n_blocks = -(-n_out // W)
     wb = wb[:n_blocks]  # [needed blocks, n_in, W]
-    x = np.ascontiguousarray(rows, dtype=np.float32)  # [n, n_in]
-    out = np.empty((rows.shape[0], n_blocks * W), np.float32)  # [n, n_blocks * W]
-    if wb.dtype == np.uint16:
-        (row_times_bfloat16_blocks(x[0], wb, out[0]) if len(x) == 1 else rows_times_bfloat16_blocks(x, wb, out))
-    elif wb.dtype == np.int8:
-        scale = scale[:n_blocks * W]
-        (row_times_int8_blocks(x[0], wb, scale, out[0]) if len(x) == 1 else rows_times_int8_blocks(x, wb, scale, out))
+    n = rows.shape[0]
+    if n == 1:
+        out = np.empty((1, n_blocks * W), np.float32)  # [1, n_blocks * W]
+        row_times_blocks(np.ascontiguousarray(rows[0], dtype=np.float32), wb, out[0])
     else:
+        x = np.zeros((n + n % 2, rows.shape[1]), np.float32)  # [n made even, n_in]
+        x[:n] = rows
+        out = np.empty((len(x), n_blocks * W), np.float32)  # [n padded, n_blocks * W]
         rows_times_blocks(x, wb, out)
-    return out[:, :n_out]  # [n, n_out]
+    out = out[:n, :n_out]  # [n, n_out]
+    if scale is not None:
+        out *= scale[:n_out]  # int8: (x @ q) * scale, one rounding per output as in one row
+    return out
