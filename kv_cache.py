@@ -181,11 +181,15 @@ def rows(cache, lo, hi):
 def gather_rows(cache, idx):
     """Row r becomes what row idx[r] was, for r < len(idx): beam search keeps its best beams
     by gathering their keys and values, never by recomputing them."""
-    n = len(idx)
-    for layer in cache["layers"]:
-        layer["k"][:n] = layer["k"][idx]  # the gather copies first, so rows may read each other
-        layer["v"][:n] = layer["v"][idx]
-    cache["lengths"][:n], cache["starts"][:n] = cache["lengths"][idx], cache["starts"][idx]
+    idx = np.asarray(idx)
+    moved = np.flatnonzero(idx != np.arange(len(idx)))  # rows that keep their own beam copy nothing
+    src = idx[moved]
+    if len(moved):
+        used = int(cache["lengths"][src].max())  # slots past a row's length are never read
+        for layer in cache["layers"]:
+            layer["k"][moved, :, :used] = layer["k"][src, :, :used]  # the gather copies first,
+            layer["v"][moved, :, :used] = layer["v"][src, :, :used]  # so rows may read each other
+    cache["lengths"][moved], cache["starts"][moved] = cache["lengths"][src], cache["starts"][src]
 
 
 def clear_row(cache, b):
