@@ -104,6 +104,24 @@ def test_move_row_and_rows_view(tiny):
     assert cache["lengths"][:2].tolist() == [len(PROMPTS[2]) + 1, len(PROMPTS[1]) + 1]  # the view wrote through
 
 
+def test_gather_rows_is_a_gather_of_every_row_it_keeps(tiny):
+    """Beam search keeps beams with gather_rows, which copies only the rows that change and
+    only the slots in use: the rows' caches must read as if each row were copied whole,
+    including rows that swap, take their own place, or feed two others."""
+    _, hparams, params = tiny
+    model = (params, hparams)
+    texts = [PROMPTS[1], PROMPTS[0], PROMPTS[3], PROMPTS[2]]
+    for idx in ([1, 0, 2, 2], [3, 3, 0, 1], [0, 1, 2, 3], [2, 2, 2]):
+        cache = new_cache(hparams, 4)
+        last_logits(model, cache, texts)
+        kv_cache.gather_rows(cache, np.array(idx))
+        kept = [texts[i] + [9] for i in idx]
+        nxt = last_logits(model, kv_cache.rows(cache, 0, len(idx)), kept)
+        assert cache["lengths"][:len(idx)].tolist() == [len(t) for t in kept]
+        for row, text in zip(nxt, kept):
+            np.testing.assert_allclose(row, gpt2.gpt2(np.array([text]), **params, n_head=2)[0, -1], atol=1e-4)
+
+
 def test_cache_bytes_formula(tiny):
     _, h, _ = tiny
     cache = new_cache(h, 3)
