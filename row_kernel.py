@@ -102,8 +102,6 @@ def columns(wb, tokens, scale=None):
     return cols
 
 
-
-
 class Float32x8(types.Type):
     """numba's type for 8 float32 lanes in one vector register (LLVM's <8 x float>)."""
     def __init__(self):
@@ -268,7 +266,8 @@ def two_rows(x, i, wb, b, k0, acc, ahead):
         if k0 == 0:
             s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = zero8()
         else:
-            s00, s01, s02, s03 = load8(acc, (i, j)), load8(acc, (i, j + 8)), load8(acc, (i, j + 16)), load8(acc, (i, j + 24))
+            s00, s01 = load8(acc, (i, j)), load8(acc, (i, j + 8))
+            s02, s03 = load8(acc, (i, j + 16)), load8(acc, (i, j + 24))
             s10, s11 = load8(acc, (i + 1, j)), load8(acc, (i + 1, j + 8))
             s12, s13 = load8(acc, (i + 1, j + 16)), load8(acc, (i + 1, j + 24))
         for k in range(k0, k0 + CHUNK):
@@ -279,11 +278,11 @@ def two_rows(x, i, wb, b, k0, acc, ahead):
             x0, x1 = x[i, k], x[i + 1, k]
             s00, s01, s02, s03 = fma8(s00, x0, w0), fma8(s01, x0, w1), fma8(s02, x0, w2), fma8(s03, x0, w3)
             s10, s11, s12, s13 = fma8(s10, x1, w0), fma8(s11, x1, w1), fma8(s12, x1, w2), fma8(s13, x1, w3)
-        for n, (a, b_, c, d) in enumerate(((s00, s01, s02, s03), (s10, s11, s12, s13))):
-            store8(acc, (i + n, j), a)
-            store8(acc, (i + n, j + 8), b_)
-            store8(acc, (i + n, j + 16), c)
-            store8(acc, (i + n, j + 24), d)
+        for n, (v0, v1, v2, v3) in enumerate(((s00, s01, s02, s03), (s10, s11, s12, s13))):
+            store8(acc, (i + n, j), v0)
+            store8(acc, (i + n, j + 8), v1)
+            store8(acc, (i + n, j + 16), v2)
+            store8(acc, (i + n, j + 24), v3)
 
 
 @njit([f"void(float32[:, ::1], {t}[:, :, ::1], float32[:, ::1])" for t in FORMATS], parallel=True, cache=True,
@@ -318,9 +317,10 @@ def matmul(rows, wb, n_out, scale=None):
         out = np.empty((1, n_blocks * W), np.float32)  # [1, n_blocks * W]
         row_times_blocks(np.ascontiguousarray(rows[0], dtype=np.float32), wb, out[0])
     else:
-        x = np.zeros((n + n % 2, rows.shape[1]), np.float32)  # [n made even, n_in]
-        x[:n] = rows
-        out = np.empty((len(x), n_blocks * W), np.float32)  # [n padded, n_blocks * W]
+        x = np.ascontiguousarray(rows, dtype=np.float32)  # [n, n_in]
+        if n % 2:  # the tiles take rows in pairs: one zero row, whose outputs are cut off below
+            x = np.concatenate([x, np.zeros((1, x.shape[1]), np.float32)])  # [n + 1, n_in]
+        out = np.empty((len(x), n_blocks * W), np.float32)  # [n made even, n_blocks * W]
         rows_times_blocks(x, wb, out)
     out = out[:n, :n_out]  # [n, n_out]
     if scale is not None:

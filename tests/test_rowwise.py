@@ -106,16 +106,21 @@ def requests(n, seed):
 def test_served_sampled_text_equals_the_text_alone(wide, decoder):
     """Full-vocabulary sampling with a repetition penalty, max_batch 2-8, rows joining
     and leaving: every request's text is its text alone (speculative: draft = 1 layer)."""
-    draft = (dict(wide[0], blocks=wide[0]["blocks"][:1]), dict(wide[1], n_layer=1))
+    assert_served_equals_alone(wide, decoder, requests(12, seed=1), (2, 5, 8))
+
+
+def assert_served_equals_alone(model, decoder, reqs, max_batches):
+    """Every request served among the others (continuous batching at each max_batch)
+    gets the text it gets alone; speculative: drafted by the model's own first layer."""
+    draft = (dict(model[0], blocks=model[0]["blocks"][:1]), dict(model[1], n_layer=1))
     config = speculative.SpeculativeConfig(K=3)
     if decoder == "autoregressive":
-        serve_with, alone = scheduler.autoregressive(wide), lambda r: gpt2.generate([r], wide)[0][0]
+        serve_with, alone = scheduler.autoregressive(model), lambda r: gpt2.generate([r], model)[0][0]
     else:
-        serve_with = scheduler.speculative_decoder(wide, draft, config)
-        alone = lambda r: speculative.speculative_generate([r], wide, draft, config)[0][0]  # noqa: E731
-    reqs = requests(12, seed=1)
+        serve_with = scheduler.speculative_decoder(model, draft, config)
+        alone = lambda r: speculative.speculative_generate([r], model, draft, config)[0][0]  # noqa: E731
     want = [alone(r) for r in reqs]
-    for max_batch in (2, 5, 8):
+    for max_batch in max_batches:
         finished = {e.index: e.tokens for e in scheduler.serve(reqs, serve_with, max_batch) if e.kind == "finished"}
         assert [finished[i] for i in range(len(reqs))] == want, f"max_batch {max_batch}"
 

@@ -14,9 +14,7 @@ import rowwise
 import sampling
 import utils
 import weight_formats
-import scheduler
-import speculative
-from test_rowwise import requests
+from test_rowwise import assert_served_equals_alone, requests
 from test_speculative import N_CTX, PROMPTS, chi_square_ok, first_tokens, plain, spec
 
 needs_numba = pytest.mark.skipif(rowwise.pick_kernel("numba") != "numba", reason="numba is not installed")
@@ -191,19 +189,7 @@ def test_an_int8_models_sampled_text_is_its_text_alone_among_others(wide_formats
     """Full-vocabulary sampling, max_batch 2 and 5, rows joining and leaving: each
     request's text from the int8 model (speculative: drafted by its own first layer)
     is its text alone."""
-    model = wide_formats["int8"]
-    draft = (dict(model[0], blocks=model[0]["blocks"][:1]), dict(model[1], n_layer=1))
-    config = speculative.SpeculativeConfig(K=3)
-    if decoder == "autoregressive":
-        serve_with, alone = scheduler.autoregressive(model), lambda r: gpt2.generate([r], model)[0][0]
-    else:
-        serve_with = scheduler.speculative_decoder(model, draft, config)
-        alone = lambda r: speculative.speculative_generate([r], model, draft, config)[0][0]  # noqa: E731
-    reqs = requests(8, seed=2)
-    want = [alone(r) for r in reqs]
-    for max_batch in (2, 5):
-        finished = {e.index: e.tokens for e in scheduler.serve(reqs, serve_with, max_batch) if e.kind == "finished"}
-        assert [finished[i] for i in range(len(reqs))] == want, f"max_batch {max_batch}"
+    assert_served_equals_alone(wide_formats["int8"], decoder, requests(8, seed=2), (2, 5))
 
 
 @needs_numba
