@@ -223,17 +223,41 @@ def emit(batch, b, tokens, n_accepted=0, logits=None):
 
 
 def leave(batch):
-    """Finished rows leave; the last rows move into their places, so the rows stay packed."""
+    """Finished rows leave the batch."""
     for b in reversed(range(len(batch.seqs))):
         if batch.seqs[b].finished:
             batch.done.append(batch.seqs[b])
-            last = len(batch.seqs) - 1
-            if b != last:
-                batch.seqs[b] = batch.seqs[last]
-                batch.counts[b], batch.prompt_counts[b] = batch.counts[last], batch.prompt_counts[last]
-                for cache in batch.caches.values():
-                    kv_cache.move_row(cache, last, b)
-            batch.seqs.pop()
+            remove(batch, b)
+
+
+def remove(batch, b):
+    """Row b leaves; the last row moves into its place, so the rows stay packed."""
+    last = len(batch.seqs) - 1
+    if b != last:
+        batch.seqs[b] = batch.seqs[last]
+        batch.counts[b], batch.prompt_counts[b] = batch.counts[last], batch.prompt_counts[last]
+        for cache in batch.caches.values():
+            kv_cache.move_row(cache, last, b)
+    batch.seqs.pop()
+
+
+def pause(batch, b):
+    """Row b leaves before it has finished, and takes along all it needs to go on exactly
+    where it stood: its sequence (text, random stream, timings), its counts, and a copy of
+    its cached keys and values (no recomputation, so not a bit of its logits changes)."""
+    kept = {"seq": batch.seqs[b], "counts": batch.counts[b].copy(), "prompt_counts": batch.prompt_counts[b].copy(),
+            "caches": {name: kv_cache.save_row(cache, b) for name, cache in batch.caches.items()}}
+    remove(batch, b)
+    return kept
+
+
+def resume(batch, kept):
+    """A paused sequence takes the next free row, as it stood when it was paused."""
+    b = len(batch.seqs)
+    batch.seqs.append(kept["seq"])
+    batch.counts[b], batch.prompt_counts[b] = kept["counts"], kept["prompt_counts"]
+    for name, cache in batch.caches.items():
+        kv_cache.restore_row(cache, b, kept["caches"][name])
 
 
 def run(requests, models, step, use_cache=True, callback=None):

@@ -197,6 +197,23 @@ def clear_row(cache, b):
     cache["lengths"][b] = cache["starts"][b] = 0
 
 
+def save_row(cache, b):
+    """A copy of row b as it stands (the keys and values of its cached tokens only), for
+    a request that gives up its row for a while (scheduler.py pauses it) and comes back."""
+    n = int(cache["lengths"][b])
+    return {"layers": [{name: layer[name][b, :, :n].copy() for name in ("k", "v")} for layer in cache["layers"]],
+            "length": n, "start": int(cache["starts"][b])}  # [n_head, n, d_head] per layer and name
+
+
+def restore_row(cache, b, saved):
+    """Row b becomes, bit for bit, the row that save_row copied."""
+    n = saved["length"]
+    for layer, kept in zip(cache["layers"], saved["layers"]):
+        for name in ("k", "v"):
+            layer[name][b, :, :n] = kept[name]
+    cache["lengths"][b], cache["starts"][b] = n, saved["start"]
+
+
 def move_row(cache, src, dst):
     """Copy row src into row dst (one row's keys and values), so the rows stay packed."""
     for layer in cache["layers"]:

@@ -36,7 +36,7 @@ import speculative
 
 @dataclass
 class Event:
-    kind: str  # "token", "finished" or "error"
+    kind: str  # "token", "finished", "error", or "paused" / "resumed" (preemption)
     index: int  # which request: its place in the list given to serve
     token: int = None  # "token": the new token (accepted: whether it was an accepted draft)
     accepted: bool = False
@@ -97,38 +97,58 @@ def from_list(requests, order):
         while waiting and requests[waiting[0]].arrival_s <= now:
             i = waiting.popleft()
             arrived.append((i, requests[i]))
-        return arrived, (), not waiting
+        return arrived, (), not waiting, ()
     return intake
 
 
 def serving(intake, step, models, max_batch, max_len, static=False, stats=None):
     """The loop: take in what has arrived, admit it into free rows, run one step, let finished
     rows leave. intake(now, idle) -> (arrivals [(index, request)], indices cancelled, whether
-    no more will come); idle: nothing runs or waits, so intake may block until something comes.
-    Requests come checked (refusal). stats: a batching.Stats to keep the run's counts in."""
+    no more will come, indices whose clients lag); idle: nothing runs or can resume and nothing
+    waits, so intake may block until something comes. Requests come checked (refusal).
+    stats: a batching.Stats to keep the run's counts in.
+
+    Preemption: a row whose client lags (it is not taking its tokens: a server knows, a list
+    never lags) gives its row to a waiting request, and is paused with all it needs to go on
+    (batching.pause). Once its client has caught up it resumes, ahead of new requests, its
+    text bit for bit what it would have been. At most max_batch requests are paused at a
+    time, so paused rows never hold more memory than the batch's own caches."""
     events = []
     batch = batching.new_batch(models, max_batch, max_len, stats=stats,
                                callback=lambda seq, token, accepted, logits: events.append(
                                    Event("token", seq.index, token, accepted, logits=logits)))
     start = batch.stats.start
-    waiting, joined, closed = collections.deque(), {}, False
+    waiting, joined, paused, closed, lagging = collections.deque(), {}, {}, False, set()
     while True:
-        arrived, cancelled, closed = intake(time.perf_counter() - start, idle=not (waiting or batch.seqs))
+        ready = [i for i in paused if i not in lagging]
+        arrived, cancelled, closed, lagging = intake(time.perf_counter() - start,
+                                                     idle=not (waiting or batch.seqs or ready))
         waiting.extend(arrived)
         for i in set(cancelled):  # a client that left: its row finishes now, or it never starts
             waiting = collections.deque((j, r) for j, r in waiting if j != i)
             for seq in batch.seqs:
                 seq.finished |= seq.index == i
+            if i in paused:
+                batch.done.append(paused.pop(i)["seq"])
+        if not static:
+            yield from preempt(batch, paused, lagging, len(waiting), max_batch)
         n_before = len(batch.seqs)
-        while waiting and len(batch.seqs) < max_batch and not (static and n_before):
-            i, request = waiting.popleft()
-            batching.join(batch, request, i)
-            joined[i] = time.perf_counter()
+        while len(batch.seqs) < max_batch and not (static and n_before):
+            i = next((i for i in paused if i not in lagging), None)
+            if i is not None:  # a client that caught up: its request goes on where it stopped
+                batching.resume(batch, paused.pop(i))
+                yield Event("resumed", i)
+            elif waiting:
+                i, request = waiting.popleft()
+                batching.join(batch, request, i)
+                joined[i] = time.perf_counter()
+            else:
+                break
         if len(batch.seqs) > n_before:
             step(batching.rows(batch, n_before, len(batch.seqs)))  # prefill: the new rows alone
         elif batch.seqs and not any(seq.finished for seq in batch.seqs):
             step(batch)  # decode: every row one step
-        elif closed and not waiting and not batch.seqs:
+        elif closed and not waiting and not batch.seqs and not paused:
             return
         yield from events
         events.clear()
@@ -137,6 +157,16 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None):
             yield Event("finished", seq.index, tokens=seq.generated,
                         metrics=metrics(seq, start, joined.pop(seq.index)))
         batch.done.clear()
+
+
+def preempt(batch, paused, lagging, n_waiting, max_batch):
+    """Pause rows whose clients lag, one for each request waiting for a row (and while fewer
+    than max_batch are paused); yields a "paused" event for each."""
+    for seq in [seq for seq in batch.seqs if seq.index in lagging and not seq.finished][:n_waiting]:
+        if len(paused) >= max_batch:
+            return
+        paused[seq.index] = batching.pause(batch, batch.seqs.index(seq))
+        yield Event("paused", seq.index)
 
 
 def refusal(request, hparams, max_len):

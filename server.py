@@ -36,9 +36,10 @@ import threading
 import time
 
 try:
+    import fcntl
     import resource
 except ImportError:  # Windows
-    resource = None
+    fcntl = resource = None
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -60,6 +61,10 @@ SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 1
 # A request is cancelled (its rows freed) when its client is not taking its events: EVENTS_PER_ROW
 # of them waiting per row, or STUCK_PER_ROW per row with none taken for STUCK_S seconds
 EVENTS_PER_ROW, STUCK_PER_ROW, STUCK_S = 1024, 32, 1.0
+# A stream's client lags when LAG_BYTES of its response wait in the kernel unsent (its receive
+# window is full); lagging requests are looked at again every LAG_CHECK_S seconds
+LAG_BYTES, LAG_CHECK_S = 1024, 0.05
+SIOCOUTQNSD = 0x894B  # Linux's ioctl for the bytes of a socket's send queue not yet sent
 SEND_BUFFER = 16 * 1024  # bytes of response asyncio, and twice that the kernel, hold for a client not reading
 FILES_TO_SPARE = 64  # open files besides the connections: the listener, checkpoints, pipes, numba's cache
 BUSY_BODY = b'{"error": {"message": "too many connections; retry later", "type": "server_busy", "param": null, "code": 503}}'
@@ -96,7 +101,7 @@ def parse_args(argv=None):
 def new_engine(args):
     """The engine's state before its models load: /health answers 503 until "decoder" is set."""
     return {"args": args, "inbox": queue.Queue(), "outboxes": {}, "lock": threading.Lock(), "next_index": 0,
-            "stats": batching.Stats(), "metrics": new_metrics(), "waiting": set(), "running": set(),
+            "stats": batching.Stats(), "metrics": new_metrics(), "waiting": set(), "running": set(), "paused": set(),
             "logprobs": {},  # index -> how many top tokens its token events report (for logprobs)
             "stopping": False, "decoder": None, "encoder": None, "hparams": None,
             "model": MODEL_NAMES[args.target_model_size]}
@@ -120,7 +125,7 @@ def load(engine, loaded=None):
 def run_engine(engine):
     """The engine thread: serve whatever the handlers submit until told to stop."""
     step, models = engine["decoder"]
-    stopped = []
+    stopped, lagging = [], set()  # the requests whose clients lag (watch_lag says which)
 
     def intake(now, idle):  # scheduler.serving's intake: block on the inbox only while nothing runs
         items = [engine["inbox"].get()] if idle and not stopped else []
@@ -130,8 +135,13 @@ def run_engine(engine):
             except queue.Empty:
                 break
         stopped.extend(item for item in items if item[0] == "stop")
+        for kind, i, lags in items:
+            if kind == "lag" and lags:
+                lagging.add(i)
+            elif kind in ("lag", "cancel"):
+                lagging.discard(i)
         return ([(i, r) for kind, i, r in items if kind == "request"],
-                [i for kind, i, _ in items if kind == "cancel"], bool(stopped))
+                [i for kind, i, _ in items if kind == "cancel"], bool(stopped), lagging)
 
     n_ctx = engine["hparams"]["n_ctx"]
     last_token_at = {}
@@ -139,6 +149,13 @@ def run_engine(engine):
         now, n_top = time.perf_counter(), None
         with engine["lock"]:
             box = engine["outboxes"].get(e.index)  # None once its handler has let it go
+            if e.kind in ("paused", "resumed"):  # preemption: its row went to a waiting request, or came back
+                if box:
+                    now_paused = e.kind == "paused"
+                    engine["paused" if now_paused else "running"].add(e.index)
+                    engine["running" if now_paused else "paused"].discard(e.index)
+                engine["metrics"]["num_preemptions_total"] += e.kind == "paused"
+                continue
             if e.kind == "token":
                 engine["metrics"]["generation_tokens_total"] += 1
                 if e.index in last_token_at:
@@ -166,7 +183,8 @@ def submit(engine, reqs, logprobs=None):
     """(on the event loop) Hand requests to the engine; returns their box: the asyncio queue
     their events arrive on, and their indices. logprobs: how many top tokens each token reports."""
     loop = asyncio.get_running_loop()
-    box = {"events": asyncio.Queue(), "loop": loop, "rows": len(reqs), "taken_at": loop.time(), "closed": False}
+    box = {"events": asyncio.Queue(), "loop": loop, "rows": len(reqs), "taken_at": loop.time(), "closed": False,
+           "lagging": False}
     with engine["lock"]:
         if engine["stopping"]:
             raise ApiError("the server is shutting down", status=503, kind="server_busy")
@@ -195,6 +213,7 @@ def release(engine, indices):
             engine["logprobs"].pop(i, None)
             engine["waiting"].discard(i)
             engine["running"].discard(i)
+            engine["paused"].discard(i)
     for i in indices:
         engine["inbox"].put(("cancel", i, None))
 
@@ -215,6 +234,42 @@ def deliver(engine, box, e, logits=None, n_top=None):
         release(engine, box["indices"])
     logprobs = None if logits is None or e.kind != "token" else openai_api.token_logprobs(logits, e.token, n_top)
     box["events"].put_nowait((e, logprobs))  # a few numbers wait for a slow client, not a logits row
+    if e.kind == "token" and box.get("connection") and not box["lagging"] and lag_bytes(box) > LAG_BYTES:
+        watch_lag(engine, box)
+
+
+def lag_bytes(box):
+    """Bytes of a stream's response that its client's kernel has not taken yet: none while it
+    reads (no Nagle delay, and a token stream is far below any network's rate), and growing
+    once its receive window is full. Linux only (SIOCOUTQNSD): elsewhere 0, no client lags,
+    and only deliver's rules find a stalled one."""
+    sock = box["connection"].transport.get_extra_info("socket")
+    if fcntl is None or not sys.platform.startswith("linux") or sock is None or sock.fileno() < 0:
+        return 0
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQNSD, bytes(4)))[0]
+
+
+def watch_lag(engine, box):
+    """(on the event loop) A stream whose client lags: the engine may pause its requests and
+    give their rows to waiting ones (scheduler.preempt) until the client has taken everything
+    sent to it; then they resume. A client that takes nothing of its response for
+    --write_timeout_s while all its requests are paused is cut off. Looks every LAG_CHECK_S."""
+    live = [i for i in box["indices"] if i in engine["outboxes"]]  # not yet released
+    if box["closed"] or not live or box["connection"].transport.is_closing():
+        return
+    unsent, now = lag_bytes(box), box["loop"].time()
+    if not box["lagging"] or unsent < box["unsent"]:
+        box["progress_at"] = now
+    if not box["lagging"] or unsent == 0:
+        box["lagging"] = not box["lagging"]
+        for i in live:
+            engine["inbox"].put(("lag", i, box["lagging"]))
+    stalled = now - box["progress_at"] > engine["args"].write_timeout_s
+    if stalled and all(i in engine["paused"] for i in live):
+        box["connection"].reset()
+    elif box["lagging"]:
+        box["unsent"] = unsent
+        box["loop"].call_later(LAG_CHECK_S, watch_lag, engine, box)
 
 
 def end_all(engine, message):
@@ -304,7 +359,7 @@ class EventStream(StreamingResponse):
 # --- metrics, in Prometheus's text format ---
 
 def new_metrics():
-    return {"prompt_tokens_total": 0, "generation_tokens_total": 0,
+    return {"prompt_tokens_total": 0, "generation_tokens_total": 0, "num_preemptions_total": 0,
             **{name: {"buckets": [0] * len(SECONDS), "sum": 0.0, "count": 0}
                for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                             "e2e_request_latency_seconds", "request_queue_time_seconds")}}
@@ -320,13 +375,12 @@ def observe(histogram, seconds):
 def prometheus(engine):
     """/metrics: histograms of latencies, gauges of requests, counters of tokens (and drafts)."""
     with engine["lock"]:
-        m, running, waiting = engine["metrics"], len(engine["running"]), len(engine["waiting"])
-        stats, spec = engine["stats"], engine["args"].mode == "speculative"
+        m, stats, spec = engine["metrics"], engine["stats"], engine["args"].mode == "speculative"
         lines = []
-        for name, value in (("num_requests_running", running), ("num_requests_waiting", waiting)):
-            lines += [f"# TYPE gpt2_{name} gauge", f"gpt2_{name} {value}"]
-        counters = {"prompt_tokens_total": m["prompt_tokens_total"],
-                    "generation_tokens_total": m["generation_tokens_total"]}
+        for name in ("running", "waiting", "paused"):
+            lines += [f"# TYPE gpt2_num_requests_{name} gauge", f"gpt2_num_requests_{name} {len(engine[name])}"]
+        counters = {name: m[name] for name in ("prompt_tokens_total", "generation_tokens_total",
+                                               "num_preemptions_total")}
         if spec:
             counters.update(spec_decode_num_drafts_total=stats.row_passes,
                             spec_decode_num_draft_tokens_total=stats.drafted,
@@ -405,6 +459,7 @@ def make_app(engine):
         choices = [openai_api.new_choice(k, p, engine["encoder"], how) for k, p in enumerate(how["prompts"])]
         head = {"id": f"cmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": engine["model"]}
         if how["stream"]:
+            box["connection"] = request.scope["state"]["connection"]  # its socket tells when its client lags
             return EventStream(events(engine, box, how, choices, head), lambda: release(engine, box["indices"]))
         watcher = asyncio.create_task(watch_for_hang_up(request.receive, box))
         try:
@@ -482,6 +537,7 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
             transport.set_write_buffer_limits(high=SEND_BUFFER)
+            self.app_state = {**self.app_state, "connection": self}  # each request's scope["state"]
             self.expect_headers()
 
         def expect_headers(self):

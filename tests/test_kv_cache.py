@@ -122,6 +122,21 @@ def test_gather_rows_is_a_gather_of_every_row_it_keeps(tiny):
             np.testing.assert_allclose(row, gpt2.gpt2(np.array([text]), **params, n_head=2)[0, -1], atol=1e-4)
 
 
+def test_a_saved_row_comes_back_bit_for_bit_in_another_row(tiny):
+    """A paused request keeps a copy of its row (save_row) and later takes whatever row is
+    free (restore_row): its next logits are bitwise those it would have had without the pause."""
+    _, hparams, params = tiny
+    model = (params, hparams)
+    cache = new_cache(hparams, 3)
+    last_logits(model, cache, PROMPTS[:3])
+    saved = kv_cache.save_row(cache, 1)
+    want = last_logits(model, kv_cache.rows(cache, 1, 2), [PROMPTS[1] + [9]])
+    last_logits(model, cache, [PROMPTS[3], PROMPTS[3], PROMPTS[0] + [5]])  # every row overwritten
+    kv_cache.restore_row(cache, 2, saved)
+    assert cache["lengths"][2] == len(PROMPTS[1]) and saved["layers"][0]["k"].shape[1] == len(PROMPTS[1])
+    np.testing.assert_array_equal(last_logits(model, kv_cache.rows(cache, 2, 3), [PROMPTS[1] + [9]]), want)
+
+
 def test_cache_bytes_formula(tiny):
     _, h, _ = tiny
     cache = new_cache(h, 3)

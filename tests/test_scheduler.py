@@ -218,3 +218,58 @@ def test_summary_of_a_run(models):
     s = scheduler.summarize(list(finished.values()))
     assert s["requests"] == 6 and s["tokens"] == sum(len(e.tokens) for e in finished.values())
     assert s["tokens_per_s"] > 0 and s["ttft_s_p50"] <= s["ttft_s_p95"] and s["e2e_s_p95"] <= s["seconds"] + 1e-9
+
+
+def lagging_intake(reqs, lags, cancel_at=None):
+    """from_list's intake with clients that lag: request i's client lags at the intake's
+    calls in lags.get(i, ()); cancel_at: {call: [indices whose clients leave then]}."""
+    arrive, calls = scheduler.from_list(reqs, range(len(reqs))), iter(range(10 ** 6))
+
+    def intake(now, idle):
+        arrived, _, closed, _ = arrive(now, idle)
+        n = next(calls)
+        return arrived, (cancel_at or {}).get(n, ()), closed, {i for i, when in lags.items() if n in when}
+    return intake
+
+
+def serve_lagging(models, decoder, reqs, lags, max_batch, cancel_at=None):
+    step, cached = decoders(models)[decoder][0]
+    events = list(scheduler.serving(lagging_intake(reqs, lags, cancel_at), step, cached, max_batch,
+                                    models[0][1]["n_ctx"]))
+    return events, {e.index: e for e in events if e.kind == "finished"}
+
+
+@pytest.mark.parametrize("decoder", ["autoregressive", "speculative"])
+def test_a_lagging_client_gives_its_row_to_a_waiting_request_and_resumes_with_the_same_text(models, decoder):
+    """Requests 0 and 1 lag from the 3rd step to the 20th while 4 others wait for the 2 rows:
+    both are paused, the waiting requests decode in their rows, then they resume; every text
+    is its text alone, bit for bit (sampled, with penalties: the counts and the random
+    stream travel with the paused request, the keys and values are copied, not recomputed)."""
+    reqs = [dataclasses.replace(r, max_new_tokens=30) for r in mixed_requests(6, SAMPLED, seed=7)]
+    events, finished = serve_lagging(models, decoder, reqs, {0: range(3, 20), 1: range(3, 20)}, max_batch=2)
+    assert sorted(finished) == list(range(6))
+    assert all(finished[i].tokens == decoders(models)[decoder][1](r) for i, r in enumerate(reqs))
+    kinds = [(e.kind, e.index) for e in events]
+    for i in (0, 1):
+        paused, resumed = kinds.index(("paused", i)), kinds.index(("resumed", i))
+        others = {e.index for e in events[paused:resumed] if e.kind == "token"}
+        assert i not in others and others & {2, 3, 4, 5}  # its row decoded for others meanwhile
+
+
+def test_no_more_are_paused_than_rows_and_a_paused_request_can_be_cancelled(models):
+    """Requests 0-3 lag the whole time with 2 rows: 0 and 1 are paused (the most at once is
+    max_batch), 2 and 3 then keep their rows though they lag. Request 0's client leaves while
+    it is paused: it finishes with the tokens it had, and never resumes."""
+    reqs = [dataclasses.replace(r, max_new_tokens=12) for r in mixed_requests(6, GREEDY, seed=8)]
+    lags = {i: range(2, 10 ** 6) if i in (2, 3) else range(2, 60) for i in range(4)}
+    events, finished = serve_lagging(models, "autoregressive", reqs, lags, max_batch=2, cancel_at={30: [0]})
+    paused, most = set(), 0
+    for e in events:
+        paused = paused | {e.index} if e.kind == "paused" else paused - {e.index}
+        most = max(most, len(paused))
+    assert most == 2 and {e.index for e in events if e.kind == "paused"} == {0, 1}
+    assert ("resumed", 0) not in [(e.kind, e.index) for e in events] and ("resumed", 1) in [(e.kind, e.index)
+                                                                                              for e in events]
+    alone = [gpt2.generate([r], models[0])[0][0] for r in reqs]
+    assert finished[0].tokens == alone[0][:len(finished[0].tokens)] and len(finished[0].tokens) < 12
+    assert all(finished[i].tokens == alone[i] for i in range(1, 6))

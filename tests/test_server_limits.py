@@ -2,6 +2,7 @@
 one of the defects the standard library's http.server had (issue #33, numbered as there),
 and each fails on that server. Every bad request gets an answer (never a dropped
 connection), every resource a client can hold is bounded, and the others go on."""
+import http.client
 import json
 import os
 import resource
@@ -134,6 +135,54 @@ def test_2_the_events_waiting_for_a_client_are_bounded_without_a_write_timeout(m
         stalled.close()
     finally:
         server.stop(httpd, engine)
+
+
+def lagging(engine):
+    with engine["lock"]:
+        return [box for box in engine["outboxes"].values() if box["lagging"]]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a lagging client is told by Linux's SIOCOUTQNSD")
+def test_2_a_lagging_stream_gives_its_row_to_a_waiting_request_and_resumes_with_its_text(models_dir):
+    """Preemption: with one row, a stream whose client does not read (for now) is paused once
+    its receive window is full, so a request that arrives meanwhile is answered; when the
+    client reads again its stream goes on, to the very text it would have had alone."""
+    args = server.parse_args(["--models_dir", models_dir, "--target_model_size", "124M", "--port", "0",
+                              "--max_batch", "1", "--write_timeout_s", "60", "--max_model_len", "10000000"])
+    httpd, engine = server.start(args)
+    try:
+        body = {"prompt": "x", "max_tokens": 600, "ignore_eos": True, "seed": 3, "temperature": 1.0}
+        conn = http.client.HTTPConnection("127.0.0.1", httpd.address[1], timeout=30)
+        conn.sock = connect(httpd, rcvbuf=4096)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}))
+        assert wait_until(lambda: lagging(engine), 10)
+        status, got = exchange(httpd, request({"prompt": "y", "max_tokens": 3}, headers=""))
+        assert status == 200 and json.loads(got.split(b"\r\n\r\n", 1)[1])["usage"]["completion_tokens"] == 3
+        assert len(engine["paused"]) == 1 and engine["metrics"]["num_preemptions_total"] >= 1
+        streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in conn.getresponse()
+                           if line.startswith(b"data: {"))
+        status, got = exchange(httpd, request(body, headers=""))
+        assert status == 200 and streamed == json.loads(got.split(b"\r\n\r\n", 1)[1])["choices"][0]["text"]
+        assert not engine["paused"]
+    finally:
+        server.stop(httpd, engine)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a lagging client is told by Linux's SIOCOUTQNSD")
+def test_2_a_paused_stream_whose_client_never_reads_is_cut_off(tight):
+    """A stalled stream paused for a waiting request holds no row; once it has taken nothing
+    for --write_timeout_s (1 s here) its connection is reset and what it kept is freed."""
+    httpd, engine = tight
+    stalled = [stalled_stream(httpd) for _ in range(2)]  # both rows of --max_batch 2
+    assert wait_until(lambda: len(lagging(engine)) == 2, 10)
+    status, _ = exchange(httpd, request({"prompt": "y", "max_tokens": 3}))
+    assert status == 200 and engine["metrics"]["num_preemptions_total"] >= 1
+    assert wait_until(lambda: not engine["paused"] and not engine["outboxes"], 10)
+    for sock in stalled:
+        with pytest.raises(ConnectionResetError):
+            while sock.recv(65536):
+                pass
+        sock.close()
 
 
 @pytest.mark.parametrize("name, data", [
