@@ -731,7 +731,9 @@ def bench_http(model, args, size):
             summary, _ = serve_once(reqs, model, max_batch, static=False)
             rows.append({"path": "in-process serve()", "rep": rep, "tokens_per_s": summary["tokens_per_s"],
                          "ttft_s_p50": summary["ttft_s_p50"], "ttft_s_p95": summary["ttft_s_p95"]})
+            before = engine["metrics"]["num_preemptions_total"]
             rows.append({"path": "HTTP (server.py)", "rep": rep, **http_clients(reqs, port)})
+            rows[-1]["preemptions"] = engine["metrics"]["num_preemptions_total"] - before
             print(f"  HTTP / in-process: throughput {rows[-1]['tokens_per_s'] / rows[-2]['tokens_per_s']:.3f}x, "
                   f"p50 TTFT {1e3 * (rows[-1]['ttft_s_p50'] - rows[-2]['ttft_s_p50']):+.1f} ms", flush=True)
         lone = reqs[0]
@@ -751,9 +753,10 @@ def bench_http(model, args, size):
         few = [(list(r.prompt), r.max_new_tokens, r.seed) for r in reqs[:max_batch]]
         for rep in range(args.reps):  # 8 normal clients alone, then beside stalled readers and idle connections
             for others in (False, True):
-                rss_before = rss_mb()
+                rss_before, before = rss_mb(), engine["metrics"]["num_preemptions_total"]
                 hostile.append({"rep": rep, "hostile": others, **http_pool(http_beside_hostile, few, port, others),
-                                "rss_before_mb": rss_before})
+                                "rss_before_mb": rss_before,
+                                "preemptions": engine["metrics"]["num_preemptions_total"] - before})
                 deadline = time.monotonic() + 30  # the stalled readers are cut off (--write_timeout_s) and freed
                 while (engine["running"] or engine["outboxes"]) and time.monotonic() < deadline:
                     time.sleep(0.1)

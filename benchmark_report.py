@@ -200,14 +200,14 @@ def http_table(h):
     lines = [f"\n### The HTTP path: server.py against in-process serve() (GPT-2 {h['size']}, "
              f"{h['n_requests']} requests at once, max_batch {h['max_batch']}, in turns; clients in a process "
              "of their own)\n",
-             "| rep | path | tokens/s | TTFT p50 / p95 s | HTTP / in-process throughput | HTTP - in-process p50 TTFT |",
-             "|---|---|---|---|---|---|"]
+             "| rep | path | tokens/s | TTFT p50 / p95 s | HTTP / in-process throughput | HTTP - in-process p50 TTFT "
+             "| requests paused |", "|---|---|---|---|---|---|---|"]
     for inproc, http in zip(many[::2], many[1::2]):
         for r in (inproc, http):
             ratio = f"{http['tokens_per_s'] / inproc['tokens_per_s']:.3f}x" if r is http else ""
             delta = f"{1e3 * (http['ttft_s_p50'] - inproc['ttft_s_p50']):+.0f} ms" if r is http else ""
             lines.append(f"| {r['rep']} | {r['path']} | {r['tokens_per_s']:.1f} | {r['ttft_s_p50']:.2f} / "
-                         f"{r['ttft_s_p95']:.2f} | {ratio} | {delta} |")
+                         f"{r['ttft_s_p95']:.2f} | {ratio} | {delta} | {r.get('preemptions', '')} |")
     if lone:
         gaps = [1e3 * (http["ttft_s_p50"] - inproc["ttft_s_p50"]) for inproc, http in zip(lone[::2], lone[1::2])]
         lines.append(f"\nOne request on an idle server, {len(gaps)} times in turns: TTFT in-process "
@@ -222,14 +222,14 @@ def http_table(h):
     if h.get("hostile"):
         lines += ["\n8 clients alone, then beside 8 streams that are never read and 200 connections that send "
                   "nothing (in turns):\n", "| rep | others | tokens/s | TTFT p50 s | beside / alone | stalled streams "
-                  "cut off after | server RSS before -> after MB |", "|---|---|---|---|---|---|---|"]
+                  "cut off after | requests paused | server RSS before -> after MB |", "|---|---|---|---|---|---|---|---|"]
         for alone, beside in zip(h["hostile"][::2], h["hostile"][1::2]):
             for r in (alone, beside):
                 extra = (f"{beside['tokens_per_s'] / alone['tokens_per_s']:.3f}x | {r['stalled_held_s']:.1f} s"
                          if r is beside else " | ")
                 lines.append(f"| {r['rep']} | {'8 stalled + 200 idle' if r['hostile'] else 'none'} | "
                              f"{r['tokens_per_s']:.1f} | {r['ttft_s_p50']:.2f} | {extra} | "
-                             f"{r['rss_before_mb']:.0f} -> {r['rss_after_mb']:.0f} |")
+                             f"{r.get('preemptions', '')} | {r['rss_before_mb']:.0f} -> {r['rss_after_mb']:.0f} |")
     return lines
 
 

@@ -16,6 +16,11 @@ request leaves at once, and a waiting one takes its row at the next iteration.
 Then finished rows leave (the last rows move into their places). A joining row's
 cache starts empty; no other row's cache is touched.
 
+A server adds preemption: a row whose client is not taking its tokens gives its row to
+a waiting request and is paused, its cached keys and values copied aside, then
+resumes where it stood once the client has caught up (vLLM swaps or recomputes a
+preempted request's cache when memory runs short; here rows run short).
+
 Both decoders run this way: a decoder is its step function (plain or
 speculative) and the models it keeps caches for. Every request samples from its
 own random stream, so its text is the same whoever shares the batch, and

@@ -16,7 +16,8 @@ client does too: the official `openai` package, curl, LangChain. The server is t
 Between a socket and the engine's queue, every resource a client can hold is bounded, so
 that no slow or hostile client can hurt the others: the connections (--max_connections,
 then 503), the time to send a request (--read_timeout_s) and to take the response
-(--write_timeout_s: a client that stops reading is cut off and its rows freed), the body
+(a stream whose client lags gives its rows to waiting requests until it reads again;
+--write_timeout_s: a client that stops reading is cut off and its rows freed), the body
 (--max_body_bytes, 413), the tokens (--max_model_len) and the events waiting for a client.
 SIGTERM (what docker, systemd and Kubernetes send) and Ctrl-C both drain: every request in
 flight ends with an error event (or a JSON error), then the process exits 0.
@@ -61,9 +62,9 @@ SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 1
 # A request is cancelled (its rows freed) when its client is not taking its events: EVENTS_PER_ROW
 # of them waiting per row, or STUCK_PER_ROW per row with none taken for STUCK_S seconds
 EVENTS_PER_ROW, STUCK_PER_ROW, STUCK_S = 1024, 32, 1.0
-# A stream's client lags when LAG_BYTES of its response wait in the kernel unsent (its receive
-# window is full); lagging requests are looked at again every LAG_CHECK_S seconds
-LAG_BYTES, LAG_CHECK_S = 1024, 0.05
+# A stream's client lags while any of its response waits in the kernel unsent (its receive
+# window is full); a lagging stream is looked at again every LAG_CHECK_S seconds
+LAG_CHECK_S = 0.05
 SIOCOUTQNSD = 0x894B  # Linux's ioctl for the bytes of a socket's send queue not yet sent
 SEND_BUFFER = 16 * 1024  # bytes of response asyncio, and twice that the kernel, hold for a client not reading
 FILES_TO_SPARE = 64  # open files besides the connections: the listener, checkpoints, pipes, numba's cache
@@ -234,7 +235,7 @@ def deliver(engine, box, e, logits=None, n_top=None):
         release(engine, box["indices"])
     logprobs = None if logits is None or e.kind != "token" else openai_api.token_logprobs(logits, e.token, n_top)
     box["events"].put_nowait((e, logprobs))  # a few numbers wait for a slow client, not a logits row
-    if e.kind == "token" and box.get("connection") and not box["lagging"] and lag_bytes(box) > LAG_BYTES:
+    if e.kind == "token" and box.get("connection") and not box["lagging"] and lag_bytes(box) > 0:
         watch_lag(engine, box)
 
 
