@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 import batching
+import benchmark_llamacpp
 import benchmark_report
 import checkpoint
 import cost_model
@@ -287,17 +288,40 @@ def bench_formats(model, args, size):
     """Each weight format against float32 on one model: decode tokens/s at each batch
     size (the formats in turns, each rep; the ratio is the median of the paired ratios),
     the stored matrices' size, the conversion time, memory in a process of its own, and
-    how far the output moves (agreement); and what int8 would cost the NumPy fallback."""
+    how far the output moves (agreement); what int8 would cost the NumPy fallback; and at
+    batch 1 llama.cpp on the same weights where it is installed (benchmark_llamacpp.py)."""
     models, convert_s = {}, {}
     for dtype in args.dtypes:
         models[dtype], convert_s[dtype] = in_format(model, dtype)
+    with benchmark_llamacpp.scratch_dir() as workdir:
+        peers, peer = llamacpp_peers(model, args, size, workdir)
+        rows = format_decode_rows(models, peers, peer, args, size)
+        for llm in peers.values():
+            llm.close()  # before its file goes
+    formats = []
+    for dtype in args.dtypes:
+        formats.append({"size": size, "dtype": dtype, "stored_mib": stored_mib(models[dtype][0]),
+                        "convert_s": convert_s[dtype], **format_load(size, dtype, args.models_dir),
+                        **(agreement(models["float32"], models[dtype]) if dtype != "float32" else {})})
+    f32_s, int8_s = fallback_widening(model, args.reps)
+    fallback = {"float32_gemv_s": f32_s, "int8_widened_gemv_s": int8_s, "int8_over_float32": f32_s / int8_s}
+    return {"decode": rows, "formats": formats, "numpy_fallback": fallback, "llama_cpp": peer}
+
+
+def format_decode_rows(models, peers, peer, args, size):
+    """Decode tokens/s of each format at each batch size, in turns each rep, and at batch 1
+    llama.cpp's formats in the same turns (peer gets its rows)."""
     rows = []
     for B in args.format_batches:
         prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]
         tps = {dtype: [] for dtype in args.dtypes}
+        peer_tps = {dtype: [] for dtype in peers} if B == 1 else {}
         for _ in range(args.reps + 1):
             for dtype in args.dtypes:
                 tps[dtype].append(greedy(prompts, models[dtype], args.n_tokens)[1].decode_tokens_per_s)
+                if dtype in peer_tps:
+                    peer_tps[dtype].append(benchmark_llamacpp.greedy_decode_tok_s(peers[dtype], prompts[0],
+                                                                                  args.n_tokens))
         for dtype in args.dtypes:
             runs = tps[dtype][1:]  # the first rep warms up
             ratios = np.divide(runs, tps["float32"][1:]) if "float32" in tps else [float("nan")]
@@ -307,14 +331,45 @@ def bench_formats(model, args, size):
                          "over_float32_max": float(np.max(ratios))})
             print(f"  {size} {dtype} batch {B}: {rows[-1]['decode_tok_s']:.1f} tok/s, "
                   f"{rows[-1]['over_float32']:.2f}x float32", flush=True)
-    formats = []
+        for dtype, runs in peer_tps.items():
+            ours = np.divide(tps[dtype][1:], runs[1:])
+            peer["decode"].append({"size": size, "format": benchmark_llamacpp.PEER_FORMATS[dtype], "ours": dtype,
+                                   "decode_tok_s": float(np.median(runs[1:])), "decode_tok_s_min": min(runs[1:]),
+                                   "decode_tok_s_max": max(runs[1:]), "ours_over_peer": float(np.median(ours)),
+                                   "ours_over_peer_min": float(np.min(ours)), "ours_over_peer_max": float(np.max(ours))})
+            print(f"  {size} llama.cpp {peer['decode'][-1]['format']} batch 1: {peer['decode'][-1]['decode_tok_s']:.1f}"
+                  f" tok/s; ours ({dtype}) {peer['decode'][-1]['ours_over_peer']:.2f}x", flush=True)
+    return rows
+
+
+def llamacpp_peers(model, args, size, workdir):
+    """({our format: a llama.cpp context on the same weights in its format of that width},
+    what to record of them), or ({}, why not): written as GGUF, loaded, and checked: the
+    logits llama.cpp gives on its F32 file must be ours (else we would time another model)."""
+    if benchmark_llamacpp.MISSING or args.quick:
+        why = benchmark_llamacpp.MISSING or "--quick: the test shapes have no GPT-2 tokenizer"
+        print(f"  llama.cpp peer: skipped ({why})", flush=True)
+        return {}, {"skipped": why}
+    params, hparams = utils.plain_layout(model[0]), model[1]
+    encoder_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "fixtures", "gpt2-tokenizer")
+    ids = prompt_ids(args.prompt_len, seed=5)
+    want = gpt2.gpt2(np.array([ids]), **model[0], n_head=hparams["n_head"])[0, -1]  # [n_vocab]
+    peers, peer = {}, {"version": benchmark_llamacpp.version(), "threads": os.cpu_count(), "files": [], "decode": []}
     for dtype in args.dtypes:
-        formats.append({"size": size, "dtype": dtype, "stored_mib": stored_mib(models[dtype][0]),
-                        "convert_s": convert_s[dtype], **format_load(size, dtype, args.models_dir),
-                        **(agreement(models["float32"], models[dtype]) if dtype != "float32" else {})})
-    f32_s, int8_s = fallback_widening(model, args.reps)
-    fallback = {"float32_gemv_s": f32_s, "int8_widened_gemv_s": int8_s, "int8_over_float32": f32_s / int8_s}
-    return {"decode": rows, "formats": formats, "numpy_fallback": fallback}
+        fmt = benchmark_llamacpp.PEER_FORMATS[dtype]
+        path = os.path.join(workdir, f"gpt2-{size}-{fmt}.gguf")
+        start = time.perf_counter()
+        benchmark_llamacpp.write_gguf(path, params, hparams, encoder_dir, fmt)
+        write_s = time.perf_counter() - start
+        peers[dtype] = benchmark_llamacpp.load(path, args.prompt_len + args.n_tokens + 8, os.cpu_count())
+        got = benchmark_llamacpp.last_logits(peers[dtype], ids)
+        error = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        peer["files"].append({"size": size, "format": fmt, "mib": os.path.getsize(path) / 2**20, "write_s": write_s,
+                              "logits_max_rel_error": error, "same_top1": bool(np.argmax(got) == np.argmax(want))})
+        if fmt == "F32" and error > 1e-2:  # llama.cpp's own rounding (its GELU is a float16 table) is ~1e-4
+            raise RuntimeError(f"llama.cpp's logits on the F32 file are not ours ({error:.2%} off): the GGUF is wrong")
+    print(f"  llama.cpp peer: {peer['version']}", flush=True)
+    return peers, peer
 
 
 def bench_context(params, hparams, args):

@@ -120,6 +120,28 @@ def end_to_end_table(s):
     return lines
 
 
+def llamacpp_lines(results):
+    """llama.cpp on the same weights at batch 1, timed in the same turns as ours."""
+    peers = [f["llama_cpp"] for f in results["formats"] if f.get("llama_cpp")]
+    if not any(p.get("decode") for p in peers):
+        return [f"\nllama.cpp peer: skipped ({p['skipped']})" for p in peers[:1] if "skipped" in p]
+    lines = ["", f"llama.cpp on the same weights written as GGUF ({peers[0]['version']}; {peers[0]['threads']} threads), "
+             "batch 1, timed in the same turns as ours:", "",
+             "| model | ours | tok/s | llama.cpp | tok/s (min-max) | ours / llama.cpp (range of paired ratios) |",
+             "|---|---|---|---|---|---|"]
+    ours = {(d["size"], d["dtype"]): d for f in results["formats"] for d in f["decode"] if d["batch"] == 1}
+    lines += [f"| {d['size']} | {d['ours']} | {ours[d['size'], d['ours']]['decode_tok_s']:.1f} | {d['format']} | "
+              f"{d['decode_tok_s']:.1f} ({d['decode_tok_s_min']:.1f}-{d['decode_tok_s_max']:.1f}) | "
+              f"{d['ours_over_peer']:.2f}x ({d['ours_over_peer_min']:.2f}-{d['ours_over_peer_max']:.2f}) |"
+              for p in peers for d in p["decode"]]
+    lines += ["", "The GGUF files, and llama.cpp's logits for one prompt against ours in float32 (F32 checks that "
+              "both run the same model):", "", "| model | format | MiB | written in s | logits max error, of the largest | same top token |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {x['size']} | {x['format']} | {x['mib']:.0f} | {x['write_s']:.1f} | {x['logits_max_rel_error']:.2%} | "
+              f"{'yes' if x['same_top1'] else 'no'} |" for p in peers for x in p["files"]]
+    return lines
+
+
 def formats_tables(results):
     """Weight formats against float32: speed, size, memory, and how far the output moves."""
     lines = ["", "### Weight formats (weight_formats.py): tokens/s against float32, in turns within one run", "",
@@ -129,6 +151,7 @@ def formats_tables(results):
         lines += [f"| {d['size']} | {d['batch']} | {d['dtype']} | {d['decode_tok_s']:.1f} "
                   f"({d['decode_tok_s_min']:.1f}-{d['decode_tok_s_max']:.1f}) | {d['over_float32']:.2f}x "
                   f"({d['over_float32_min']:.2f}-{d['over_float32_max']:.2f}) |" for d in f["decode"]]
+    lines += llamacpp_lines(results)
     lines += ["", "Stored matrices, conversion from float32, and a fresh process that loads the model in the format "
               "(RssAnon: the memory the process itself holds; random weights keep a float32 wte besides):", "",
               "| model | weights | format | matrices MiB | convert s | load s | RssAnon MiB | peak RSS MiB |",

@@ -2,11 +2,16 @@
 import json
 import sys
 
+import numpy as np
 import pytest
 
 import benchmark
+import benchmark_llamacpp
 import cost_model
+import gpt2
 import speculative
+import utils
+from conftest import fixture_path
 
 
 def test_quick_benchmark_writes_every_measurement(tmp_path, capsys):
@@ -60,6 +65,7 @@ def test_quick_benchmark_writes_every_measurement(tmp_path, capsys):
         assert self_draft["draft"] == "tiny int8" and 0 < self_draft["natural_acceptance"] <= 1
         assert [e["a"] for e in self_draft["end_to_end"][1:]] == [0.9] * len(self_draft["end_to_end"][1:])
         assert "### Weight formats" in open(tmp_path / "results.md").read()
+        assert set(f["llama_cpp"]) == {"skipped"}  # the test shapes have no GPT-2 tokenizer for llama.cpp
     assert "| batch |" in open(tmp_path / "results.md").read()
 
 
@@ -117,3 +123,53 @@ def test_gpu_benchmark_without_cupy_is_one_clear_line(tmp_path, capsys, monkeypa
     err = capsys.readouterr().err
     assert err.startswith("error: --backend cupy needs CuPy and an NVIDIA GPU") and err.count("\n") == 1
     assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.parametrize("peer_format", ["F32", "F16", "Q8_0"])
+def test_gguf_for_llama_cpp_holds_the_same_weights(tiny, tmp_path, peer_format):
+    """The llama.cpp peer reads what we wrote: every matrix transposed to GGUF's [n_out, n_in],
+    widened back within its format's rounding; norms, biases and positions exact."""
+    gguf = pytest.importorskip("gguf")
+    params, hparams = utils.plain_layout(tiny[2]), tiny[1]
+    path = str(tmp_path / f"tiny-{peer_format}.gguf")
+    benchmark_llamacpp.write_gguf(path, params, hparams, fixture_path("gpt2-tokenizer"), peer_format)
+    reader = gguf.GGUFReader(path)
+    stored = {t.name: t for t in reader.tensors}
+    written = dict(benchmark_llamacpp.gguf_tensors(params))
+    assert set(stored) == set(written) and len(written) == 2 + 12 * hparams["n_layer"] + 2
+    n_embd = hparams["n_embd"]  # llama.cpp's shapes, fastest-varying first: matrices {n_in, n_out}
+    assert [list(stored[name].shape) for name in ("token_embd.weight", "blk.0.attn_qkv.weight",
+                                                   "blk.0.ffn_up.weight", "blk.0.ffn_down.weight")] == \
+        [[n_embd, hparams["n_vocab"]], [n_embd, 3 * n_embd], [n_embd, 4 * n_embd], [4 * n_embd, n_embd]]
+    quantized = []
+    for name, want in written.items():
+        t = stored[name]
+        got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(want.shape)
+        if want.ndim == 1 or name == "position_embd.weight" or peer_format == "F32":
+            np.testing.assert_array_equal(got, want)
+        elif t.tensor_type == gguf.GGMLQuantizationType.F16:  # also Q8_0's rows of fewer than 32
+            assert peer_format == "F16" or want.shape[-1] % 32
+            np.testing.assert_allclose(got, want, rtol=2 ** -11, atol=2 ** -24)
+        else:  # blocks of 32 along a row, one step max/127 each: half a step off, plus the step's float16 rounding
+            assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+            quantized.append(name)
+            blocks = np.abs(want).reshape(-1, 32).max(axis=1, keepdims=True)
+            assert np.all(np.abs(got - want).reshape(-1, 32) <= blocks / 127 * (0.5 + 127 * 2 ** -11))
+    assert bool(quantized) == (peer_format == "Q8_0")  # the tiny model's c_proj rows are 64 wide
+    model = dict((f.name, f) for f in reader.fields.values())
+    assert bytes(model["general.architecture"].parts[-1]).decode() == "gpt2"
+    assert int(model["gpt2.block_count"].parts[-1][0]) == hparams["n_layer"]
+
+
+def test_llama_cpp_computes_our_logits_from_the_gguf(tiny, tmp_path):
+    """Where llama-cpp-python is installed: the peer runs our model, not another one."""
+    pytest.importorskip("llama_cpp")
+    params, hparams = tiny[2], tiny[1]
+    path = str(tmp_path / "tiny-F32.gguf")
+    benchmark_llamacpp.write_gguf(path, utils.plain_layout(params), hparams, fixture_path("gpt2-tokenizer"), "F32")
+    llm = benchmark_llamacpp.load(path, hparams["n_ctx"], 1)
+    for ids in ([464], [464, 2068, 7586, 21831, 18045]):
+        want = gpt2.gpt2(np.array([ids]), **params, n_head=hparams["n_head"])[0, -1]  # [n_vocab]
+        got = benchmark_llamacpp.last_logits(llm, ids)
+        assert np.max(np.abs(got - want)) < 1e-3 * np.max(np.abs(want))  # llama.cpp's GELU: a float16 table
+    llm.close()
