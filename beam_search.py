@@ -104,7 +104,8 @@ def beam_search(prompts, model, max_new_tokens, settings=BeamSettings(), eos_id=
         open_search &= can_improve(scores, finished, step + 1, max_new_tokens, settings)
         if stop(open_search, finished, ends, settings, N):
             break
-        kv_cache.gather_rows(cache, (np.arange(B)[:, None] * N + src).ravel())  # keep the chosen beams' caches
+        kv_cache.gather_rows(cache, (np.arange(B)[:, None] * N + src).ravel(),  # keep the chosen beams' caches
+                             same=min(len(p) for p in prompts))  # past the prompts, which every beam shares
         logits = gpt2.next_logits(model, cache, [t for beams in texts for t in beams])[:, 0]  # [B*N, V]
     return [[(tokens[len(p):], score) for score, tokens in hyps[:settings.num_return_sequences]]
             for p, hyps in zip(prompts, finished)]

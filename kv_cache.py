@@ -178,17 +178,19 @@ def rows(cache, lo, hi):
             "lengths": cache["lengths"][lo:hi], "starts": cache["starts"][lo:hi]}
 
 
-def gather_rows(cache, idx):
+def gather_rows(cache, idx, same=0):
     """Row r becomes what row idx[r] was, for r < len(idx): beam search keeps its best beams
-    by gathering their keys and values, never by recomputing them."""
+    by gathering their keys and values, never by recomputing them. same: the slots below it
+    already hold the same keys and values in r and idx[r] (the beams of one prompt share its
+    prefill), so only the slots from there on are copied."""
     idx = np.asarray(idx)
     moved = np.flatnonzero(idx != np.arange(len(idx)))  # rows that keep their own beam copy nothing
     src = idx[moved]
     if len(moved):
         used = int(cache["lengths"][src].max())  # slots past a row's length are never read
         for layer in cache["layers"]:
-            layer["k"][moved, :, :used] = layer["k"][src, :, :used]  # the gather copies first,
-            layer["v"][moved, :, :used] = layer["v"][src, :, :used]  # so rows may read each other
+            layer["k"][moved, :, same:used] = layer["k"][src, :, same:used]  # the gather copies first,
+            layer["v"][moved, :, same:used] = layer["v"][src, :, same:used]  # so rows may read each other
     cache["lengths"][moved], cache["starts"][moved] = cache["lengths"][src], cache["starts"][src]
 
 

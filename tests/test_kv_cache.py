@@ -122,6 +122,25 @@ def test_gather_rows_is_a_gather_of_every_row_it_keeps(tiny):
             np.testing.assert_allclose(row, gpt2.gpt2(np.array([text]), **params, n_head=2)[0, -1], atol=1e-4)
 
 
+def test_gather_rows_past_a_shared_prefix_copies_the_rest(tiny):
+    """Beams of one prompt share its prefill: gather_rows(same=n) copies only the slots from n
+    on, and the rows read as whole copies; a row's own slots below n are left as they were."""
+    _, hparams, params = tiny
+    model = (params, hparams)
+    prefix = PROMPTS[0]
+    texts = [prefix + [5, 6, 7], prefix + [8], prefix + [9, 10], prefix + [11, 12, 13, 14]]
+    for idx in ([1, 0, 3, 3], [2, 2, 2, 0]):
+        cache = new_cache(hparams, 4)
+        last_logits(model, cache, texts)
+        before = cache["layers"][0]["k"].copy()
+        kv_cache.gather_rows(cache, np.array(idx), same=len(prefix))
+        np.testing.assert_array_equal(cache["layers"][0]["k"][:, :, :len(prefix)], before[:, :, :len(prefix)])
+        kept = [texts[i] + [3] for i in idx]
+        nxt = last_logits(model, cache, kept)
+        for row, text in zip(nxt, kept):
+            np.testing.assert_allclose(row, gpt2.gpt2(np.array([text]), **params, n_head=2)[0, -1], atol=1e-4)
+
+
 def test_a_saved_row_comes_back_bit_for_bit_in_another_row(tiny):
     """A paused request keeps a copy of its row (save_row) and later takes whatever row is
     free (restore_row): its next logits are bitwise those it would have had without the pause."""
