@@ -24,7 +24,7 @@ try:
     import llama_cpp
     MISSING = None
 except ImportError as e:
-    MISSING = f"{e.name} is not installed (pip install gguf llama-cpp-python)"
+    MISSING = f"{e.name} is not installed; pip install gguf llama-cpp-python"
 
 # our format -> llama.cpp's format of the same width
 PEER_FORMATS = {"float32": "F32", "bfloat16": "F16", "int8": "Q8_0"}
