@@ -102,7 +102,7 @@ def load(path, n_ctx, n_threads):
 
 def logits(llm):
     """The logits of the last token llm evaluated (a view into llama.cpp's buffer)."""
-    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(llm.n_vocab(),))
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
 
 
 def last_logits(llm, ids):

@@ -168,8 +168,10 @@ def test_llama_cpp_computes_our_logits_from_the_gguf(tiny, tmp_path):
     path = str(tmp_path / "tiny-F32.gguf")
     benchmark_llamacpp.write_gguf(path, utils.plain_layout(params), hparams, fixture_path("gpt2-tokenizer"), "F32")
     llm = benchmark_llamacpp.load(path, hparams["n_ctx"], 1)
-    for ids in ([464], [464, 2068, 7586, 21831, 18045]):
-        want = gpt2.gpt2(np.array([ids]), **params, n_head=hparams["n_head"])[0, -1]  # [n_vocab]
-        got = benchmark_llamacpp.last_logits(llm, ids)
-        assert np.max(np.abs(got - want)) < 1e-3 * np.max(np.abs(want))  # llama.cpp's GELU: a float16 table
-    llm.close()
+    try:
+        for ids in ([464], [464, 2068, 7586, 21831, 18045]):
+            want = gpt2.gpt2(np.array([ids]), **params, n_head=hparams["n_head"])[0, -1]  # [n_vocab]
+            got = benchmark_llamacpp.last_logits(llm, ids)
+            assert np.max(np.abs(got - want)) < 1e-3 * np.max(np.abs(want))  # llama.cpp's GELU: a float16 table
+    finally:
+        llm.close()
