@@ -28,6 +28,7 @@ import batching
 import kv_cache
 import rowwise
 import sampling
+from rowwise import row_ops
 
 
 def gelu(x):
@@ -116,6 +117,8 @@ def mha(x, c_attn, c_proj, n_head, kv):
     q, k, v = qkv[0], qkv[1], qkv[2]  # [B, n_head, T, d_head]
     if "k" in kv:  # cached: store these keys and values, attend over everything cached
         k, v = kv_cache.append(kv, k, v)  # [B, n_head, S, d_head]
+    if kv["fused"]:  # one numba call: each query over its own row's keys up to itself
+        return linear(row_ops.attention(q, k, v, kv["positions"]), **c_proj, shared=True)
     out = np.empty_like(q)  # [B, n_head, T, d_head]
     for S, rows in kv["groups"]:  # each row attends over its own S keys: a sum's length is the row's own
         out[rows] = attention(q[rows], k[rows, :, :S], v[rows, :, :S], kv["mask"][rows, ..., :S], kv["shared"])
@@ -124,8 +127,9 @@ def mha(x, c_attn, c_proj, n_head, kv):
 
 
 def transformer_block(x, mlp, attn, ln_1, ln_2, n_head, kv):
-    x = x + mha(layer_norm(x, **ln_1), **attn, n_head=n_head, kv=kv)
-    x = x + ffn(layer_norm(x, **ln_2), **mlp, shared=kv["shared"])
+    norm = row_ops.layer_norm if kv["fused"] else layer_norm
+    x = x + mha(norm(x, **ln_1), **attn, n_head=n_head, kv=kv)
+    x = x + ffn(norm(x, **ln_2), **mlp, shared=kv["shared"])
     return x  # [B, T, n_embd]
 
 
@@ -142,7 +146,7 @@ def hidden(inputs, wte, wpe, blocks, ln_f, n_head, kv=None, lm_head=None):
     if kv["cache"] is not None:
         kv_cache.advance(kv)
     x = x[np.arange(B)[:, None], kv["logits_at"]]  # [B, n, n_embd]: only where logits are needed
-    return layer_norm(x, **ln_f)
+    return (row_ops.layer_norm if kv["fused"] else layer_norm)(x, **ln_f)
 
 
 def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, kv=None, lm_head=None):
@@ -170,7 +174,7 @@ def next_logits(model, cache, texts, n_logits=1, head=None):
             prefill_alone(model, cache, texts, n_logits)
         inputs, n_new = kv_cache.pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
         kv = kv_cache.begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wte"],
-                                 shared=cache is not None)
+                                 shared=cache is not None, fused=cache is not None and rowwise.fuses(model))
         x = hidden(inputs, **params, n_head=hparams["n_head"], kv=kv)  # [B, n, n_embd]
         if head:
             return head(x)

@@ -89,13 +89,14 @@ def pad_right(rows, pad=0):
     return inputs, n_new
 
 
-def begin_pass(cache, n_new, T, n_logits, like, shared=False):
+def begin_pass(cache, n_new, T, n_logits, like, shared=False, fused=False):
     """What one model pass over inputs [B, T] (row b: n_new[b] real tokens) needs to know:
     each token's position, the causal mask, where each layer stores its keys and values
     (with a cache), and which positions need logits: row b's last n_logits[b] real
     tokens, the rest of its n_logits.max() entries repeating its last token.
     shared: the pass serves several requests, so each row attends over exactly its own
-    keys (`groups`: rows of one length together), never the longest row's.
+    keys (`groups`: rows of one length together), never the longest row's. fused: a
+    shared pass runs layer norm and attention as numba loops (row_ops.py).
 
     A worked example: a verify pass for two rows, row 0 with 5 tokens cached and 3 new
     (2 drafts + its last token), row 1 with 2 cached and 1 new; logits at 3 and 1 tokens.
@@ -115,12 +116,14 @@ def begin_pass(cache, n_new, T, n_logits, like, shared=False):
     n_logits = np.broadcast_to(n_logits, (B,))
     at = n_new[:, None] - n_logits[:, None] + np.arange(n_logits.max())  # [B, n_logits.max()]
     groups = row_groups(start + n_new) if shared else [(S, slice(None))]
-    kv = {"positions": positions, "cache": cache, "n_new": n_new, "shared": shared,
+    kv = {"positions": positions, "cache": cache, "n_new": n_new, "shared": shared, "fused": fused,
           "logits_at": np.clip(at, 0, (n_new - 1).clip(0)[:, None]),
-          "layers": itertools.repeat({"mask": mask, "groups": groups, "shared": shared})}  # nothing to store
+          "layers": itertools.repeat({"mask": mask, "groups": groups, "shared": shared, "fused": fused,
+                                             "positions": positions})}  # nothing to store
     if cache is not None:
         where = write_slots(start, n_new, T)
-        kv["layers"] = [dict(layer, where=where, S=S, mask=mask, groups=groups, shared=shared)
+        kv["layers"] = [dict(layer, where=where, S=S, mask=mask, groups=groups, shared=shared, fused=fused,
+                             positions=positions)
                         for layer in cache["layers"]]
     return kv
 

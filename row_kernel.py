@@ -161,16 +161,21 @@ def store8(typingctx, a, index, value):
 
 @intrinsic
 def fma8(typingctx, acc, x, w):
-    """acc + x * w in every lane (x a float32, the same for all 8): llvm.fmuladd, one fused
-    multiply-add where the CPU has one, one rounding either way, the same in both kernels."""
+    """acc + x * w in every lane (x a float32, the same for all 8, or 8 lanes of its own):
+    llvm.fmuladd, one fused multiply-add where the CPU has one, one rounding either way,
+    the same in both kernels."""
     def codegen(context, builder, signature, args):
-        lanes = ir.Constant(ir.VectorType(ir.IntType(32), V), [0] * V)
-        xs = builder.insert_element(ir.Constant(VECTOR, ir.Undefined), args[1], ir.IntType(32)(0))
-        xs = builder.shuffle_vector(xs, ir.Constant(VECTOR, ir.Undefined), lanes)  # x in every lane
+        xs = args[1]
+        if signature.args[1] == types.float32:  # x in every lane
+            lanes = ir.Constant(ir.VectorType(ir.IntType(32), V), [0] * V)
+            xs = builder.insert_element(ir.Constant(VECTOR, ir.Undefined), xs, ir.IntType(32)(0))
+            xs = builder.shuffle_vector(xs, ir.Constant(VECTOR, ir.Undefined), lanes)
         fmuladd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(VECTOR, [VECTOR] * 3),
                                                  "llvm.fmuladd.v8f32")
         return builder.call(fmuladd, [xs, args[2], args[0]])
-    return float32x8(float32x8, types.float32, float32x8), codegen
+    if x not in (types.float32, float32x8):
+        return None
+    return float32x8(float32x8, x, float32x8), codegen
 
 
 @intrinsic

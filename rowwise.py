@@ -36,8 +36,9 @@ import numpy as np
 
 try:
     import row_kernel  # compiles the kernel, or loads it from numba's cache
+    import row_ops  # layer norm and attention for the kernel's passes
 except ImportError:  # no numba: the NumPy fallback
-    row_kernel = None
+    row_kernel = row_ops = None
 
 KERNEL_ENV = "GPT2_ROW_KERNEL"
 KERNELS = ("numba", "numpy")
@@ -75,6 +76,13 @@ def matmul(rows, w, shared=True, n_out=None, scale=None):
     if rows.shape[0] == 1 and gemv_is_exact():
         return gemv_one(rows, w)
     return gemv_rows(rows, w)
+
+
+def fuses(model):
+    """Whether a shared pass runs layer norm and attention as numba loops (row_ops.py): in
+    the row kernel's layout (params has lm_head), with heads a multiple of 8 floats wide."""
+    params, hparams = model
+    return "lm_head" in params and hparams["n_embd"] // hparams["n_head"] % row_kernel.V == 0
 
 
 def columns(lm_head, tokens):
