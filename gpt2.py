@@ -17,6 +17,10 @@ CuPy arrays to CuPy (the __array_ufunc__ / __array_function__ protocols, NEP 13
 and 18), and arrays made from nothing take `like=` an array that exists (NEP 35).
 So the weights' location decides where every step runs. Host and device meet
 only at small index arrays and the chosen token ids.
+
+These NumPy functions are the model. On a CPU the matrix products go through
+rowwise.py, and a cached pass in the row kernel's layout runs layer_norm and
+attention as numba loops too (row_ops.py): the same math, summed in a fixed order.
 """
 
 
