@@ -14,6 +14,7 @@ probability a. Each number is the median of --reps runs after a warm-up, with
 the spread beside it where it matters, and every ratio comes from this one run.
 """
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -459,28 +460,46 @@ def kernel_start_s():
 
 def bench_kernels(model, args, size):
     """Plain greedy decoding with the numba kernel against the NumPy fallback (the same
-    code and layout decoding used before the kernel), at each batch size, in turns:
-    decode tokens/s and their ratio (the kernel's over the fallback's), median of reps."""
+    code and layout decoding used before the kernel), and against the kernel with gpt2.py's
+    NumPy layer norm and attention in place of row_ops.py's, at each batch size, in turns:
+    decode tokens/s and their ratios (the kernel's over each other's), median of reps."""
     layouts = kernel_layouts(model)
     if "numba" not in layouts:
         return []
+    ways = {**layouts, "numpy_ops": layouts["numba"]}
     rows = []
     for B in args.batch_sizes:
         prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]
-        tps, ttft = {k: [] for k in layouts}, {k: [] for k in layouts}
-        for rep in range(args.reps + 1):  # the first round warms both up
-            for k, layout in layouts.items():
+        tps, ttft = {k: [] for k in ways}, {k: [] for k in ways}
+        for rep in range(args.reps + 1):  # the first round warms every way up
+            for k, layout in ways.items():
                 settle()
-                stats = greedy(prompts, layout, args.n_tokens)[1]
+                with numpy_small_ops(k == "numpy_ops"):
+                    stats = greedy(prompts, layout, args.n_tokens)[1]
                 if rep:
                     tps[k].append(stats.decode_tokens_per_s)
                     ttft[k].append(1e3 * stats.ttft_s)
         ratios = np.divide(tps["numba"], tps["numpy"])
+        ops_ratios = np.divide(tps["numba"], tps["numpy_ops"])
         rows.append({"size": size, "batch": B, **{f"{k}_tok_s": float(np.median(v)) for k, v in tps.items()},
                      **{f"{k}_ttft_ms": float(np.median(v)) for k, v in ttft.items()},
                      "ratio": float(np.median(ratios)), "ratio_min": float(ratios.min()),
-                     "ratio_max": float(ratios.max())})
+                     "ratio_max": float(ratios.max()), "row_ops_ratio": float(np.median(ops_ratios)),
+                     "row_ops_ratio_min": float(ops_ratios.min()), "row_ops_ratio_max": float(ops_ratios.max())})
     return rows
+
+
+@contextlib.contextmanager
+def numpy_small_ops(on):
+    """Inside the with block (if on), passes in the kernel's layout keep gpt2.py's NumPy
+    layer norm and attention instead of row_ops.py's: the code before row_ops."""
+    fuses = rowwise.fuses
+    if on:
+        rowwise.fuses = lambda model: False
+    try:
+        yield
+    finally:
+        rowwise.fuses = fuses
 
 
 def break_even_alpha(costs, K):

@@ -56,13 +56,17 @@ def rows_table(rows):
 
 
 def kernels_table(rows):
-    lines = ["### Plain decoding: the numba kernel against the NumPy fallback (the code before the kernel), in turns",
+    lines = ["### Plain decoding: the numba kernel against the NumPy fallback (the code before the kernel), and "
+             "against the kernel with NumPy's layer norm and attention (the code before row_ops.py), in turns",
              "", "| model | batch | kernel tok/s | fallback tok/s | kernel / fallback (min-max) | "
-             "TTFT ms kernel / fallback |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['size']} | {r['batch']} | {r['numba_tok_s']:.1f} | {r['numpy_tok_s']:.1f} | {r['ratio']:.2f}x "
-              f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {r.get('numba_ttft_ms', 0):.0f} / "
-              f"{r.get('numpy_ttft_ms', 0):.0f} |" for r in rows]
+             "TTFT ms kernel / fallback | NumPy small ops tok/s | row_ops / NumPy small ops (min-max) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ops = (f"{r['numpy_ops_tok_s']:.1f} | {r['row_ops_ratio']:.2f}x ({r['row_ops_ratio_min']:.2f}-"
+               f"{r['row_ops_ratio_max']:.2f})" if "row_ops_ratio" in r else "- | -")
+        lines.append(f"| {r['size']} | {r['batch']} | {r['numba_tok_s']:.1f} | {r['numpy_tok_s']:.1f} | "
+                     f"{r['ratio']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | "
+                     f"{r.get('numba_ttft_ms', 0):.0f} / {r.get('numpy_ttft_ms', 0):.0f} | {ops} |")
     return lines + [""]
 
 
@@ -280,8 +284,8 @@ def markdown(results):
         lines += kernels_table(results["kernels"])
     if results.get("kernel_start"):
         k = results["kernel_start"]
-        lines += [f"Importing row_kernel in a fresh Python: {k['compile_s']:.2f} s the first time (numba compiles the "
-                  f"kernel), {k['cached_s']:.2f} s from numba's cache.", ""]
+        lines += [f"Importing row_kernel and row_ops in a fresh Python: {k['compile_s']:.2f} s the first time (numba "
+                  f"compiles them), {k['cached_s']:.2f} s from numba's cache.", ""]
     if "formats" in results:
         lines += formats_tables(results)
     if "speculative" in results:

@@ -32,6 +32,8 @@ def test_quick_benchmark_writes_every_measurement(tmp_path, capsys):
     if r["machine"]["row_kernel"] == "numba":  # the kernel against the fallback, and the kernel's start
         assert [(k["size"], k["batch"]) for k in r["kernels"]] == [("tiny", 1), ("tiny", 2)]
         assert all(k["ratio"] == pytest.approx(k["numba_tok_s"] / k["numpy_tok_s"]) for k in r["kernels"])
+        assert all(k["row_ops_ratio_min"] <= k["row_ops_ratio"] <= k["row_ops_ratio_max"] and k["numpy_ops_tok_s"] > 0
+                   for k in r["kernels"])
         assert r["kernel_start"]["compile_s"] > 0 and r["kernel_start"]["cached_s"] > 0
     assert "CPU:" in out and "row kernel:" in out
     spec = r["speculative"]

@@ -64,6 +64,14 @@ def test_a_kernel_pass_runs_them_and_stays_within_rounding_of_numpy(tiny, monkey
         gpt2.next_logits(model, cache, texts)
         return gpt2.next_logits(model, cache, [t + [11] for t in texts], n_logits=2)
 
+    import row_ops
+    calls = []
+    for name in ("layer_norm", "attention"):
+        monkeypatch.setattr(row_ops, name, lambda *a, f=getattr(row_ops, name), name=name, **k: calls.append(name)
+                            or f(*a, **k))
     fused = two_steps()
+    assert {"layer_norm", "attention"} <= set(calls)  # the cached passes ran through row_ops
+    calls.clear()
     monkeypatch.setattr(rowwise, "fuses", lambda model: False)
     np.testing.assert_allclose(fused, two_steps(), rtol=1e-5, atol=1e-5)
+    assert not calls
