@@ -196,10 +196,21 @@ def probabilities(logits, counts, s, prompt_counts=None):
 def sample(probs, u):
     """One token per row of probs [B, n_vocab]: the first whose cumulative probability
     reaches u [B] in (0, 1] times the row's total; u > 0, so a zero-probability token
-    never wins. A row that is not a distribution (NaN, inf, negative, no mass) is refused."""
-    cdf = np.cumsum(probs, axis=-1, dtype=np.float64)  # [B, n_vocab]
-    total = cdf[:, -1]  # [B]: NaN or inf anywhere in a row shows here
-    if not (bool(np.isfinite(total).all()) and bool((total > 0).all()) and bool(probs.min() >= 0)):
+    never wins. A row that is not a distribution (NaN, inf, negative, no mass) is refused.
+
+    The running sums (float64, in token order) are the cost: 50257 dependent adds a row.
+    A token no row can draw adds 0.0 to every sum, which changes no bit of it, so the sums
+    run over the drawable tokens only: a greedy or top-k batch sums a few columns, and
+    every row gets the token it would get from its whole row."""
+    peak = probs.max(axis=-1)  # [B]: NaN or inf anywhere in a row shows here
+    if not (bool(np.isfinite(peak).all()) and bool((peak > 0).all()) and bool(probs.min() >= 0)):
         raise ValueError("cannot sample: a distribution holds NaN, inf or negative values, or no mass at all")
-    u = np.asarray(u, like=cdf) * total  # [B]
-    return np.minimum((cdf < u[:, None]).sum(axis=-1), probs.shape[-1] - 1)  # [B]
+    drawable = (probs > 0).any(axis=0)  # [n_vocab]
+    if bool(drawable.all()):
+        tokens, cdf = np.arange(probs.shape[-1], like=probs), probs.astype(np.float64)  # [B, n_vocab]
+    else:
+        tokens = np.flatnonzero(drawable)  # [m]
+        cdf = probs[:, tokens].astype(np.float64)  # [B, m]
+    cdf = np.cumsum(cdf, axis=-1, out=cdf)  # in place: a float32 cumsum into float64 takes twice as long
+    u = np.asarray(u, like=cdf) * cdf[:, -1]  # [B]: u times each row's total
+    return tokens[np.minimum((cdf < u[:, None]).sum(axis=-1), len(tokens) - 1)]  # [B]

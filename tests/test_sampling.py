@@ -67,6 +67,29 @@ def test_u_inverts_the_cdf():
     assert sampling.sample(p, u).tolist() == [0, 0, 2, 2, 3]  # a zero-probability token never wins
 
 
+def test_summing_only_drawable_tokens_picks_the_whole_rows_token():
+    """sample() runs its sums over the tokens some row can draw; a full-row inverse CDF
+    (float64 running sums over every token) must pick the same token, for batches that
+    mix greedy, top-k and full distributions, at u near each row's own boundaries too."""
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((6, 3000)).astype(np.float32) * 3
+    full = sampling.softmax(logits)
+    greedy = sampling.probabilities(logits, None, sampling.SamplingSettings(temperature=0.0))
+    top_k = sampling.probabilities(logits, None, sampling.SamplingSettings(top_k=40))
+    for p in (greedy, top_k, full, np.concatenate([greedy[:2], top_k[2:4], full[4:]])):
+        cdf = np.cumsum(p, axis=-1, dtype=np.float64)  # [B, n_vocab]: the whole rows
+        boundaries = cdf[np.arange(len(p)), rng.integers(0, p.shape[1], len(p))] / cdf[:, -1]
+        for u in [1.0 - rng.random(len(p)) for _ in range(50)] + [boundaries, np.nextafter(boundaries, 2)]:
+            u = np.clip(u, np.nextafter(0.0, 1.0), 1.0)  # u in (0, 1], as sample() asks
+            want = np.minimum((cdf < (u * cdf[:, -1])[:, None]).sum(axis=-1), p.shape[1] - 1)
+            assert sampling.sample(p, u).tolist() == want.tolist()
+
+
+def test_sampler_refuses_a_batch_without_mass():
+    with pytest.raises(ValueError, match="cannot sample"):
+        sampling.sample(np.zeros((2, 5), np.float32), np.array([0.5, 0.5]))
+
+
 @pytest.mark.parametrize("bad", [[0.5, np.nan, 0.5], [0.5, np.inf, 0.5], [0.0, 0.0, 0.0], [1.5, -0.5, 0.0]])
 def test_sampler_refuses_what_is_not_a_distribution(bad):
     p = np.array([[0.2, 0.3, 0.5], bad], np.float32)
