@@ -968,7 +968,10 @@ def bench_beams(model, args, size, num_beams=4):
 
 
 def bench_transformers(size, args, device="cpu"):
-    """Hugging Face transformers' generate() on the same shapes, if it is installed."""
+    """Hugging Face transformers' generate() on the same shapes, if it is installed: end to
+    end, and decoding alone as this project's decode_tok_s counts it (the tokens after the
+    first over the time after the first): generate(n) - generate(1), prefill and the first
+    token being the same in both, timed in turns."""
     try:
         import torch
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -981,14 +984,22 @@ def bench_transformers(size, args, device="cpu"):
     rows = []
     for B in args.batch_sizes:
         ids = torch.tensor([prompt_ids(args.prompt_len, seed=b) for b in range(B)], device=device)
-        with torch.no_grad():
-            def run():
-                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.n_tokens,
-                               min_new_tokens=args.n_tokens, do_sample=False, pad_token_id=0)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-            med, lo, hi = timed(run, args.reps)
-        rows.append({"batch": B, "tok_s": B * args.n_tokens / med, "torch": torch.__version__,
+        times = {1: [], args.n_tokens: []}
+
+        def run(n):
+            start = time.perf_counter()
+            with torch.no_grad():
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=0)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[n].append(time.perf_counter() - start)
+        for rep in range(args.reps + 1):  # the first is a warm-up
+            for n in times:
+                run(n)
+        first, whole = (float(np.median(times[n][1:])) for n in times)
+        rows.append({"batch": B, "tok_s": B * args.n_tokens / whole, "first_token_s": first,
+                     "decode_tok_s": B * (args.n_tokens - 1) / (whole - first), "torch": torch.__version__,
                      "threads": torch.get_num_threads()})
     return rows
 
@@ -1101,6 +1112,8 @@ def parse_args(argv=None):
     ap.add_argument("--dtypes", nargs="+", choices=weight_formats.DTYPES, default=list(weight_formats.DTYPES),
                     help="formats: the weight formats measured against float32")
     ap.add_argument("--format_batches", nargs="+", type=int, default=[1, 8], help="formats: batch sizes")
+    ap.add_argument("--draft_dtype", choices=weight_formats.DTYPES, default="float32",
+                    help="speculative: the --draft model's weight format")
     ap.add_argument("--self_draft", choices=weight_formats.DTYPES[1:] + ("none",), default="int8",
                     help="speculative: also the target's own copy in this format as its draft")
     ap.add_argument("--self_draft_alphas", nargs="+", type=float, default=[0.8, 0.9, 0.95])
@@ -1115,6 +1128,8 @@ def parse_args(argv=None):
             setattr(args, name, value)
     if args.dtype != "float32" and not gpu:
         ap.error(f"--dtype {args.dtype} needs --backend cupy")
+    if args.draft_dtype != "float32" and (gpu or rowwise.KERNEL != "numba"):
+        ap.error(f"--draft_dtype {args.draft_dtype} needs the numba row kernel on the CPU")
     if args.quick:
         args.sizes, args.draft, args.target, args.serve_sizes = ["tiny"], "tiny", "tiny", ["tiny"]
         args.batch_sizes, args.n_tokens, args.prompt_len, args.contexts, args.reps = [1, 2], 4, 8, [16], 1
@@ -1170,11 +1185,13 @@ def main(argv=None):
         if rowwise.KERNEL == "numba":
             results["kernel_start"] = kernel_start_s()
     if "speculative" in args.only:
-        draft, target = loaded[args.draft], loaded[args.target]
+        draft, target = in_format(loaded[args.draft], args.draft_dtype)[0], loaded[args.target]
         costs = bench_speculative_costs(draft, target, args)
         results["speculative"] = dict(costs, end_to_end=bench_speculative_end_to_end(draft, target, costs, args),
                                       coverage=subset_coverage(args.draft_vocabs), K=args.K,
                                       draft_vocab=args.draft_vocab)
+        if args.draft_dtype != "float32":
+            results["speculative"]["draft"] += f" {args.draft_dtype}"
         if args.self_draft != "none" and rowwise.KERNEL == "numba":
             results["self_draft"] = bench_self_draft(target, args, weights[args.target])
     if "breakdown" in args.only:

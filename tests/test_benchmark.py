@@ -7,8 +7,10 @@ import pytest
 
 import benchmark
 import benchmark_llamacpp
+import benchmark_report
 import cost_model
 import gpt2
+import rowwise
 import speculative
 import utils
 from conftest import fixture_path
@@ -82,6 +84,27 @@ def test_breakdown_splits_each_step_into_drafting_and_verifying(tmp_path):
         assert r["draft_ms_predicted"] == pytest.approx((2 + caught_up) * r["c"] * r["target_step_ms"])
         assert 1 <= r["tokens_per_step"] <= 3
     assert "### Where a speculative step's time goes" in open(tmp_path / "results.md").read()
+
+
+@pytest.mark.skipif(rowwise.KERNEL != "numba", reason="narrow weights need the numba row kernel")
+def test_speculative_with_a_narrow_draft(tmp_path):
+    """--draft_dtype: the draft model's matrices in int8, named so in the results; the
+    controlled runs still reproduce the target's greedy text (controlled_run asserts it)."""
+    assert benchmark.main(["--quick", "--only", "speculative", "--draft_dtype", "int8", "--self_draft", "none",
+                           "--out", str(tmp_path), "--models_dir", str(tmp_path / "none")]) == 0
+    s = json.load(open(tmp_path / "results.json"))["speculative"]
+    assert s["draft"] == "tiny int8" and s["end_to_end"][1]["speedup"] > 0
+    assert "draft tiny int8 -> target tiny" in open(tmp_path / "results.md").read()
+
+
+def test_decode_table_sets_decoding_beside_transformers_decoding():
+    """transformers' decode rate (generate(n) - generate(1)) beside ours, and end to end."""
+    decode = [{"batch": 8, "cache": True, "decode_tok_s": 300.0, "end_to_end_tok_s": 200.0, "decode_tok_s_min": 1,
+               "decode_tok_s_max": 1, "bandwidth_GBs": 1, "roofline_tok_s": 1, "fraction_of_roofline": 1,
+               "ttft_ms": 1, "itl_ms_p50": 1, "itl_ms_p90": 1, "kv_cache_bytes_n_ctx": 1}]
+    r = {"weights": "random", "load_s": 1, "decode": decode, "context": [], "layout": [],
+         "transformers": [{"batch": 8, "tok_s": 100.0, "decode_tok_s": 120.0, "torch": "x", "threads": 2}]}
+    assert "| 8 | 200.0 | 100.0 | 2.00x | 300.0 | 120.0 | 2.50x |" in benchmark_report.decode_tables("124M", r)
 
 
 def test_controlled_drafter_hits_its_acceptance_rate(tiny):
