@@ -48,6 +48,16 @@ def test_greedy_autoregressive_and_speculative_print_the_same_text(capsys, model
     # alpha = 1 (the tiny draft is the target): (K + 1) / (0.1 (K + 0.5) + 1 + 0.2 K) grows with K, so K_max = 7
     assert "advice: at this run's acceptance (alpha = 1.00)" in out
     assert f"K = 7 is expected fastest: {cost_model.speedup(1.0, 7, costs):.2f}x plain decoding" in out
+    assert ("--draft_dtype int8" in out) == (rowwise.KERNEL == "numba")  # a float32 draft could be narrower
+
+
+@pytest.mark.skipif(rowwise.KERNEL != "numba", reason="narrow weights need the numba row kernel")
+def test_no_narrow_draft_advice_for_a_narrow_draft(capsys, models_dir, monkeypatch):
+    monkeypatch.setattr(speculative, "measure_costs", lambda *args, **kwargs: cost_model.Costs(0.1, (1.0, 1.2), 1.5))
+    rc, out, err = run_main(capsys, "--models_dir", models_dir, "--draft_model_size", "124M", "--draft_dtype",
+                            "int8", "--target_model_size", "355M", "--K", "1", "--K_max", "1", *GREEDY)
+    assert rc == 0, err
+    assert "advice: at this run's acceptance" in out and "--draft_dtype int8" not in out
 
 
 def test_measured_costs_are_in_target_steps(tiny):
