@@ -300,9 +300,8 @@ def advise_K(stats, target, drafter, config):
           f"{max(costs.verify[1:]):.2f} steps), K = {K} is expected fastest: "
           f"{cost_model.speedup(alpha, K, costs):.2f}x plain decoding")
     if draft and "lm_head" in draft[0] and draft[0]["lm_head"]["w"].dtype == "float32":
-        print("advice: a draft in int8 (--draft_dtype int8) reads a quarter of the bytes, so its tokens cost "
-              "less (124M drafting for 355M: 0.13 target steps, not 0.36); the text stays the target's, only the "
-              "acceptance may change")
+        print("advice: a draft in int8 (--draft_dtype int8) reads a quarter of its float32 bytes, so each draft "
+              "token costs less; the text stays the target's, only the acceptance may change")
 
 
 def beam_settings(args):
