@@ -106,7 +106,8 @@ def speculative_costs_table(s):
 def end_to_end_table(s):
     e2e = s["end_to_end"]
     lines = ["", f"Measured end to end (greedy, controlled drafter: the {s['draft']} draft runs, then each proposal "
-             f"is the target's own token with probability a, each repetition with its own draws). Each speculative "
+             f"is the target's own token with probability a, exactly a of them in shuffled blocks of 20, each "
+             f"repetition with its own draws). Each speculative "
              f"run is paired with a plain greedy run right before it (plain decoding: {e2e[0]['tok_s']:.1f} tok/s, "
              "median); the speedup is the median of the paired ratios, with their range. Predicted: by the cost "
              "table above at a, and by costs timed right before and after each run at the acceptance rate the run "
