@@ -64,7 +64,7 @@ W = 64  # outputs per block: a multiple of every vector width (8 on AVX2, 16 on 
 V = 8  # floats per vector register (AVX2)
 CHUNK = 8  # k-steps a tile takes before the next tile reuses them from L1
 AHEAD = 2048  # bytes of a block that one row asks memory for ahead of its loads
-AHEAD_ROWS = 8192  # the same for a register tile, whose arithmetic takes longer
+AHEAD_ROWS = 12288  # the same for a register tile, whose arithmetic takes longer
 
 
 def blocked(w):
@@ -237,36 +237,59 @@ def row_times_blocks(x, wb, out):
 
 
 @njit(inline="always")
-def four_rows(x, i, wb, b, k0, acc, ahead):
-    """Rows i..i+3 of x times steps k0..k0+CHUNK-1 of block b, in register tiles of 4 rows
-    x 16 columns: sNv holds row i+N's columns j+8v..j+8v+7. The tile starts from zero or
-    from acc [R, W], where the previous chunk parked it. Per k, two loads of weights
-    serve 8 multiply-adds."""
+def tile(x, i, n, wb, b, k0, acc, ahead):
+    """Rows i..i+n-1 of x (n = 3..6) times steps k0..k0+CHUNK-1 of block b, in register
+    tiles of n rows x 16 columns: sNv holds row i+N's columns j+8v..j+8v+7 (up to 12
+    registers of sums, 2 of weights, 1 for a row's x: 15 of AVX2's 16). The tile starts
+    from zero or from acc [R, W], where the previous chunk parked it. Per k, two loads of
+    weights serve 2n multiply-adds. n is a constant where this is called (inlined), so
+    LLVM drops the rows past n and each n compiles to a tile of its own."""
     for j in range(0, W, 16):
-        if k0 == 0:
-            s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = zero8()
-        else:
+        s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = s40 = s41 = s50 = s51 = zero8()
+        if k0 > 0:
             s00, s01 = load8(acc, (i, j)), load8(acc, (i, j + 8))
             s10, s11 = load8(acc, (i + 1, j)), load8(acc, (i + 1, j + 8))
             s20, s21 = load8(acc, (i + 2, j)), load8(acc, (i + 2, j + 8))
-            s30, s31 = load8(acc, (i + 3, j)), load8(acc, (i + 3, j + 8))
+            if n > 3:
+                s30, s31 = load8(acc, (i + 3, j)), load8(acc, (i + 3, j + 8))
+            if n > 4:
+                s40, s41 = load8(acc, (i + 4, j)), load8(acc, (i + 4, j + 8))
+            if n > 5:
+                s50, s51 = load8(acc, (i + 5, j)), load8(acc, (i + 5, j + 8))
         for k in range(k0, k0 + CHUNK):
             prefetch(wb, (b, k + ahead, j))
             w0, w1 = load8(wb, (b, k, j)), load8(wb, (b, k, j + 8))  # the tile's 16 weights of step k
-            x0, x1, x2, x3 = x[i, k], x[i + 1, k], x[i + 2, k], x[i + 3, k]
+            x0, x1, x2 = x[i, k], x[i + 1, k], x[i + 2, k]
             s00, s01 = fma8(s00, x0, w0), fma8(s01, x0, w1)
             s10, s11 = fma8(s10, x1, w0), fma8(s11, x1, w1)
             s20, s21 = fma8(s20, x2, w0), fma8(s21, x2, w1)
-            s30, s31 = fma8(s30, x3, w0), fma8(s31, x3, w1)
-        for n, (lo, hi) in enumerate(((s00, s01), (s10, s11), (s20, s21), (s30, s31))):
-            store8(acc, (i + n, j), lo)
-            store8(acc, (i + n, j + 8), hi)
+            if n > 3:
+                x3 = x[i + 3, k]
+                s30, s31 = fma8(s30, x3, w0), fma8(s31, x3, w1)
+            if n > 4:
+                x4 = x[i + 4, k]
+                s40, s41 = fma8(s40, x4, w0), fma8(s41, x4, w1)
+            if n > 5:
+                x5 = x[i + 5, k]
+                s50, s51 = fma8(s50, x5, w0), fma8(s51, x5, w1)
+        for r, (lo, hi) in enumerate(((s00, s01), (s10, s11), (s20, s21))):
+            store8(acc, (i + r, j), lo)
+            store8(acc, (i + r, j + 8), hi)
+        if n > 3:
+            store8(acc, (i + 3, j), s30)
+            store8(acc, (i + 3, j + 8), s31)
+        if n > 4:
+            store8(acc, (i + 4, j), s40)
+            store8(acc, (i + 4, j + 8), s41)
+        if n > 5:
+            store8(acc, (i + 5, j), s50)
+            store8(acc, (i + 5, j + 8), s51)
 
 
 @njit(inline="always")
 def two_rows(x, i, wb, b, k0, acc, ahead):
-    """Rows i, i+1 as `four_rows` takes four, in tiles of 2 rows x 32 columns: a last pair
-    costs half the arithmetic of four rows, two of them padding."""
+    """Rows i, i+1 as `tile` takes n, in tiles of 2 rows x 32 columns: per k, four loads
+    of weights serve 8 multiply-adds (a 2 x 16 tile would have 2 loads serve 4)."""
     for j in range(0, W, 32):
         if k0 == 0:
             s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = zero8()
@@ -293,20 +316,30 @@ def two_rows(x, i, wb, b, k0, acc, ahead):
 @njit([f"void(float32[:, ::1], {t}[:, :, ::1], float32[:, ::1])" for t in FORMATS], parallel=True, cache=True,
       nogil=True)
 def rows_times_blocks(x, wb, out):
-    """out [R, n_blocks * W] = x [R, n_in] @ the blocks wb, R even: per block, CHUNK
-    k-steps at a time, rows four by four, then a last pair if R is not a multiple of 4."""
+    """out [R, n_blocks * W] = x [R, n_in] @ the blocks wb, R >= 2: per block, CHUNK
+    k-steps at a time, the rows in as few tiles as hold them (at most 6 rows a tile), of
+    sizes as even as can be (7 rows: 3 + 4; 8: 4 + 4; 16: 5 + 5 + 6)."""
     n_blocks, n_in, _ = wb.shape
     R = x.shape[0]
     ahead = AHEAD_ROWS // (W * wb.itemsize)  # k-steps
+    n_tiles = -(-R // 6)
     for b in prange(n_blocks):
         acc = np.empty((R, W), np.float32)  # [R, W]: this block's sums, between chunks
         for k0 in range(0, n_in, CHUNK):
             i = 0
-            while i + 4 <= R:
-                four_rows(x, i, wb, b, k0, acc, ahead)
-                i += 4
-            if i < R:
-                two_rows(x, i, wb, b, k0, acc, ahead)
+            for t in range(n_tiles):
+                n = (R - i) // (n_tiles - t)  # rows in this tile
+                if n == 6:  # one call per size, each with its n a constant (see `tile`)
+                    tile(x, i, 6, wb, b, k0, acc, ahead)
+                elif n == 5:
+                    tile(x, i, 5, wb, b, k0, acc, ahead)
+                elif n == 4:
+                    tile(x, i, 4, wb, b, k0, acc, ahead)
+                elif n == 3:
+                    tile(x, i, 3, wb, b, k0, acc, ahead)
+                else:
+                    two_rows(x, i, wb, b, k0, acc, ahead)
+                i += n
         out[:, b * W:(b + 1) * W] = acc
 
 
@@ -322,11 +355,8 @@ def matmul(rows, wb, n_out, scale=None):
         out = np.empty((1, n_blocks * W), np.float32)  # [1, n_blocks * W]
         row_times_blocks(np.ascontiguousarray(rows[0], dtype=np.float32), wb, out[0])
     else:
-        x = np.ascontiguousarray(rows, dtype=np.float32)  # [n, n_in]
-        if n % 2:  # the tiles take rows in pairs: one zero row, whose outputs are cut off below
-            x = np.concatenate([x, np.zeros((1, x.shape[1]), np.float32)])  # [n + 1, n_in]
-        out = np.empty((len(x), n_blocks * W), np.float32)  # [n made even, n_blocks * W]
-        rows_times_blocks(x, wb, out)
+        out = np.empty((n, n_blocks * W), np.float32)  # [n, n_blocks * W]
+        rows_times_blocks(np.ascontiguousarray(rows, dtype=np.float32), wb, out)
     out = out[:n, :n_out]  # [n, n_out]
     if scale is not None:
         out *= scale[:n_out]  # int8: (x @ q) * scale, one rounding per output as in one row
