@@ -25,14 +25,16 @@ is a register, as a float64 local is.
 
 - One row (`row_times_blocks`): a block's 64 sums are 8 registers; for k = 0..n_in-1
   each gets x[k] * wb[b, k, 8 lanes]. Each weight is loaded once, next to its use.
-- Rows (`rows_times_blocks`): a register tile of 4 rows x 16 columns (8 sums and 2
-  weight registers): per k, two loads of weights serve 8 multiply-adds. The tile walks
-  CHUNK k-steps, then parks its sums in L1 and the next tile (columns, rows) takes
-  the same CHUNK steps of the block, now in L1, so each weight still comes from memory
-  once for all rows. A last pair of rows takes tiles of 2 rows x 32 columns; an odd
-  row count gets one zero row. Measured on the 355M weight stack: a pass over 2 / 5 /
-  8 rows costs 1.17 / 1.21 / 1.28 one-row passes (the first kernel, sums in memory:
-  1.10 / 1.48 / 1.71 of its own one-row pass, which was itself 10% slower).
+- Rows (`rows_times_blocks`): a register tile of n rows x 16 columns, n = 3..6 (up to
+  12 sums and 2 weight registers): per k, two loads of weights serve 2n multiply-adds.
+  The tile walks CHUNK k-steps, then parks its sums in L1 and the next tile (columns,
+  rows) takes the same CHUNK steps of the block, now in L1, so each weight still comes
+  from memory once for all rows. A pair of rows takes tiles of 2 rows x 32 columns.
+  The rows go in as few tiles as hold them: a second tile over the same chunk lets
+  memory and arithmetic overlap less. Whole 355M passes on an AMD Zen 5 held to AVX2,
+  old and new in turns: 5 rows cost 1.33 one-row passes as a tile of 4 and a pair (with
+  a zero row), 1.09 as one tile of 5; 6 rows 1.38 -> 1.16. A tile of fewer rows
+  overlaps worse: 3 rows cost 1.27, more than 4 (1.12).
 
 Batch invariance by construction: output j of row i is x[i, 0] w[0, j] + x[i, 1] w[1, j]
 + ..., added in that order, one fused multiply-add at a time, in both kernels, whatever
@@ -65,6 +67,12 @@ V = 8  # floats per vector register (AVX2)
 CHUNK = 8  # k-steps a tile takes before the next tile reuses them from L1
 AHEAD = 2048  # bytes of a block that one row asks memory for ahead of its loads
 AHEAD_ROWS = 12288  # the same for a register tile, whose arithmetic takes longer
+# 2 or 3 rows of float32 take a 4-row tile, the rest zero rows: float32 weights arrive
+# slowly enough that 4 rows' arithmetic hides under them, and a tile of fewer rows
+# overlaps the two worse (355M, Zen 5 held to AVX2: 2 rows 1.27 one-row passes, 3 rows
+# 1.20, 4 rows 1.07). Narrow weights arrive 2-4x faster: their passes are arithmetic, so
+# they take tiles of their own size, with no zero rows.
+FLOAT32_MIN_TILE = 4
 
 
 def blocked(w):
@@ -355,8 +363,11 @@ def matmul(rows, wb, n_out, scale=None):
         out = np.empty((1, n_blocks * W), np.float32)  # [1, n_blocks * W]
         row_times_blocks(np.ascontiguousarray(rows[0], dtype=np.float32), wb, out[0])
     else:
-        out = np.empty((n, n_blocks * W), np.float32)  # [n, n_blocks * W]
-        rows_times_blocks(np.ascontiguousarray(rows, dtype=np.float32), wb, out)
+        x = np.ascontiguousarray(rows, dtype=np.float32)  # [n, n_in]
+        if n < FLOAT32_MIN_TILE and wb.dtype == np.float32:
+            x = np.concatenate([x, np.zeros((FLOAT32_MIN_TILE - n, x.shape[1]), np.float32)])  # [4, n_in]
+        out = np.empty((len(x), n_blocks * W), np.float32)  # [n or 4, n_blocks * W]
+        rows_times_blocks(x, wb, out)
     out = out[:n, :n_out]  # [n, n_out]
     if scale is not None:
         out *= scale[:n_out]  # int8: (x @ q) * scale, one rounding per output as in one row
