@@ -65,7 +65,7 @@ import weight_formats
 W = 64  # outputs per block: a multiple of every vector width (8 on AVX2, 16 on AVX-512)
 V = 8  # floats per vector register (AVX2)
 CHUNK = 8  # k-steps a tile takes before the next tile reuses them from L1
-AHEAD = 2048  # bytes of a block that one row asks memory for ahead of its loads
+AHEAD = 8192  # bytes of a block that one row asks memory for ahead of its loads
 AHEAD_ROWS = 12288  # the same for a register tile, whose arithmetic takes longer
 # 2 or 3 rows of float32 take a 4-row tile, the rest zero rows: float32 weights arrive
 # slowly enough that 4 rows' arithmetic hides under them, and a tile of fewer rows
