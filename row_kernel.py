@@ -34,7 +34,8 @@ is a register, as a float64 local is.
   memory and arithmetic overlap less. Whole 355M passes on an AMD Zen 5 held to AVX2,
   old and new in turns: 5 rows cost 1.33 one-row passes as a tile of 4 and a pair (with
   a zero row), 1.09 as one tile of 5; 6 rows 1.38 -> 1.16. A tile of fewer rows
-  overlaps worse: 3 rows cost 1.27, more than 4 (1.12).
+  overlaps worse: 3 rows in a tile of their own cost 1.27, more than 4 (1.12), so
+  float32 gives 2 or 3 rows a 4-row tile (`FLOAT32_MIN_TILE`).
 
 Batch invariance by construction: output j of row i is x[i, 0] w[0, j] + x[i, 1] w[1, j]
 + ..., added in that order, one fused multiply-add at a time, in both kernels, whatever
