@@ -446,12 +446,13 @@ def bench_rows(model, args):
 
 
 def kernel_start_s():
-    """Seconds to import row_kernel and row_ops in a fresh Python: first with an empty numba
-    cache (the kernels are compiled), then with the cache that run left (they are loaded);
-    each includes Python's and numba's own start."""
+    """Seconds to import the numba kernels (row_kernel, int8_kernel, row_ops) in a fresh
+    Python: first with an empty numba cache (the kernels are compiled), then with the
+    cache that run left (they are loaded); each includes Python's and numba's own start."""
     with tempfile.TemporaryDirectory() as cache_dir:
         env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
-        code = "import time; t = time.perf_counter(); import row_kernel, row_ops; print(time.perf_counter() - t)"
+        code = ("import time; t = time.perf_counter(); import row_kernel, int8_kernel, row_ops; "
+                "print(time.perf_counter() - t)")
         here = os.path.dirname(os.path.abspath(__file__))
         runs = [float(subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True,
                                      check=True).stdout) for _ in range(2)]

@@ -290,7 +290,7 @@ def markdown(results):
         lines += kernels_table(results["kernels"])
     if results.get("kernel_start"):
         k = results["kernel_start"]
-        lines += [f"Importing row_kernel and row_ops in a fresh Python: {k['compile_s']:.2f} s the first time (numba "
+        lines += [f"Importing the numba kernels in a fresh Python: {k['compile_s']:.2f} s the first time (numba "
                   f"compiles them), {k['cached_s']:.2f} s from numba's cache.", ""]
     if "formats" in results:
         lines += formats_tables(results)

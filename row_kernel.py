@@ -49,11 +49,11 @@ arithmetic. Asking for the weights a few KiB ahead (the `prefetch` intrinsic bel
 LLVM's llvm.prefetch) keeps memory busy while the arithmetic runs, so the two overlap.
 `python benchmark.py --only rows` measures what a pass over n rows costs.
 
-Narrow weights (weight_formats.py): the same blocks stored as bfloat16 (uint16) or int8,
-read by the same two kernels: `load8` widens 8 of them in registers (bfloat16: the 16
-bits become a float32's high half; int8: a conversion), so the sums and their order are
-the float32 kernel's and each format is batch invariant the same way. int8 multiplies
-each output by its column's scale once, after the sum (`matmul`).
+Narrow weights (weight_formats.py): the same blocks stored as bfloat16 (uint16), read by
+the same two kernels: `load8` widens 8 of them in registers (the 16 bits become a
+float32's high half), so the sums and their order are the float32 kernel's and bfloat16
+is batch invariant the same way. int8 weights have kernels of their own, in integers
+(int8_kernel.py), which reuse this file's vector type and operations.
 """
 import numpy as np
 from llvmlite import ir
@@ -71,8 +71,8 @@ AHEAD_ROWS = 12288  # the same for a register tile, whose arithmetic takes longe
 # 2 or 3 rows of float32 take a 4-row tile, the rest zero rows: float32 weights arrive
 # slowly enough that 4 rows' arithmetic hides under them, and a tile of fewer rows
 # overlaps the two worse (355M, Zen 5 held to AVX2: 2 rows 1.27 one-row passes, 3 rows
-# 1.20, 4 rows 1.07). Narrow weights arrive 2-4x faster: their passes are arithmetic, so
-# they take tiles of their own size, with no zero rows.
+# 1.20, 4 rows 1.07). bfloat16 arrives 2x faster: its passes are arithmetic, so it takes
+# tiles of its own size, with no zero rows.
 FLOAT32_MIN_TILE = 4
 
 
@@ -101,9 +101,10 @@ def unblocked(wb, n_out):
 def columns(wb, tokens, scale=None):
     """Columns `tokens` of the matrix stored as blocks wb, as float32 rows [n, n_in]: the
     tied head's blocks hold wte.T, so these are the tokens' embeddings, read from the very
-    weights (and format) the head multiplies by."""
+    weights (and format) the head multiplies by. int8 blocks [n_blocks, n_in / 2, W, 2]
+    (int8_kernel.paired) hold a column's inputs in order too."""
     tokens = np.asarray(tokens)
-    cols = wb[tokens // W, :, tokens % W]  # [n, n_in]
+    cols = wb[tokens // W, :, tokens % W].reshape(len(tokens), -1)  # [n, n_in]
     if wb.dtype == np.uint16:
         return weight_formats.from_bfloat16(cols)
     if wb.dtype == np.int8:
@@ -141,19 +142,16 @@ def _address(context, builder, array_type, array, index):
 def load8(typingctx, a, index):
     """a[index], a[index] + 1, ..., 8 consecutive elements of the last axis as float32
     lanes: float32 as they are, bfloat16 bits (uint16) shifted into a float32's high
-    half (exact), int8 converted (exact)."""
+    half (exact)."""
     def codegen(context, builder, signature, args):
         address = _address(context, builder, signature.args[0], args[0], args[1])
         dtype = signature.args[0].dtype
         if dtype == types.float32:
             return builder.load(builder.bitcast(address, VECTOR.as_pointer()), align=4)
-        narrow = ir.VectorType(ir.IntType(dtype.bitwidth), V)
-        bits = builder.load(builder.bitcast(address, narrow.as_pointer()), align=dtype.bitwidth // 8)
-        if dtype == types.int8:
-            return builder.sitofp(bits, VECTOR)
+        bits = builder.load(builder.bitcast(address, ir.VectorType(ir.IntType(16), V).as_pointer()), align=2)
         i32 = ir.VectorType(ir.IntType(32), V)
         return builder.bitcast(builder.shl(builder.zext(bits, i32), ir.Constant(i32, [16] * V)), VECTOR)
-    if a.dtype not in (types.float32, types.uint16, types.int8):
+    if a.dtype not in (types.float32, types.uint16):
         return None
     return float32x8(a, index), codegen
 
@@ -209,7 +207,7 @@ def prefetch(typingctx, a, index):
     return types.void(a, index), codegen
 
 
-FORMATS = ("float32", "uint16", "int8")  # float32, bfloat16's bits, int8 (weight_formats.py)
+FORMATS = ("float32", "uint16")  # float32 and bfloat16's bits (weight_formats.py)
 
 
 @njit([f"void(float32[::1], {t}[:, :, ::1], float32[::1])" for t in FORMATS], parallel=True, cache=True,
@@ -352,11 +350,10 @@ def rows_times_blocks(x, wb, out):
         out[:, b * W:(b + 1) * W] = acc
 
 
-def matmul(rows, wb, n_out, scale=None):
-    """rows [n, n_in] @ w -> [n, n_out], w given as its blocks wb [n_blocks, n_in, W] in
-    any format (float32, bfloat16 as uint16, int8 with its scale [n_blocks * W]); only the
-    blocks that hold the first n_out outputs are read (a draft's vocabulary subset reads
-    the head's first blocks only)."""
+def matmul(rows, wb, n_out):
+    """rows [n, n_in] @ w -> [n, n_out], w given as its blocks wb [n_blocks, n_in, W],
+    float32 or bfloat16 (as uint16); only the blocks that hold the first n_out outputs
+    are read (a draft's vocabulary subset reads the head's first blocks only)."""
     n_blocks = -(-n_out // W)
     wb = wb[:n_blocks]  # [needed blocks, n_in, W]
     n = rows.shape[0]
@@ -369,7 +366,4 @@ def matmul(rows, wb, n_out, scale=None):
             x = np.concatenate([x, np.zeros((FLOAT32_MIN_TILE - n, x.shape[1]), np.float32)])  # [4, n_in]
         out = np.empty((len(x), n_blocks * W), np.float32)  # [n or 4, n_blocks * W]
         rows_times_blocks(x, wb, out)
-    out = out[:n, :n_out]  # [n, n_out]
-    if scale is not None:
-        out *= scale[:n_out]  # int8: (x @ q) * scale, one rounding per output as in one row
-    return out
+    return out[:n, :n_out]  # [n, n_out]

@@ -9,7 +9,7 @@ on its batch). `matmul` is the one place where rows meet weights, with two kerne
 - "numba" (the default, row_kernel.py): the weights stored as contiguous blocks of 64
   output columns (in float32, bfloat16 or int8: weight_formats.py), and a kernel of our
   own that reads each weight once for all rows and sums every output in the same order
-  whatever the rows. A pass over 2-6 rows costs little more than one
+  whatever the rows (int8 in integers: int8_kernel.py). A pass over 2-6 rows costs little more than one
   (`python benchmark.py --only rows`).
 - "numpy" (the fallback, when numba is missing or GPT2_ROW_KERNEL=numpy): BLAS alone.
   Its matrix product (sgemm) repacks the weights first, which for 2-8 rows costs 2-3
@@ -35,10 +35,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 try:
+    import int8_kernel  # int8 weights times 16-bit activations
     import row_kernel  # compiles the kernel, or loads it from numba's cache
     import row_ops  # layer norm and attention for the kernel's passes
 except ImportError:  # no numba: the NumPy fallback
-    row_kernel = row_ops = None
+    int8_kernel = row_kernel = row_ops = None
 
 KERNEL_ENV = "GPT2_ROW_KERNEL"
 KERNELS = ("numba", "numpy")
@@ -69,8 +70,10 @@ def matmul(rows, w, shared=True, n_out=None, scale=None):
     rows belong to a pass that several requests share, so each row must come out as it
     would alone. The kernel gives that for every pass, and
     beats OpenBLAS held to one thread (see kernel_pass) at every row count measured (1-256)."""
+    if w.ndim == 4:  # int8 in pairs of inputs (int8_kernel.py)
+        return int8_kernel.matmul(rows, w, n_out or w.shape[0] * row_kernel.W, scale)
     if w.ndim == 3:
-        return row_kernel.matmul(rows, w, n_out or w.shape[0] * row_kernel.W, scale)
+        return row_kernel.matmul(rows, w, n_out or w.shape[0] * row_kernel.W)
     if not isinstance(rows, np.ndarray) or not shared or STRATEGY == "product":
         return rows @ w  # a GPU (CuPy), or a pass of one request's own: one product
     if rows.shape[0] == 1 and gemv_is_exact():

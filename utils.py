@@ -193,11 +193,20 @@ def decode_layout(params, kernel=None, dtype="float32"):
                             f"{rowwise.KERNEL_ENV} unset); the NumPy fallback runs --dtype float32")
         return map_linear(params, lambda layer: {**layer, "w": column_major(layer["w"])})  # [n_in, n_out]
 
-    def narrow(w):  # [n_in, n_out] -> {"w": [n_blocks, n_in, 64] in dtype, "scale"?}
-        return weight_formats.stored(rowwise.row_kernel.blocked(w), dtype)
-    out = map_linear(params, lambda layer: {**layer, **narrow(layer["w"])})
-    out["lm_head"] = narrow(params["wte"].T)  # {"w": [n_blocks, n_embd, 64], "scale"?}
+    out = map_linear(params, lambda layer: {**layer, **kernel_blocks(layer["w"], dtype)})
+    out["lm_head"] = kernel_blocks(params["wte"].T, dtype)  # {"w": [n_blocks, n_embd, 64], "scale"?}
     return out
+
+
+def kernel_blocks(w, dtype):
+    """A matrix w [n_in, n_out] as the numba kernels read it: {"w": its blocks of 64
+    columns [n_blocks, n_in, 64] in the format dtype, "scale" for int8}, int8's blocks
+    with each column's weights in pairs of inputs [n_blocks, n_in / 2, 64, 2]
+    (int8_kernel.py)."""
+    layer = weight_formats.stored(rowwise.row_kernel.blocked(w), dtype)
+    if dtype == "int8":
+        layer["w"] = rowwise.int8_kernel.paired(layer["w"])
+    return layer
 
 
 def map_linear(params, f):

@@ -5,8 +5,8 @@ spends its time waiting for memory: the time of a step is the bytes of weights o
 the memory bandwidth (the roofline's memory-bound side). Storing a weight in 2 bytes
 (bfloat16) or 1 (int8) instead of 4 divides that time by up to 2 or 4, as long as the
 kernel that reads them widens them back to float32 in the core, where arithmetic is
-nearly free (row_kernel.py). Activations, layer norms, biases, attention and every sum
-stay float32; only the stored matrices change.
+nearly free (row_kernel.py). Activations, layer norms, biases and attention stay
+float32; only the stored matrices change (and int8's products, below).
 
 - bfloat16 (https://cloud.google.com/tpu/docs/bfloat16): a float32 with the low 16 bits
   of its mantissa rounded away (to nearest, ties to even). Same exponent range, so no
@@ -16,8 +16,9 @@ stay float32; only the stored matrices change.
   quantization without its outliers, https://arxiv.org/abs/2208.07339, and ctranslate2's
   int8): w[k, j] ~ q[k, j] * scale[j] with q in [-127, 127] and scale[j] = max_k
   |w[k, j]| / 127. A column's error is at most scale[j] / 2 per weight. Since the scale
-  is per output, x @ w = (x @ q) * scale: the kernel sums x[k] * q[k, j] in float32 and
-  scales each output once at the end.
+  is per output, x @ w = (x @ q) * scale: the kernel sums x[k] * q[k, j] and scales
+  each output once at the end. It sums in integers, the activations rounded to 16 bits
+  per block of 64 (int8_kernel.py: an error a few hundred times below the weights').
 
 Both are approximations of the float32 model (plain decoding's text can differ); as a
 speculative draft they cost nothing in exactness, since rejection sampling keeps the

@@ -57,14 +57,16 @@ def test_int8_is_symmetric_per_output_column_within_half_a_step():
 
 
 def narrow_blocks(w, dtype):
-    import row_kernel
-    return weight_formats.stored(row_kernel.blocked(w), dtype)
+    return utils.kernel_blocks(w, dtype)
 
 
 def widened(stored, n_out):
     """The float32 matrix [n_in, n_out] that stored blocks hold."""
+    import int8_kernel
     import row_kernel
     wb = stored["w"]
+    if wb.ndim == 4:
+        wb = int8_kernel.unpaired(wb)
     if wb.dtype == np.uint16:
         wb = weight_formats.from_bfloat16(wb)
     elif wb.dtype == np.int8:
