@@ -9,8 +9,8 @@ on its batch). `matmul` is the one place where rows meet weights, with two kerne
 - "numba" (the default, row_kernel.py): the weights stored as contiguous blocks of 64
   output columns (in float32, bfloat16 or int8: weight_formats.py), and a kernel of our
   own that reads each weight once for all rows and sums every output in the same order
-  whatever the rows (int8 in integers: int8_kernel.py). A pass over 2-6 rows costs little more than one
-  (`python benchmark.py --only rows`).
+  whatever the rows (int8 in integers: int8_kernel.py). A pass over 2-6 rows costs
+  little more than one (`python benchmark.py --only rows`).
 - "numpy" (the fallback, when numba is missing or GPT2_ROW_KERNEL=numpy): BLAS alone.
   Its matrix product (sgemm) repacks the weights first, which for 2-8 rows costs 2-3
   one-row passes, and rounds a row differently depending on how many rows share it. So
