@@ -196,8 +196,8 @@ def store_int16(typingctx, a, index, v):
 @njit(cache=True, nogil=True)
 def to_int16(x, c):
     """x [R, n_in] float32 -> x16 [R, n_in] int16 and sx [R, n_in / c] float32, blocks of
-    c inputs (a multiple of 8): x ~ x16 * sx, each x16 rounded to nearest (a block of
-    zeros gets sx = 0), 8 lanes at a time."""
+    c inputs (a multiple of 8), 8 lanes at a time: x ~ x16 * sx with sx = top / 32767 and
+    x16 = rint(x * (32767 / top)), top the block's largest |x| (a block of zeros: all 0)."""
     R, n_in = x.shape
     x16 = np.empty((R, n_in), np.int16)  # [R, n_in]
     sx = np.empty((R, n_in // c), np.float32)  # [R, n_in / c]
@@ -210,7 +210,7 @@ def to_int16(x, c):
             sx[r, b] = top / np.float32(X16_MAX)
             inverse = np.float32(X16_MAX) / top if top > 0 else np.float32(0)
             for k in range(b * c, (b + 1) * c, 8):
-                store_int16(x16, (r, k), fma8(zero8(), inverse, load8(x, (r, k))))
+                store_int16(x16, (r, k), fma8(zero8(), inverse, load8(x, (r, k))))  # 0 + inverse * x: a product
     return x16, sx
 
 
