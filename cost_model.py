@@ -81,9 +81,19 @@ def speedup(alpha, K, costs):
     return expected_tokens(alpha, K) / (draft_cost(alpha, K, costs) + verify_cost(costs, K))
 
 
+def weight_bytes(model):
+    """Bytes one weight of a model's matrices takes as stored: 4 (float32), 2 (bfloat16,
+    float16), 1 (int8; weight_formats.py)."""
+    return model[0]["blocks"][0]["mlp"]["c_fc"]["w"].itemsize
+
+
 def default_costs(target, draft, draft_vocab=0):
     """Costs estimated from sizes: decoding is bound by reading the weights, so a draft
-    token costs its model's share of the bytes (0 for a drafter without a model), and
-    verification follows the CPU table CPU_VERIFY (and so does the draft's two-token pass)."""
-    c = step_parameters(draft[1], draft_vocab) / step_parameters(target[1]) if draft else 0.0
+    token costs its model's share of the bytes, its weights times their stored size (0
+    for a drafter without a model; a target's own int8 copy 1/4), and verification
+    follows the CPU table CPU_VERIFY (and so does the draft's two-token pass)."""
+    if not draft:
+        return Costs(draft=0.0, verify=CPU_VERIFY, catch_up=CPU_VERIFY[1])
+    c = (step_parameters(draft[1], draft_vocab) * weight_bytes(draft)
+         / (step_parameters(target[1]) * weight_bytes(target)))
     return Costs(draft=c, verify=CPU_VERIFY, catch_up=CPU_VERIFY[1])

@@ -48,7 +48,7 @@ class SpeculativeConfig:
     K: int = 4  # drafts per target pass (the papers' gamma)
     adaptive: bool = False  # before each step, each row picks its K from its own acceptance so far
     K_max: int = None  # the largest K adaptive K picks; None: max(K, 7)
-    costs: cost_model.Costs = None  # for adaptive K; None: estimated from the models' sizes (default_costs)
+    costs: cost_model.Costs = None  # for adaptive K; None: estimated from the models' sizes and formats (default_costs)
     draft_vocab: int = 0  # the draft's head covers the N most frequent tokens (+ the text's); 0: all
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import benchmark
+import cost_model
 import gpt2
 import kv_cache
 import main
@@ -162,6 +163,17 @@ def self_drafts(tiny):
     _, hparams, params = tiny
     plain_params = utils.plain_layout(params)
     return (params, hparams), {d: (utils.decode_layout(plain_params, "numba", d), hparams) for d in NARROW}
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype, share", [("bfloat16", 0.5), ("int8", 0.25)])
+def test_a_narrow_self_drafts_estimated_cost_is_its_share_of_the_bytes(self_drafts, dtype, share):
+    """Adaptive K's default costs: the same weights in fewer bytes are a cheaper draft (as
+    parameters alone, c would be 1 and K would fall to 1)."""
+    target, drafts = self_drafts
+    costs = cost_model.default_costs(target, drafts[dtype])
+    assert costs.draft == share
+    assert cost_model.best_K(0.9, costs, 7) >= 3
 
 
 @needs_numba
