@@ -34,8 +34,8 @@ inputs k = 2p, 2p + 1 sit side by side for each column: qb [n_blocks, n_in / 2, 
 (`paired`). 16 bytes are then 8 columns x 2 inputs; widened to 16-bit (vpmovsxbw), one
 vpmaddwd with the row's x16[2p], x16[2p + 1] in every pair of lanes adds both products
 to 8 columns' sums. The kernels walk the blocks as row_kernel's do: one row (8 column
-registers of sums), or tiles of 3-6 rows x 16 columns, a block of C inputs per tile (a
-pair of rows takes a 3-row tile with a zero row: per sum, fewer loads of x).
+registers of sums), or tiles of 3-6 rows x 16 columns (a pair of rows: 2 x 32), a block
+of C inputs per tile.
 """
 import math
 
@@ -277,11 +277,31 @@ def tile(x16, sx, i, n, qb, b, kc, c, acc, ahead):
                 store8(acc, (i + r, j + 8), fma8(before_hi, s, to_float(hi)))
 
 
+@njit(inline="always")
+def two_rows(x16, sx, i, qb, b, kc, c, acc, ahead):
+    """Rows i, i+1 as `tile` takes n, in tiles of 2 rows x 32 columns: per input pair,
+    four loads of weights serve 8 vpmaddwd (a 2 x 16 tile would have 2 loads serve 4)."""
+    for j in range(0, W, 32):
+        a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = izero()
+        for p in range(kc // 2, (kc + c) // 2):
+            prefetch(qb, (b, p + ahead, j, 0))
+            w0, w1 = load16(qb, (b, p, j, 0)), load16(qb, (b, p, j + 8, 0))
+            w2, w3 = load16(qb, (b, p, j + 16, 0)), load16(qb, (b, p, j + 24, 0))
+            x0, x1 = pair(x16, (i, 2 * p)), pair(x16, (i + 1, 2 * p))
+            a00, a01, a02, a03 = madd(a00, x0, w0), madd(a01, x0, w1), madd(a02, x0, w2), madd(a03, x0, w3)
+            a10, a11, a12, a13 = madd(a10, x1, w0), madd(a11, x1, w1), madd(a12, x1, w2), madd(a13, x1, w3)
+        for r, sums in enumerate(((a00, a01, a02, a03), (a10, a11, a12, a13))):
+            s = sx[i + r, kc // c]
+            for v, a in enumerate(sums):
+                before = zero8() if kc == 0 else load8(acc, (i + r, j + 8 * v))
+                store8(acc, (i + r, j + 8 * v), fma8(before, s, to_float(a)))
+
+
 @njit("void(int16[:, ::1], float32[:, ::1], int8[:, :, :, ::1], float32[:, ::1])", parallel=True, cache=True,
       nogil=True)
 def rows_times_pairs(x16, sx, qb, out):
-    """out [R, n_blocks * W] = x16 [R, n_in] (blocks scaled by sx) @ q, R >= 3: per block
-    of weights and block of inputs, the rows in as few tiles as hold them (3 to 6 a
+    """out [R, n_blocks * W] = x16 [R, n_in] (blocks scaled by sx) @ q, R >= 2: per block
+    of weights and block of inputs, the rows in as few tiles as hold them (at most 6 a
     tile, sizes as even as can be), as row_kernel.rows_times_blocks."""
     n_blocks, half, _, _ = qb.shape
     R = x16.shape[0]
@@ -300,8 +320,10 @@ def rows_times_pairs(x16, sx, qb, out):
                     tile(x16, sx, i, 5, qb, b, kc, c, acc, ahead)
                 elif n == 4:
                     tile(x16, sx, i, 4, qb, b, kc, c, acc, ahead)
-                else:
+                elif n == 3:
                     tile(x16, sx, i, 3, qb, b, kc, c, acc, ahead)
+                else:
+                    two_rows(x16, sx, i, qb, b, kc, c, acc, ahead)
                 i += n
         out[:, b * W:(b + 1) * W] = acc
 
@@ -314,15 +336,11 @@ def matmul(rows, qb, n_out, scale):
     qb = qb[:n_blocks]  # [needed blocks, n_in / 2, W, 2]
     x = np.ascontiguousarray(rows, dtype=np.float32)  # [n, n_in]
     x16, sx = to_int16(x, block_size(x.shape[1]))  # [n, n_in], [n, n_in / c]
-    n = len(x)
-    if n == 1:
-        out = np.empty((1, n_blocks * W), np.float32)  # [1, n_blocks * W]
+    out = np.empty((len(x), n_blocks * W), np.float32)  # [n, n_blocks * W]
+    if len(x) == 1:
         row_times_pairs(x16[0], sx[0], qb, out[0])
     else:
-        if n == 2:  # a pair takes a 3-row tile with a zero row: fewer loads of x a sum than 2 rows
-            x16, sx = np.concatenate([x16, np.zeros_like(x16[:1])]), np.concatenate([sx, np.zeros_like(sx[:1])])
-        out = np.empty((len(x16), n_blocks * W), np.float32)  # [n or 3, n_blocks * W]
         rows_times_pairs(x16, sx, qb, out)
-    out = out[:n, :n_out]  # [n, n_out]
+    out = out[:, :n_out]  # [n, n_out]
     out *= scale[:n_out]  # (x @ q) * scale, one rounding per output
     return out
