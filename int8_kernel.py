@@ -1,10 +1,11 @@
 """int8 weights multiplied in integers: one instruction does 16 multiply-adds.
 
-An int8 model reads a quarter of float32's bytes, so one row (a token) is four times
-faster to stream. A batch of rows is not: 8 rows make 8 multiply-adds of every weight,
-and the row kernel (row_kernel.py) widens each int8 weight to float32 and does them as
-fused multiply-adds, 8 a cycle on each of the two FMA units an AVX2 core has. At 8 rows
-a 355M step is then bound by arithmetic, not memory, and int8 gains little over float32.
+An int8 model reads a quarter of float32's bytes, so one row (a token) is up to four
+times faster to stream. A batch of rows is not: 8 rows make 8 multiply-adds of every
+weight. With each int8 weight widened to float32 in registers (as row_kernel.py widens
+bfloat16) they are fused multiply-adds, 8 at a time on each of an AVX2 core's two FMA
+units, and at 8 rows a 355M step is bound by them, not by memory: int8 was 1.08x
+float32 at batch 8 that way.
 
 Integers do twice the work per instruction. AVX2's vpmaddwd multiplies 16 pairs of
 16-bit integers and adds neighbouring products into 8 32-bit sums: 16 multiply-adds
@@ -26,8 +27,8 @@ weights' own rounding (2**-8 of a column's largest), so int8's logits stay where
 weights put them (`python benchmark.py --only formats`). Inside a block the sums are
 integers: exact, whatever order they are added in, below 2**31 (64 x 32767 x 127).
 Each block's integer sum becomes a float32 and is added to the output as
-acc = fma(float(sum), sx[c], acc), block after block, the same in both kernels: a row's
-output is bitwise the same alone or beside any others, as in the float kernel.
+acc = fma(float(sum), sx[c], acc), block after block, the same in every kernel here: a
+row's output is bitwise the same alone or beside any others, as in the float kernel.
 
 Layout: vpmaddwd adds products of neighbouring lanes, so the weights of two neighbouring
 inputs k = 2p, 2p + 1 sit side by side for each column: qb [n_blocks, n_in / 2, W, 2]
