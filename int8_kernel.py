@@ -140,13 +140,13 @@ def paired(q):
     """int8 blocks q [n_blocks, n_in, W] -> [n_blocks, n_in / 2, W, 2]: for each column,
     the weights of inputs 2p and 2p + 1 side by side."""
     n_blocks, n_in, w = q.shape
-    return np.ascontiguousarray(q.reshape(n_blocks, n_in // 2, 2, w).transpose(0, 1, 3, 2))
+    return np.ascontiguousarray(q.reshape(n_blocks, n_in // 2, 2, w).transpose(0, 1, 3, 2))  # [n_blocks, n_in/2, W, 2]
 
 
 def unpaired(qb):
     """The inverse of `paired`: [n_blocks, n_in / 2, W, 2] -> [n_blocks, n_in, W]."""
     n_blocks, half, w, _ = qb.shape
-    return np.ascontiguousarray(qb.transpose(0, 1, 3, 2).reshape(n_blocks, 2 * half, w))
+    return np.ascontiguousarray(qb.transpose(0, 1, 3, 2).reshape(n_blocks, 2 * half, w))  # [n_blocks, n_in, W]
 
 
 def block_size(n_in):

@@ -194,7 +194,7 @@ def decode_layout(params, kernel=None, dtype="float32"):
         return map_linear(params, lambda layer: {**layer, "w": column_major(layer["w"])})  # [n_in, n_out]
 
     out = map_linear(params, lambda layer: {**layer, **kernel_blocks(layer["w"], dtype)})
-    out["lm_head"] = kernel_blocks(params["wte"].T, dtype)  # {"w": [n_blocks, n_embd, 64], "scale"?}
+    out["lm_head"] = kernel_blocks(params["wte"].T, dtype)  # {"w": [n_blocks, n_embd, 64] (int8: paired), "scale"?}
     return out
 
 
