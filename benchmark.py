@@ -445,6 +445,29 @@ def bench_rows(model, args):
     return rows
 
 
+def bench_ceiling(loaded, args, probe):
+    """benchmark_ceiling.py: each kernel's inner loop with its operands in L1 (the most it
+    can do here), then float32 and int8 kernels over each model's matrices at each batch
+    in --format_batches, in turns: multiply-adds/s, and the bytes of weights a second."""
+    import benchmark_ceiling  # only this section needs it
+    result = {"ceilings": benchmark_ceiling.ceilings(args.reps), "kernels": [],
+              "bandwidth_GBs": measure_bandwidth(probe)}
+    for size in args.sizes:
+        models = {dtype: in_format(loaded[size], dtype)[0][0] for dtype in ("float32", "int8")}
+        for B in args.format_batches:
+            seconds, stored = {dtype: [] for dtype in models}, {}
+            for _ in range(args.reps + 1):  # the first warms up
+                for dtype, params in models.items():
+                    multiply_adds, stored[dtype], s = benchmark_ceiling.kernels_pass(params, B)
+                    seconds[dtype].append(s)
+            for dtype in models:
+                best = min(seconds[dtype][1:])
+                result["kernels"].append({"size": size, "batch": B, "dtype": dtype, "ms": 1e3 * best,
+                                          "multiply_adds_per_s": multiply_adds / best,
+                                          "weights_GBs": stored[dtype] / best / 1e9})
+    return result
+
+
 def kernel_start_s():
     """Seconds to import the numba kernels (row_kernel, int8_kernel, row_ops) in a fresh
     Python: first with an empty numba cache (the kernels are compiled), then with the
@@ -1122,8 +1145,8 @@ def parse_args(argv=None):
                     "only runs)")
     ap.add_argument("--only", nargs="+",
                     choices=["decode", "formats", "kernels", "rows", "speculative", "serving", "breakdown", "http",
-                             "beams"],
-                    help="run only these parts (default: all but breakdown)")
+                             "beams", "ceiling"],
+                    help="run only these parts (default: all but breakdown and ceiling)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--models_dir", default="models")
     ap.add_argument("--out", default="benchmark_results")
@@ -1176,7 +1199,7 @@ def main(argv=None):
                "gemv_is_exact": rowwise.gemv_is_exact()}
     print(f"{benchmark_report.machine_line(results['machine'])}\none-row matmul bandwidth: {bandwidth:.1f} GB/s",
           flush=True)
-    wanted = list(args.sizes) if {"decode", "kernels", "formats"} & set(args.only) else []
+    wanted = list(args.sizes) if {"decode", "kernels", "formats", "ceiling"} & set(args.only) else []
     wanted += [args.target] if "rows" in args.only else []
     wanted += [args.target, args.draft] if {"speculative", "breakdown"} & set(args.only) else []
     wanted += args.serve_sizes if {"serving", "http", "beams"} & set(args.only) else []
@@ -1201,6 +1224,11 @@ def main(argv=None):
             results["formats_test_model"] = test_model_agreement()
     if "rows" in args.only:
         results["rows"] = {"target": args.target, "by_n": bench_rows(loaded[args.target], args)}
+    if "ceiling" in args.only:
+        if rowwise.KERNEL != "numba":
+            print("ceiling: skipped (it measures the numba kernels)")
+        else:
+            results["ceiling"] = bench_ceiling(loaded, args, probe)
     if "kernels" in args.only:
         results["kernels"] = [row for size in args.sizes for row in bench_kernels(loaded[size], args, size)]
         if rowwise.KERNEL == "numba":

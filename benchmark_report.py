@@ -75,6 +75,24 @@ def kernels_table(rows):
     return lines + [""]
 
 
+def ceiling_tables(c):
+    ceilings, f32 = c["ceilings"], c["ceilings"]["float32"]
+    names = {"float32": "float32 FMAs (row_kernel.py)", "int8 x int16": "int8 x int16, vpmaddwd (int8_kernel.py)",
+             "int8 x 7 bits": "int8 x 7 bits, vpmaddubsw (not used: rounds one side to 7 bits)"}
+    lines = ["### Ceiling: multiply-adds a second (benchmark_ceiling.py)", "",
+             "Each kernel's inner loop (a tile of 4 rows x 16 columns) with its weights in L1, on every thread:", "",
+             "| loop | G multiply-adds/s | over float32 |", "|---|---|---|"]
+    lines += [f"| {names[k]} | {v / 1e9:.0f} | {v / f32:.2f}x |" for k, v in ceilings.items()]
+    lines += ["", f"The kernels over a model's matrices (linear layers and head) from memory, in turns (memory "
+              f"{c['bandwidth_GBs']:.1f} GB/s at the start):", "",
+              "| model | rows | format | ms | G multiply-adds/s | of its loop's ceiling | weights GB/s |",
+              "|---|---|---|---|---|---|---|"]
+    ceiling_of = {"float32": ceilings["float32"], "int8": ceilings["int8 x int16"]}
+    lines += [f"| {k['size']} | {k['batch']} | {k['dtype']} | {k['ms']:.1f} | {k['multiply_adds_per_s'] / 1e9:.0f} | "
+              f"{k['multiply_adds_per_s'] / ceiling_of[k['dtype']]:.0%} | {k['weights_GBs']:.1f} |" for k in c["kernels"]]
+    return lines + [""]
+
+
 def machine_line(m):
     """The CPU and the kernels each library runs on it: beside every result."""
     line = f"CPU: {m.get('cpu', '?')} ({m.get('cpu_count')} cores; {'/'.join(m.get('simd', [])) or '?'}); "
@@ -294,6 +312,8 @@ def markdown(results):
                   f"compiles them), {k['cached_s']:.2f} s from numba's cache.", ""]
     if "formats" in results:
         lines += formats_tables(results)
+    if "ceiling" in results:
+        lines += ceiling_tables(results["ceiling"])
     if "speculative" in results:
         lines += speculative_costs_table(results["speculative"]) + end_to_end_table(results["speculative"])
     if "self_draft" in results:

@@ -86,6 +86,29 @@ def test_breakdown_splits_each_step_into_drafting_and_verifying(tmp_path):
     assert "### Where a speculative step's time goes" in open(tmp_path / "results.md").read()
 
 
+@pytest.mark.skipif(rowwise.KERNEL != "numba", reason="the ceiling measures the numba kernels")
+def test_ceiling_counts_every_multiply_add(tmp_path):
+    """--only ceiling: the loops' rates, and the kernels over the test model's matrices with
+    the multiply-adds and bytes a step really has (12 n_embd^2 a layer and the head)."""
+    assert benchmark.main(["--quick", "--only", "ceiling", "--out", str(tmp_path),
+                           "--models_dir", str(tmp_path / "none")]) == 0
+    c = json.load(open(tmp_path / "results.json"))["ceiling"]
+    assert {"float32", "int8 x int16"} <= set(c["ceilings"]) and min(c["ceilings"].values()) > 0
+    n_embd, _, n_layer = benchmark.SHAPES["tiny"]
+    per_row = n_layer * 12 * n_embd ** 2 + 50257 * n_embd
+    padded_head = -(-50257 // 64) * 64 * n_embd
+    for k in c["kernels"]:
+        assert k["multiply_adds_per_s"] * k["ms"] / 1e3 == pytest.approx(k["batch"] * per_row, rel=1e-9)
+        weight_bytes = k["weights_GBs"] * 1e9 * k["ms"] / 1e3
+        if k["dtype"] == "float32":
+            assert weight_bytes == pytest.approx(4 * (per_row - 50257 * n_embd + padded_head), rel=1e-9)
+        else:  # one byte a weight and a float32 scale a column
+            assert weight_bytes == pytest.approx(per_row - 50257 * n_embd + padded_head + 4 * (
+                n_layer * 9 * n_embd + padded_head // n_embd), rel=1e-9)
+    assert [(k["batch"], k["dtype"]) for k in c["kernels"]] == [(1, "float32"), (1, "int8"), (2, "float32"), (2, "int8")]
+    assert "### Ceiling" in open(tmp_path / "results.md").read()
+
+
 @pytest.mark.skipif(rowwise.KERNEL != "numba", reason="narrow weights need the numba row kernel")
 def test_speculative_with_a_narrow_draft(tmp_path):
     """--draft_dtype: the draft model's matrices in int8, named so in the results; the
