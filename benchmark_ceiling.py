@@ -149,8 +149,9 @@ def ceilings(reps):
 
 
 def kernels_pass(params, rows):
-    """(multiply-adds, bytes of weights, seconds) of rows (e.g. 8) times every matrix of a model in the
-    kernels' layout (the blocks' linear layers and the head), as a decode step reads them."""
+    """(multiply-adds, bytes of weights, seconds) of rows (e.g. 8) times every matrix of
+    a model in the kernels' layout (the blocks' linear layers and the head), as a decode
+    step reads them."""
     layers = [block[part][name] for block in params["blocks"] for part, names in
               (("attn", ("c_attn", "c_proj")), ("mlp", ("c_fc", "c_proj"))) for name in names]
     n_out = [layer["b"].shape[-1] for layer in layers] + [params["wte"].shape[0]]

@@ -89,7 +89,8 @@ def ceiling_tables(c):
               "|---|---|---|---|---|---|---|"]
     ceiling_of = {"float32": ceilings["float32"], "int8": ceilings["int8 x int16"]}
     lines += [f"| {k['size']} | {k['batch']} | {k['dtype']} | {k['ms']:.1f} | {k['multiply_adds_per_s'] / 1e9:.0f} | "
-              f"{k['multiply_adds_per_s'] / ceiling_of[k['dtype']]:.0%} | {k['weights_GBs']:.1f} |" for k in c["kernels"]]
+              f"{k['multiply_adds_per_s'] / ceiling_of[k['dtype']]:.0%} | {k['weights_GBs']:.1f} |"
+              for k in c["kernels"]]
     return lines + [""]
 
 

@@ -105,7 +105,8 @@ def test_ceiling_counts_every_multiply_add(tmp_path):
         else:  # one byte a weight and a float32 scale a column
             assert weight_bytes == pytest.approx(per_row - 50257 * n_embd + padded_head + 4 * (
                 n_layer * 9 * n_embd + padded_head // n_embd), rel=1e-9)
-    assert [(k["batch"], k["dtype"]) for k in c["kernels"]] == [(1, "float32"), (1, "int8"), (2, "float32"), (2, "int8")]
+    assert [(k["batch"], k["dtype"]) for k in c["kernels"]] == [(1, "float32"), (1, "int8"),
+                                                                (2, "float32"), (2, "int8")]
     assert "### Ceiling" in open(tmp_path / "results.md").read()
 
 
