@@ -14,6 +14,7 @@ prompt j samples with seed + j * n + i from its own random stream, whoever else 
 is answering.
 """
 import codecs
+import re
 import secrets
 from typing import Annotated, Literal
 
@@ -111,11 +112,20 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+# a \uD800-\uDBFF escape not followed by a \uDC00-\uDFFF one, or the second without the first
+LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                            rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
 def parse(raw):
     """The body as a CompletionRequest, or an ApiError that names the field at fault."""
     try:
         return CompletionRequest.model_validate_json(raw or b"null")
     except ValidationError as e:
+        lone = LONE_SURROGATE.search(raw or b"")
+        if lone and "hex escape" in str(e):  # the JSON parser's own words ("end of hex escape") mislead
+            raise ApiError(f"body: {lone[0].decode()} at byte {lone.start()} is half of a UTF-16 surrogate pair "
+                           f"without its other half: JSON text must be valid Unicode")
         errors = e.errors()
         loc = errors[0]["loc"][:1]  # (field, ...), or () for the body as a whole
         said = dict.fromkeys(x["msg"] for x in errors if x["loc"][:1] == loc)  # a union: each form's complaint

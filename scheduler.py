@@ -17,8 +17,9 @@ Then finished rows leave (the last rows move into their places). A joining row's
 cache starts empty; no other row's cache is touched.
 
 A server adds preemption: a row whose client is not taking its tokens gives its row to
-a waiting request and is paused, its cached keys and values copied aside, then
-resumes where it stood once the client has caught up (vLLM swaps or recomputes a
+a waiting request (or, when too many of its tokens wait unsent, gives it up anyway) and is
+paused, its cached keys and values copied aside, then resumes where it stood once the
+client has caught up (vLLM swaps or recomputes a
 preempted request's cache when memory runs short; here rows run short).
 
 Both decoders run this way: a decoder is its step function (plain or
@@ -102,28 +103,30 @@ def from_list(requests, order):
         while waiting and requests[waiting[0]].arrival_s <= now:
             i = waiting.popleft()
             arrived.append((i, requests[i]))
-        return arrived, (), not waiting, ()
+        return arrived, (), not waiting, {}
     return intake
 
 
 def serving(intake, step, models, max_batch, max_len, static=False, stats=None):
     """The loop: take in what has arrived, admit it into free rows, run one step, let finished
     rows leave. intake(now, idle) -> (arrivals [(index, request)], indices cancelled, whether
-    no more will come, indices whose clients lag); idle: nothing runs or can resume and nothing
-    waits, so intake may block until something comes. Requests come checked (refusal).
+    no more will come, lagging {index: whether its tokens back up} of the requests whose
+    clients lag); idle: nothing runs or can resume and nothing waits, so intake may block
+    until something comes. Requests come checked (refusal).
     stats: a batching.Stats to keep the run's counts in.
 
     Preemption: a row whose client lags (it is not taking its tokens: a server knows, a list
-    never lags) gives its row to a waiting request, and is paused with all it needs to go on
-    (batching.pause). Once its client has caught up it resumes, ahead of new requests, its
-    text bit for bit what it would have been. At most max_batch requests are paused at a
-    time, so paused rows never hold more memory than the batch's own caches."""
+    never lags) gives its row to a waiting request, or gives it up anyway if its tokens back
+    up, and is paused with all it needs to go on (batching.pause). Once its client has caught
+    up it resumes, ahead of new requests, its text bit for bit what it would have been. At
+    most max_batch requests are paused at a time, so paused rows never hold more memory than
+    the batch's own caches."""
     events = []
     batch = batching.new_batch(models, max_batch, max_len, stats=stats,
                                callback=lambda seq, token, accepted, logits: events.append(
                                    Event("token", seq.index, token, accepted, logits=logits)))
     start = batch.stats.start
-    waiting, joined, paused, closed, lagging = collections.deque(), {}, {}, False, set()
+    waiting, joined, paused, closed, lagging = collections.deque(), {}, {}, False, {}
     while True:
         ready = [i for i in paused if i not in lagging]
         arrived, cancelled, closed, lagging = intake(time.perf_counter() - start,
@@ -165,12 +168,15 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None):
 
 
 def preempt(batch, paused, lagging, n_waiting, max_batch):
-    """Pause rows whose clients lag, one for each request waiting for a row (and while fewer
-    than max_batch are paused); yields a "paused" event for each."""
-    for seq in [seq for seq in batch.seqs if seq.index in lagging and not seq.finished][:n_waiting]:
-        if len(paused) >= max_batch:
+    """Pause rows whose clients lag: every one whose tokens back up (lagging[index]), and
+    others, one for each request waiting for a row still; while fewer than max_batch are
+    paused. Yields a "paused" event for each."""
+    lags = [seq for seq in batch.seqs if seq.index in lagging and not seq.finished]
+    for seq in sorted(lags, key=lambda seq: not lagging[seq.index]):  # backed up first
+        if len(paused) >= max_batch or not (lagging[seq.index] or n_waiting > 0):
             return
         paused[seq.index] = batching.pause(batch, batch.seqs.index(seq))
+        n_waiting -= 1
         yield Event("paused", seq.index)
 
 

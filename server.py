@@ -13,12 +13,14 @@ client does too: the official `openai` package, curl, LangChain. The server is t
   text: whole, or as Server-Sent Events while they come;
 - /v1/models, /health and /metrics (Prometheus text) say what runs and how it goes.
 
-Between a socket and the engine's queue, every resource a client can hold is bounded, so
-that no slow or hostile client can hurt the others: the connections (--max_connections,
-then 503), the time to send a request (--read_timeout_s) and to take the response
-(a stream whose client lags gives its rows to waiting requests until it reads again;
---write_timeout_s: a client that stops reading is cut off and its rows freed), the body
+Between a socket and the engine, every resource a client can hold is bounded, so
+that no slow or hostile client can hurt the others: the connections (--max_connections
+open at once, the next gets 503), the time to send a request (--read_timeout_s), the body
 (--max_body_bytes, 413), the tokens (--max_model_len) and the events waiting for a client.
+A client that lags in taking a stream keeps its text (one rule, PAUSE_RULE below): its
+requests keep their rows while nobody needs them, are paused and resumed bit for bit when
+someone does or when too many events wait for it, and it is cut off only after
+--write_timeout_s in which it took none of its response.
 SIGTERM (what docker, systemd and Kubernetes send) and Ctrl-C both drain: every request in
 flight ends with an error event (or a JSON error), then the process exits 0.
 """
@@ -42,7 +44,7 @@ try:
 except ImportError:  # Windows
     fcntl = resource = None
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -59,13 +61,19 @@ from openai_api import ApiError
 # the name each size is served under: the names its checkpoints carry on Hugging Face
 MODEL_NAMES = {"124M": "gpt2", "355M": "gpt2-medium", "774M": "gpt2-large", "1558M": "gpt2-xl"}
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)  # histogram buckets
-# A request is cancelled (its rows freed) when its client is not taking its events: EVENTS_PER_ROW
-# of them waiting per row, or STUCK_PER_ROW per row with none taken for STUCK_S seconds
-EVENTS_PER_ROW, STUCK_PER_ROW, STUCK_S = 1024, 32, 1.0
+# events waiting per row for a lagging client before its requests are paused; past
+# HARD_EVENTS_PER_ROW (only reached while max_batch streams are paused already) it is cancelled
+EVENTS_PER_ROW, HARD_EVENTS_PER_ROW = 1024, 4096
+# the one rule for a client that lags, as --help and README section 7 state it
+PAUSE_RULE = ("a stream whose client lags keeps its rows while no request waits for one; it is paused "
+              f"(its rows freed, its text kept) when one does or when {EVENTS_PER_ROW} of its events per row "
+              "wait unsent, and resumes where it stood once the client has caught up; a client that takes "
+              "none of its response for --write_timeout_s is cut off")
 # A stream's client lags while any of its response waits in the kernel unsent (its receive
 # window is full); a lagging stream is looked at again every LAG_CHECK_S seconds
 LAG_CHECK_S = 0.05
 SIOCOUTQNSD = 0x894B  # Linux's ioctl for the bytes of a socket's send queue not yet sent
+TCPI_BYTES_ACKED = 120  # where Linux's struct tcp_info keeps the bytes the peer has acknowledged (u64)
 SEND_BUFFER = 16 * 1024  # bytes of response asyncio, and twice that the kernel, hold for a client not reading
 FILES_TO_SPARE = 64  # open files besides the connections: the listener, checkpoints, pipes, numba's cache
 BUSY_BODY = b'{"error": {"message": "too many connections; retry later", "type": "server_busy", "param": null, "code": 503}}'
@@ -90,7 +98,8 @@ def parse_args(argv=None):
     ap.add_argument("--read_timeout_s", type=float, default=10.0,
                     help="a request's headers and body must arrive within this, or the connection is closed")
     ap.add_argument("--write_timeout_s", type=float, default=10.0,
-                    help="a client that takes none of the response for this long is cut off, its rows freed")
+                    help="a client that takes none of its response for this long is cut off, its rows freed; "
+                         "until then it loses nothing: " + PAUSE_RULE.replace("%", "%%"))
     ap.add_argument("--drain_s", type=float, default=10.0,
                     help="on SIGTERM or Ctrl-C, how long requests in flight get to take their last event")
     main.add_model_flags(ap)
@@ -104,6 +113,7 @@ def new_engine(args):
     return {"args": args, "inbox": queue.Queue(), "outboxes": {}, "lock": threading.Lock(), "next_index": 0,
             "stats": batching.Stats(), "metrics": new_metrics(), "waiting": set(), "running": set(), "paused": set(),
             "logprobs": {},  # index -> how many top tokens its token events report (for logprobs)
+            "lagging": {},  # index -> whether its events back up, of the requests whose clients lag
             "stopping": False, "decoder": None, "encoder": None, "hparams": None,
             "model": MODEL_NAMES[args.target_model_size]}
 
@@ -126,7 +136,7 @@ def load(engine, loaded=None):
 def run_engine(engine):
     """The engine thread: serve whatever the handlers submit until told to stop."""
     step, models = engine["decoder"]
-    stopped, lagging = [], set()  # the requests whose clients lag (watch_lag says which)
+    stopped, lagging = [], engine["lagging"]  # as watch_lag and backlog tell it
 
     def intake(now, idle):  # scheduler.serving's intake: block on the inbox only while nothing runs
         items = [engine["inbox"].get()] if idle and not stopped else []
@@ -136,11 +146,11 @@ def run_engine(engine):
             except queue.Empty:
                 break
         stopped.extend(item for item in items if item[0] == "stop")
-        for kind, i, lags in items:
-            if kind == "lag" and lags:
-                lagging.add(i)
+        for kind, i, state in items:
+            if kind == "lag" and any(state):  # (its client lags, its events back up)
+                lagging[i] = state[1]
             elif kind in ("lag", "cancel"):
-                lagging.discard(i)
+                lagging.pop(i, None)
         return ([(i, r) for kind, i, r in items if kind == "request"],
                 [i for kind, i, _ in items if kind == "cancel"], bool(stopped), lagging)
 
@@ -184,8 +194,8 @@ def submit(engine, reqs, logprobs=None):
     """(on the event loop) Hand requests to the engine; returns their box: the asyncio queue
     their events arrive on, and their indices. logprobs: how many top tokens each token reports."""
     loop = asyncio.get_running_loop()
-    box = {"events": asyncio.Queue(), "loop": loop, "rows": len(reqs), "taken_at": loop.time(), "closed": False,
-           "lagging": False}
+    box = {"events": asyncio.Queue(), "loop": loop, "rows": len(reqs), "closed": False,
+           "lagging": False, "backed_up": False}
     with engine["lock"]:
         if engine["stopping"]:
             raise ApiError("the server is shutting down", status=503, kind="server_busy")
@@ -222,29 +232,46 @@ def release(engine, indices):
 def deliver(engine, box, e, logits=None, n_top=None):
     """(on the event loop) An event into its request's queue. A handler takes events as fast
     as they come unless its client's socket is full: then it waits to write, and the events
-    pile up. A client that stops reading is found so, and its requests are cancelled at once,
-    its rows going to others (its connection is cut off later, after --write_timeout_s)."""
+    pile up, until backlog pauses its requests (HARD_EVENTS_PER_ROW cancels them, a bound
+    for memory that only binds while every pause a batch allows is taken)."""
     if box["closed"]:
         return
-    waiting = box["events"].qsize()
-    stuck = waiting >= STUCK_PER_ROW * box["rows"] and box["loop"].time() - box["taken_at"] > STUCK_S
-    if stuck or waiting >= EVENTS_PER_ROW * box["rows"]:
+    if box["events"].qsize() >= HARD_EVENTS_PER_ROW * box["rows"]:
         e = scheduler.Event("error", e.index, error="the client did not read its response; request cancelled")
     if e.kind == "error":
         box["closed"] = True
         release(engine, box["indices"])
     logprobs = None if logits is None or e.kind != "token" else openai_api.token_logprobs(logits, e.token, n_top)
     box["events"].put_nowait((e, logprobs))  # a few numbers wait for a slow client, not a logits row
-    if e.kind == "token" and box.get("connection") and not box["lagging"] and lag_bytes(box) > 0:
+    backlog(engine, box)
+    if e.kind == "token" and box.get("connection") and not box["lagging"] and unsent_bytes(
+            box["connection"].transport) > 0:
         watch_lag(engine, box)
 
 
-def lag_bytes(box):
-    """Bytes of a stream's response that its client's kernel has not taken yet: none while it
-    reads (no Nagle delay, and a token stream is far below any network's rate), and growing
-    once its receive window is full. Linux only (SIOCOUTQNSD): elsewhere 0, no client lags,
-    and only deliver's rules find a stalled one."""
-    sock = box["connection"].transport.get_extra_info("socket")
+def backlog(engine, box):
+    """(on the event loop, as events come and go) A stream's events back up once
+    EVENTS_PER_ROW per row wait: the engine pauses its requests (scheduler.preempt) until
+    its handler has sent half of them."""
+    waiting = box["events"].qsize()
+    backed_up = waiting >= EVENTS_PER_ROW * box["rows"] or box["backed_up"] and waiting > EVENTS_PER_ROW * box["rows"] // 2
+    if backed_up != box["backed_up"]:
+        box["backed_up"] = backed_up
+        tell_lag(engine, box)
+
+
+def tell_lag(engine, box):
+    for i in box["indices"]:
+        if i in engine["outboxes"]:  # not yet released (and so not yet cancelled)
+            engine["inbox"].put(("lag", i, (box["lagging"], box["backed_up"])))
+
+
+def unsent_bytes(transport):
+    """Bytes of a response that its client's kernel has not taken yet: none while it reads
+    (no Nagle delay, and a token stream is far below any network's rate), and growing once
+    its receive window is full. Linux only (SIOCOUTQNSD): elsewhere 0, no client lags, and
+    only backlog pauses a slow one."""
+    sock = transport.get_extra_info("socket")
     if fcntl is None or not sys.platform.startswith("linux") or sock is None or sock.fileno() < 0:
         return 0
     return struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQNSD, bytes(4)))[0]
@@ -253,23 +280,18 @@ def lag_bytes(box):
 def watch_lag(engine, box):
     """(on the event loop) A stream whose client lags: the engine may pause its requests and
     give their rows to waiting ones (scheduler.preempt) until the client has taken everything
-    sent to it; then they resume. A client that takes nothing of its response for
-    --write_timeout_s while all its requests are paused is cut off. Looks every LAG_CHECK_S."""
+    sent to it; then they resume. Looks every LAG_CHECK_S while it lags; meanwhile its
+    connection watches that the client takes something (Connection.watch_writes)."""
     live = [i for i in box["indices"] if i in engine["outboxes"]]  # not yet released
-    if box["closed"] or not live or box["connection"].transport.is_closing():
+    connection = box["connection"]
+    if box["closed"] or not live or connection.transport.is_closing():
         return
-    unsent, now = lag_bytes(box), box["loop"].time()
-    if not box["lagging"] or unsent < box["unsent"]:
-        box["progress_at"] = now
-    if not box["lagging"] or unsent == 0:
-        box["lagging"] = not box["lagging"]
-        for i in live:
-            engine["inbox"].put(("lag", i, box["lagging"]))
-    stalled = now - box["progress_at"] > engine["args"].write_timeout_s
-    if stalled and all(i in engine["paused"] for i in live):
-        box["connection"].reset()
-    elif box["lagging"]:
-        box["unsent"] = unsent
+    lags = unsent_bytes(connection.transport) > 0
+    if lags != box["lagging"]:
+        box["lagging"] = lags
+        tell_lag(engine, box)
+    if lags:
+        connection.watch_writes()
         box["loop"].call_later(LAG_CHECK_S, watch_lag, engine, box)
 
 
@@ -290,7 +312,7 @@ async def grown(engine, box, how, choices):
     where = dict(zip(box["indices"], choices))
     while not all(c["finish_reason"] for c in choices):
         e, logprobs = await box["events"].get()
-        box["taken_at"] = box["loop"].time()
+        backlog(engine, box)
         if e.kind == "gone":
             return
         if e.kind == "error":
@@ -302,12 +324,20 @@ async def grown(engine, box, how, choices):
         yield choice
 
 
-async def watch_for_hang_up(receive, box):
-    """Tell the request's loop when its client goes away (a closed connection, or one cut
-    off for not reading), so that its rows are freed at once, not at its next write."""
+async def watch_for_hang_up(receive, box, connection):
+    """Tell the request's loop when its client goes away (a closed or half-closed
+    connection, or one cut off for not reading), so that its rows are freed at once, not at
+    its next write."""
+    def gone():
+        if connection.half_closed:
+            connection.transport.close()  # so that nothing is written: the client has left
+        box["events"].put_nowait((scheduler.Event("gone", -1), None))
+    connection.on_half_close = gone
+    if connection.half_closed:
+        return gone()
     while (await receive())["type"] != "http.disconnect":
         pass
-    box["events"].put_nowait((scheduler.Event("gone", -1), None))
+    gone()
 
 
 def usage(how, choices):
@@ -407,23 +437,22 @@ def error_response(e, close=False):
     return JSONResponse(envelope(e), status_code=e.status, headers={"Connection": "close"} if close else None)
 
 
-def api_key_check(key):
-    """A dependency that refuses a request without 'Authorization: Bearer KEY' (the scheme in
-    any case, RFC 9110). Bytes are compared in constant time, whatever the header holds."""
-    async def check(request: Request):
-        if key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"), key.encode()):
-            raise ApiError("a valid API key is needed: 'Authorization: Bearer KEY'", status=401,
-                           kind="authentication_error")
-    return Depends(check)
+def key_refusal(scope, key):
+    """None if the request may pass: no key set, /health (load balancers ask it without
+    one), or 'Authorization: Bearer KEY' (the scheme in any case, RFC 9110); else the 401.
+    Bytes are compared in constant time, whatever the header holds."""
+    if key is None or scope["path"] == "/health":
+        return None
+    scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+    if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), key.encode()):
+        return ApiError("a valid API key is needed: 'Authorization: Bearer KEY'", status=401,
+                        kind="authentication_error")
+    return None
 
 
 def make_app(engine):
     """The FastAPI app: the routes, and every error as OpenAI's envelope."""
     app = FastAPI(title="speculative-gpt2", docs_url=None, redoc_url=None, openapi_url=None)
-    guarded = [api_key_check(engine["args"].api_key)]
 
     @app.exception_handler(ApiError)
     async def api_error(request, e):
@@ -435,21 +464,21 @@ def make_app(engine):
         return error_response(ApiError(f"{e.detail}: {request.method} {request.url.path}", status=e.status_code,
                                        kind=kind))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # some health checkers send HEAD
     async def health():
         ready = engine["decoder"] is not None
         return JSONResponse({"status": "ok" if ready else "loading"}, status_code=200 if ready else 503)
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": engine["model"], "object": "model", "created": 0,
                                             "owned_by": "openai"}]}
 
-    @app.get("/metrics", dependencies=guarded)
+    @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(prometheus(engine), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.post("/v1/completions")
     async def completions(request: Request):
         body = openai_api.parse(await request.body())  # JSON, whatever Content-Type says (curl -d says a form)
         if engine["decoder"] is None:
@@ -462,12 +491,14 @@ def make_app(engine):
         if how["stream"]:
             box["connection"] = request.scope["state"]["connection"]  # its socket tells when its client lags
             return EventStream(events(engine, box, how, choices, head), lambda: release(engine, box["indices"]))
-        watcher = asyncio.create_task(watch_for_hang_up(request.receive, box))
+        connection = request.scope["state"]["connection"]
+        watcher = asyncio.create_task(watch_for_hang_up(request.receive, box, connection))
         try:
             async for _ in grown(engine, box, how, choices):
                 pass
         finally:
             watcher.cancel()
+            connection.on_half_close = None
             release(engine, box["indices"])
         completion = openai_api.Completion(**head, usage=usage(how, choices),
                                            choices=[choice_out(c, c["text"]) for c in choices])
@@ -478,12 +509,17 @@ def make_app(engine):
 
 # --- HTTP: the limits a socket needs that a web framework does not set ---
 
-def body_limits(app, max_bytes, read_timeout_s):
-    """ASGI middleware: read the whole request body before the app sees it, refusing one
-    larger than max_bytes (413, declared or chunked) or slower than read_timeout_s (408)."""
-    async def limited(scope, receive, send):
+def guard(app, key, max_bytes, read_timeout_s):
+    """ASGI middleware: refuse a request without the API key (401, before anything else is
+    looked at: an unknown path, a body's size), then read the whole body before the app
+    sees it, refusing one larger than max_bytes (413, declared or chunked) or slower than
+    read_timeout_s (408)."""
+    async def guarded(scope, receive, send):
         if scope["type"] != "http":
             return await app(scope, receive, send)
+        refusal = key_refusal(scope, key)
+        if refusal:
+            return await error_response(refusal, close=True)(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")  # h11 has already refused a malformed one
         body, more, deadline = b"", True, time.monotonic() + read_timeout_s
         too_large = declared is not None and int(declared) > max_bytes  # then not read at all
@@ -509,7 +545,7 @@ def body_limits(app, max_bytes, read_timeout_s):
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
         await app(scope, replay, send)
-    return limited
+    return guarded
 
 
 def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
@@ -523,13 +559,19 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
       loop would spin, logging);
     - a request's headers must arrive within read_timeout_s of the connection being free
       for one (a new connection that sends nothing, a slowloris trickling headers);
-    - a client must take some of the response within write_timeout_s once the socket's
-      buffers are full (a stalled reader).
+    - a client must take some of its response within each write_timeout_s while the socket's
+      buffers are full (a stalled reader), as the kernel counts what it acknowledged;
+    - a complete request followed by a half-close (shutdown(SHUT_WR), `nc -N`) is answered,
+      then the connection closes (asyncio would close it at the client's FIN); but a request
+      that writes nothing until it is done (a completion not streamed) takes a half-close
+      as its client leaving, as nginx and Go's net/http do: TCP cannot tell the two apart
+      until the server writes, and a client that left must free its rows at once.
     A client over a deadline is cut off; uvicorn then tells its request that it hung up."""
     class Connection(H11Protocol):
         def connection_made(self, transport):
             super().connection_made(transport)
-            self.header_deadline = self.write_deadline = None
+            self.header_deadline = self.write_deadline = self.on_half_close = None
+            self.half_closed = False
             if len(self.connections) > max_connections:
                 transport.write(BUSY)
                 transport.close()
@@ -553,9 +595,39 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
             self.header_deadline.cancel()
             self.expect_headers()
 
+        def eof_received(self):
+            if self.cycle is None or self.cycle.response_complete or self.cycle.more_body:
+                return None  # no request, or half of one: asyncio closes the connection
+            self.half_closed = True
+            if self.on_half_close:  # a request that counts a half-close as its client leaving
+                self.on_half_close()
+                return None
+            self.cycle.keep_alive = False  # answer, then close
+            return True
+
         def pause_writing(self):
             super().pause_writing()
-            self.write_deadline = self.loop.call_later(write_timeout_s, self.reset)
+            self.watch_writes()
+
+        def watch_writes(self):
+            """While some of the response waits (in asyncio's buffer or the kernel's), cut the
+            client off once it has taken nothing for write_timeout_s (where the kernel does not
+            say what it took: once its buffers stay full that long)."""
+            if self.write_deadline is None:
+                self.taken, self.taken_at = bytes_taken(self.transport), self.loop.time()
+                self.write_deadline = self.loop.call_later(LAG_CHECK_S, self.check_writes)
+
+        def check_writes(self):
+            self.write_deadline = None
+            if self.transport.is_closing():
+                return
+            taken, now = bytes_taken(self.transport), self.loop.time()
+            if taken != self.taken:
+                self.taken, self.taken_at = taken, now
+            if now - self.taken_at >= write_timeout_s:
+                self.reset()
+            elif self.flow.write_paused or unsent_bytes(self.transport) > 0:
+                self.write_deadline = self.loop.call_later(LAG_CHECK_S, self.check_writes)
 
         def reset(self):
             """Cut the connection off with a TCP reset: a plain close would queue a FIN behind
@@ -564,17 +636,21 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
                                                                struct.pack("ii", 1, 0))
             self.transport.abort()
 
-        def resume_writing(self):
-            super().resume_writing()
-            if self.write_deadline:
-                self.write_deadline.cancel()
-
         def connection_lost(self, exc):
             for deadline in (self.header_deadline, self.write_deadline):
                 if deadline:
                     deadline.cancel()
             super().connection_lost(exc)
     return Connection
+
+
+def bytes_taken(transport):
+    """The bytes of response a connection's client has taken (its kernel acknowledged them;
+    once its receive window is full, only reading opens it): Linux's tcp_info. None elsewhere."""
+    sock = transport.get_extra_info("socket")
+    if not sys.platform.startswith("linux") or sock is None or sock.fileno() < 0:
+        return None
+    return struct.unpack_from("Q", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256), TCPI_BYTES_ACKED)[0]
 
 
 def enough_files(max_connections):
@@ -610,10 +686,10 @@ def listen(args, engine):
         listener = socket.create_server((args.host, args.port), backlog=2048)
     except OSError as e:
         raise OSError(f"cannot listen on {args.host}:{args.port} ({os.strerror(e.errno)}): pick another --port or --host")
-    app = body_limits(make_app(engine), args.max_body_bytes, args.read_timeout_s)
+    app = guard(make_app(engine), args.api_key, args.max_body_bytes, args.read_timeout_s)
     config = uvicorn.Config(app, http=connection_protocol(args.max_connections, args.read_timeout_s, args.write_timeout_s),
-                            lifespan="off", log_level="warning", access_log=False,
-                            limit_concurrency=args.max_connections, timeout_keep_alive=args.keep_alive_s,
+                            lifespan="off", log_level="warning", access_log=False,  # connections: Connection
+                            timeout_keep_alive=args.keep_alive_s,
                             timeout_graceful_shutdown=args.drain_s)
     httpd = Server(config, engine)
     httpd.address = listener.getsockname()[:2]

@@ -221,14 +221,16 @@ def test_summary_of_a_run(models):
 
 
 def lagging_intake(reqs, lags, cancel_at=None):
-    """from_list's intake with clients that lag: request i's client lags at the intake's
-    calls in lags.get(i, ()); cancel_at: {call: [indices whose clients leave then]}."""
+    """from_list's intake with clients that lag: lags {i: (calls, backed_up)}: request i's client
+    lags at the intake's calls in calls, its tokens backed up or not; cancel_at: {call: [indices
+    whose clients leave then]}."""
     arrive, calls = scheduler.from_list(reqs, range(len(reqs))), iter(range(10 ** 6))
 
     def intake(now, idle):
         arrived, _, closed, _ = arrive(now, idle)
         n = next(calls)
-        return arrived, (cancel_at or {}).get(n, ()), closed, {i for i, when in lags.items() if n in when}
+        return arrived, (cancel_at or {}).get(n, ()), closed, {i: backed_up for i, (when, backed_up) in lags.items()
+                                                                if n in when}
     return intake
 
 
@@ -246,7 +248,8 @@ def test_a_lagging_client_gives_its_row_to_a_waiting_request_and_resumes_with_th
     is its text alone, bit for bit (sampled, with penalties: the counts and the random
     stream travel with the paused request, the keys and values are copied, not recomputed)."""
     reqs = [dataclasses.replace(r, max_new_tokens=30) for r in mixed_requests(6, SAMPLED, seed=7)]
-    events, finished = serve_lagging(models, decoder, reqs, {0: range(3, 20), 1: range(3, 20)}, max_batch=2)
+    events, finished = serve_lagging(models, decoder, reqs, {0: (range(3, 20), False), 1: (range(3, 20), False)},
+                                      max_batch=2)
     assert sorted(finished) == list(range(6))
     assert all(finished[i].tokens == decoders(models)[decoder][1](r) for i, r in enumerate(reqs))
     kinds = [(e.kind, e.index) for e in events]
@@ -261,7 +264,7 @@ def test_no_more_are_paused_than_rows_and_a_paused_request_can_be_cancelled(mode
     max_batch), 2 and 3 then keep their rows though they lag. Request 0's client leaves while
     it is paused: it finishes with the tokens it had, and never resumes."""
     reqs = [dataclasses.replace(r, max_new_tokens=12) for r in mixed_requests(6, GREEDY, seed=8)]
-    lags = {i: range(2, 10 ** 6) if i in (2, 3) else range(2, 60) for i in range(4)}
+    lags = {i: (range(2, 10 ** 6) if i in (2, 3) else range(2, 60), False) for i in range(4)}
     events, finished = serve_lagging(models, "autoregressive", reqs, lags, max_batch=2, cancel_at={30: [0]})
     paused, most = set(), 0
     for e in events:
@@ -273,3 +276,19 @@ def test_no_more_are_paused_than_rows_and_a_paused_request_can_be_cancelled(mode
     alone = [gpt2.generate([r], models[0])[0][0] for r in reqs]
     assert finished[0].tokens == alone[0][:len(finished[0].tokens)] and len(finished[0].tokens) < 12
     assert all(finished[i].tokens == alone[i] for i in range(1, 6))
+
+
+@pytest.mark.parametrize("decoder", ["autoregressive", "speculative"])
+def test_a_lagging_row_keeps_its_row_while_nobody_waits_unless_its_tokens_back_up(models, decoder):
+    """Two requests, two rows, nobody waiting: request 0's client lags from the 3rd call to
+    the 12th without its tokens backing up, and keeps its row (no pause); request 1's client
+    lags as long with its tokens backed up, and is paused though nobody waits, then resumes.
+    Both texts are their texts alone, bit for bit."""
+    reqs = [dataclasses.replace(r, max_new_tokens=24) for r in mixed_requests(2, SAMPLED, seed=9)]
+    events, finished = serve_lagging(models, decoder, reqs, {0: (range(3, 12), False), 1: (range(3, 12), True)},
+                                     max_batch=2)
+    kinds = [(e.kind, e.index) for e in events]
+    assert ("paused", 0) not in kinds and ("paused", 1) in kinds and ("resumed", 1) in kinds
+    paused, resumed = kinds.index(("paused", 1)), kinds.index(("resumed", 1))
+    assert {e.index for e in events[paused:resumed] if e.kind == "token"} == {0}
+    assert all(finished[i].tokens == decoders(models)[decoder][1](r) for i, r in enumerate(reqs))

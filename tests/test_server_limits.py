@@ -121,18 +121,26 @@ def test_2_a_client_that_stops_reading_is_cut_off_and_its_rows_freed(tight):
 
 
 def test_2_the_events_waiting_for_a_client_are_bounded_without_a_write_timeout(models_dir):
-    """With a write timeout too long to act, a stalled stream's events pile up until its
-    handler has taken none for STUCK_S seconds: its request is cancelled, its rows freed."""
+    """With a write timeout too long to act and nobody waiting for its row, a stalled
+    stream's events pile up to EVENTS_PER_ROW (and a step's more): then its request is
+    paused, its row free, its text kept; the next request is served in its row."""
     args = server.parse_args(["--models_dir", models_dir, "--target_model_size", "124M", "--port", "0",
-                              "--write_timeout_s", "3600", "--max_model_len", "10000000"])
+                              "--max_batch", "1", "--write_timeout_s", "3600", "--max_model_len", "10000000"])
     httpd, engine = server.start(args)
     try:
         stalled = connect(httpd, rcvbuf=4096)
         stalled.sendall(request({"prompt": "x", "max_tokens": 10 ** 6, "ignore_eos": True, "stream": True},
                                 headers=""))
         assert wait_until(lambda: engine["running"], 10)
-        assert wait_until(lambda: not engine["running"] and not engine["outboxes"], 120)
+        assert wait_until(lambda: engine["paused"] and not engine["running"], 120)
+        time.sleep(0.5)
+        with engine["lock"]:
+            waiting = [box["events"].qsize() for box in engine["outboxes"].values()]
+        assert len(waiting) == 1 and server.EVENTS_PER_ROW <= waiting[0] <= server.EVENTS_PER_ROW + 8
+        status, got = exchange(httpd, request({"prompt": "y", "max_tokens": 3}, headers=""))
+        assert status == 200 and engine["paused"]
         stalled.close()
+        assert wait_until(lambda: not engine["paused"] and not engine["outboxes"], 10)
     finally:
         server.stop(httpd, engine)
 
