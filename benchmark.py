@@ -34,12 +34,11 @@ import benchmark_report
 import checkpoint
 import cost_model
 import gpt2
-import rowwise
 import sampling
-import scheduler
 import speculative
 import utils
-import weight_formats
+from kernels import layout, rowwise, weight_formats
+from serving import scheduler
 
 SHAPES = {  # n_embd, n_head, n_layer of OpenAI's releases
     "124M": (768, 12, 12), "355M": (1024, 16, 24), "774M": (1280, 20, 36), "1558M": (1600, 25, 48),
@@ -67,7 +66,7 @@ def random_params(size, seed=0, n_vocab=50257, n_ctx=1024, dtype="float32"):
                        "c_proj": {"w": r(4 * n_embd, n_embd), "b": r(n_embd)}}} for _ in range(n_layer)]
     hparams = {"n_vocab": n_vocab, "n_ctx": n_ctx, "n_embd": n_embd, "n_head": n_head, "n_layer": n_layer}
     params = {"wte": r(n_vocab, n_embd), "wpe": r(n_ctx, n_embd), "blocks": blocks, "ln_f": ln()}
-    return utils.decode_layout(params, dtype=dtype), hparams  # the memory order a loaded model has
+    return layout.decode_layout(params, dtype=dtype), hparams  # the memory order a loaded model has
 
 
 def load_or_random(size, models_dir, seed):
@@ -85,9 +84,9 @@ def time_memmap_load(params, hparams):
     """Write the params as a real-size model.safetensors (Hugging Face names) in a temp
     dir and time loading it as utils.load_model_dir does: parse the header, memmap every
     tensor, check shapes, copy the weight matrices into the row kernel's layout
-    (utils.decode_layout). The file was just written, so it is read from the page cache.
+    (layout.decode_layout). The file was just written, so it is read from the page cache.
     Seconds, whatever the weights are."""
-    params = utils.plain_layout(params)
+    params = layout.plain_layout(params)
     tensors = {"wte.weight": params["wte"], "wpe.weight": params["wpe"],
                "ln_f.weight": params["ln_f"]["g"], "ln_f.bias": params["ln_f"]["b"]}
     for i, b in enumerate(params["blocks"]):
@@ -108,7 +107,7 @@ def time_memmap_load(params, hparams):
         t = time.perf_counter()
         loaded = checkpoint.load_params(d, hparams["n_layer"])
         checkpoint.check_params(loaded, hparams)
-        utils.decode_layout(loaded)
+        layout.decode_layout(loaded)
         return time.perf_counter() - t
 
 
@@ -194,9 +193,9 @@ def in_format(model, dtype):
     float32 matrices, as loading a checkpoint in that format converts them."""
     if dtype == "float32":
         return model, 0.0
-    plain = utils.plain_layout(model[0])
+    plain = layout.plain_layout(model[0])
     start = time.perf_counter()
-    params = utils.decode_layout(plain, "numba", dtype)
+    params = layout.decode_layout(plain, "numba", dtype)
     return (params, model[1]), time.perf_counter() - start
 
 
@@ -253,9 +252,9 @@ def test_model_agreement():
         return {}
     hparams = utils.load_hparams(model_dir)
     plain = checkpoint.load_params(model_dir, hparams["n_layer"])
-    model = (utils.decode_layout(plain, "numba"), hparams)
+    model = (layout.decode_layout(plain, "numba"), hparams)
     n = min(256, hparams["n_ctx"] - 8)
-    return {dtype: agreement(model, (utils.decode_layout(plain, "numba", dtype), hparams), n, min(64, n - 8))
+    return {dtype: agreement(model, (layout.decode_layout(plain, "numba", dtype), hparams), n, min(64, n - 8))
             for dtype in weight_formats.DTYPES[1:]}
 
 
@@ -263,8 +262,8 @@ def fallback_widening(model, reps):
     """What int8 would cost the NumPy fallback, over one token's matrices (the blocks' and
     the head's): seconds of float32 gemvs, and of int8 widened by NumPy block by block
     (256 KiB of float32, in L2) with a gemv per block. (float32 s, int8 s), the best of reps."""
-    plain = utils.plain_layout(model[0])
-    mats = [utils.column_major(layer["w"]) for block in plain["blocks"] for part in ("attn", "mlp")
+    plain = layout.plain_layout(model[0])
+    mats = [layout.column_major(layer["w"]) for block in plain["blocks"] for part in ("attn", "mlp")
             for layer in block[part].values()] + [np.asarray(plain["wte"]).T]  # [n_in, n_out] each
     quantized = [(np.asfortranarray(q), scale) for q, scale in map(weight_formats.to_int8, mats)]  # column-major q
     x = np.random.default_rng(0).standard_normal(max(w.shape[0] for w in mats), dtype=np.float32)
@@ -351,7 +350,7 @@ def llamacpp_peers(model, args, size, workdir):
         why = benchmark_llamacpp.MISSING or "--quick: the test shapes have no GPT-2 tokenizer"
         print(f"  llama.cpp peer: skipped ({why})", flush=True)
         return {}, {"skipped": why}
-    params, hparams = utils.plain_layout(model[0]), model[1]
+    params, hparams = layout.plain_layout(model[0]), model[1]
     encoder_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "fixtures", "gpt2-tokenizer")
     ids = prompt_ids(args.prompt_len, seed=5)
     want = gpt2.gpt2(np.array([ids]), **model[0], n_head=hparams["n_head"])[0, -1]  # [n_vocab]
@@ -387,9 +386,9 @@ def bench_context(params, hparams, args):
 
 def bench_layout(params, hparams, args):
     """A cached pass over 1 token (decoding) and 8 tokens (verifying K = 7 drafts)
-    with the checkpoint's row-major weights and with utils.decode_layout's, taken
+    with the checkpoint's row-major weights and with layout.decode_layout's, taken
     in turns so that both see the same machine."""
-    layouts = {"checkpoint": (utils.plain_layout(params), hparams), "decode": (params, hparams)}
+    layouts = {"checkpoint": (layout.plain_layout(params), hparams), "decode": (params, hparams)}
     rows = []
     for T in (1, 8):
         ms = {name: [] for name in layouts}
@@ -406,13 +405,13 @@ ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
 
 
 def kernel_layouts(model):
-    """The same weights in each row kernel's layout (utils.decode_layout): "numba" (the
+    """The same weights in each row kernel's layout (layout.decode_layout): "numba" (the
     blocks of row_kernel.py), where numba runs, and "numpy" (column-major: the fallback,
     which is also what decoding ran before the kernel)."""
     params, hparams = model
-    plain = utils.plain_layout(params)
+    plain = layout.plain_layout(params)
     kernels = [k for k in rowwise.KERNELS if k == "numpy" or rowwise.KERNEL == "numba"]
-    return {k: (utils.decode_layout(plain, k), hparams) for k in kernels}
+    return {k: (layout.decode_layout(plain, k), hparams) for k in kernels}
 
 
 def settle():
@@ -833,7 +832,7 @@ def bench_http(model, args, size):
     """The serving workload (all at once, continuous batching) through server.py over
     loopback HTTP, one streaming client thread per request, against scheduler.serve in
     this process, in turns: what the HTTP path adds to throughput and time to first token."""
-    import server  # only this section needs it
+    from serving import server  # only this section needs it
     encoder = utils.load_encoder(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "fixtures",
                                               "gpt2-tokenizer"))
     max_batch = args.max_batches[0]
@@ -1053,7 +1052,7 @@ def bench_transformers(size, args, device="cpu"):
 def gpu_benchmark(args, command):
     """--backend cupy: decode speed at each size and batch next to transformers on the
     same GPU, what one CuPy call costs the host, and the speculative costs."""
-    utils.to_backend({}, "cupy")  # CuPy and a GPU are there, or one clear line says what is missing
+    layout.to_backend({}, "cupy")  # CuPy and a GPU are there, or one clear line says what is missing
     import cupy
     x = cupy.ones(1024, np.float32)
 
@@ -1073,7 +1072,7 @@ def gpu_benchmark(args, command):
     loaded = {}
     for size in dict.fromkeys(args.sizes + ([] if args.no_speculative else [args.draft, args.target])):
         params, hparams = random_params(size, seed=len(loaded))
-        loaded[size] = (utils.to_backend(params, "cupy", args.dtype), hparams)
+        loaded[size] = (layout.to_backend(params, "cupy", args.dtype), hparams)
         if size not in args.sizes:
             continue
         rows = []

@@ -33,9 +33,9 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-import rowwise
-from int8_kernel import I16x16, I32x8, int16x16, int32x8, izero, load16, madd, pair
-from row_kernel import _address, fma8, load8, store8, zero8
+from kernels import rowwise
+from kernels.int8_kernel import I16x16, I32x8, int16x16, int32x8, izero, load16, madd, pair
+from kernels.row_kernel import _address, fma8, load8, store8, zero8
 
 STEPS = 20_000_000  # tile steps per thread: ~0.1-0.4 s
 

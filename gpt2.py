@@ -12,7 +12,7 @@ Activations keep the weights' dtype (float32 on the CPU): a float64 scalar such
 as np.sqrt(d) would silently promote them to float64 and halve the speed, so
 constants are Python floats, which NumPy keeps at the array's precision.
 
-The same code runs on a GPU with CuPy (utils.to_backend): NumPy's functions hand
+The same code runs on a GPU with CuPy (kernels/layout.py: to_backend): NumPy's functions hand
 CuPy arrays to CuPy (the __array_ufunc__ / __array_function__ protocols, NEP 13
 and 18), and arrays made from nothing take `like=` an array that exists (NEP 35).
 So the weights' location decides where every step runs. Host and device meet
@@ -30,9 +30,8 @@ import numpy as np
 
 import batching
 import kv_cache
-import rowwise
 import sampling
-from rowwise import row_ops
+from kernels import row_ops, rowwise
 
 
 def gelu(x):
@@ -74,7 +73,7 @@ def linear(x, w, b, shared=False, scale=None):
 def head_logits(x, wte, lm_head=None, n_vocab=None, shared=False):
     """x @ wte.T: the head is the token embedding again (tied weights), for the first
     n_vocab tokens (default: all). lm_head, where the params have it, is the same matrix
-    wte.T stored as the row kernel's blocks, {"w"} (and "scale" for int8; utils.decode_layout)."""
+    wte.T stored as the row kernel's blocks, {"w"} (and "scale" for int8; kernels/layout.py)."""
     n_vocab = n_vocab or wte.shape[0]
     rows = x.reshape(-1, x.shape[-1])  # [n, n_embd]
     if lm_head is None:

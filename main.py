@@ -24,33 +24,20 @@ import beam_search
 import cost_model
 import gpt2
 import kv_cache
-import rowwise
 import sampling
-import scheduler
 import speculative
 import utils
-import weight_formats
+from cli import flags
+from serving import scheduler
 
-DTYPES = weight_formats.DTYPES + ("float16",)  # float16: CuPy's
 DEFAULT_PROMPT = "Alan Turing theorized that computers would one day become"
 GREEN, RESET = "\033[32m", "\033[0m"
-# the library names its settings; the command line calls some of them differently
-FLAG_OF = {"draft": "draft_model_size", "max_new_tokens": "n_tokens_to_generate", "adaptive": "adaptive_K"}
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse's checks, but a bad flag is one line (main prints it), not usage + error."""
-
-    def error(self, message):
-        raise ValueError(message)
-
-
 def parse_args(argv=None):
-    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = flags.OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", action="append", help="a prompt ('' = unconditional); repeat the flag for a batch")
     ap.add_argument("--prompts_file", help="a file with one prompt per line (a batch; blank lines are skipped)")
     ap.add_argument("--n_tokens_to_generate", type=int, default=40)
-    add_decoder_flags(ap, modes=("autoregressive", "speculative", "both"), default=None)  # None: both, or beams
+    flags.add_decoder_flags(ap, modes=("autoregressive", "speculative", "both"), default=None)  # None: both, or beams
     ap.add_argument("--temperature", type=float, default=0.8, help=f"0 (or below {sampling.GREEDY_BELOW}) = greedy")
     ap.add_argument("--top_k", type=int, default=0, help="0 = off")
     ap.add_argument("--top_p", type=float, default=0.9, help="in (0, 1]; 1 = off")
@@ -79,39 +66,8 @@ def parse_args(argv=None):
     ap.add_argument("--num_return_sequences", type=int, default=1, help="beam search: texts printed per prompt")
     ap.add_argument("--no_repeat_ngram_size", type=int, default=0,
                     help="every decoder: no n-gram of this size appears twice in a text, prompt included (0 = off)")
-    add_model_flags(ap)
+    flags.add_model_flags(ap)
     return ap.parse_args(argv)
-
-
-def add_decoder_flags(ap, modes, default):
-    """The models and how they decode (main.py and server.py share these)."""
-    ap.add_argument("--target_model_size", default="355M", choices=utils.MODEL_SIZES)
-    ap.add_argument("--draft_model_size", default="124M", choices=utils.MODEL_SIZES)
-    ap.add_argument("--mode", choices=modes, default=default)
-    ap.add_argument("--K", type=int, default=4, help="draft tokens per target pass")
-    ap.add_argument("--adaptive_K", action="store_true",
-                    help="each row picks its K before each step from its acceptance so far (up to --K_max)")
-    ap.add_argument("--K_max", type=int, help="the bound for --adaptive_K (default: max(K, 7))")
-    ap.add_argument("--drafter", choices=["model", "prompt_lookup"], default="model")
-    ap.add_argument("--draft_vocab", type=int, default=0,
-                    help="the draft model computes logits only for the N most frequent tokens and the text's "
-                         "own (a cheaper draft step; still exact); 0 = all")
-    ap.add_argument("--draft_dtype", choices=DTYPES,
-                    help="the draft's weights (default: --dtype); with --draft_model_size equal to "
-                         "--target_model_size, --draft_dtype int8 drafts with the target's own int8 copy")
-
-
-def add_model_flags(ap):
-    """Where the models come from and what runs them (main.py and server.py share these)."""
-    ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy",
-                    help="cupy: the same code on an NVIDIA GPU (pip install cupy-cuda12x)")
-    ap.add_argument("--dtype", choices=DTYPES, default="float32",
-                    help="the weights as stored: bfloat16 / int8 read 2x / 4x fewer bytes per token (the CPU's "
-                         "numba kernel; an approximation of float32, see README); float16: --backend cupy only")
-    ap.add_argument("--models_dir", default="models")
-    ap.add_argument("--source", choices=list(utils.SOURCES), default="openai",
-                    help="openai: OpenAI's TensorFlow checkpoints; hf: the Hugging Face safetensors")
-    ap.add_argument("--base_url", help=f"download from this mirror instead (or set ${utils.BASE_URL_ENV})")
 
 
 def check_args(args):
@@ -120,7 +76,7 @@ def check_args(args):
         raise ValueError(f"--n_tokens_to_generate must be >= 1, got {args.n_tokens_to_generate}")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
-    check_dtypes(args)
+    flags.check_dtypes(args)
     settings = sampling.SamplingSettings(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
@@ -141,24 +97,6 @@ def check_args(args):
     return settings, config, prompts
 
 
-def check_dtypes(args):
-    """Each weight format runs where a kernel for it exists: bfloat16 and int8 on the
-    CPU's numba kernel, float16 on a GPU (CuPy); float32 everywhere."""
-    for flag in ("dtype", "draft_dtype"):
-        dtype = getattr(args, flag, None)
-        if dtype is None or dtype == "float32":
-            continue
-        if args.backend == "cupy" and dtype != "float16":
-            raise ValueError(f"--{flag} {dtype} runs on the CPU's row kernel; with --backend cupy use "
-                             "float32 or float16")
-        if args.backend == "numpy" and dtype == "float16":
-            raise ValueError(f"--{flag} float16 needs --backend cupy (NumPy has no fast float16 matmul); "
-                             "on the CPU use bfloat16 or int8")
-        if args.backend == "numpy" and rowwise.KERNEL != "numba":
-            raise ValueError(f"--{flag} {dtype} needs the numba row kernel (pip install numba, and leave "
-                             f"{rowwise.KERNEL_ENV} unset); the NumPy fallback runs float32")
-
-
 def read_prompts(args):
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -171,36 +109,6 @@ def read_prompts(args):
             raise ValueError(f"--prompts_file {args.prompts_file} holds no prompt (only blank lines)")
         prompts += lines
     return prompts if args.prompt is not None or args.prompts_file else [DEFAULT_PROMPT]
-
-
-def load(size, args, dtype, log=print):
-    """(encoder, (params, hparams)) of GPT-2 `size` with its weights in `dtype`. The CPU
-    converts them as it lays them out; a GPU copies float32 over and converts there."""
-    if rowwise.KERNEL_ERROR:
-        raise utils.LoadError(rowwise.KERNEL_ERROR)
-    start = time.perf_counter()
-    encoder, hparams, params = utils.load_encoder_hparams_and_params(
-        size, args.models_dir, args.source, args.base_url, dtype=dtype if args.backend == "numpy" else "float32")
-    params = utils.to_backend(params, args.backend, dtype)
-    log(f"loaded GPT-2 {size} as {dtype} in {time.perf_counter() - start:.1f}s")
-    return encoder, (params, hparams)
-
-
-def load_models(args, log=print):
-    """(encoder, target, drafter): the drafter is the draft model, or "prompt_lookup". A
-    draft of the target's own size and format is the target itself; of its size in another
-    format (the self-draft), a second copy of the same checkpoint in that format. log
-    takes a line per model loaded (the server's go to stderr, with its other logs)."""
-    encoder, target = load(args.target_model_size, args, args.dtype, log)
-    rowwise.gemv_is_exact()  # its one-time probe (about a second) belongs to loading, not to the first token
-    drafter = args.drafter
-    if args.mode != "autoregressive" and args.drafter == "model":
-        draft_dtype = args.draft_dtype or args.dtype
-        if args.draft_model_size == args.target_model_size and draft_dtype == args.dtype:
-            drafter = target
-        else:
-            drafter = load(args.draft_model_size, args, draft_dtype, log)[1]
-    return encoder, target, drafter
 
 
 def tokenize(encoder, prompts, n_ctx):
@@ -325,7 +233,7 @@ def beam_settings(args):
 def run_beams(args, beams, prompts):
     """Beam search over the prompts together; each prompt's best texts with their scores."""
     args.mode = "autoregressive"
-    encoder, target, _ = load_models(args)
+    encoder, target, _ = flags.load_models(args)
     ids = tokenize(encoder, prompts, target[1]["n_ctx"])
     beam_search.check_window(target[1]["n_ctx"], ids, args.n_tokens_to_generate)
     print(f"\n=== beam search: GPT-2 {named(args.target_model_size, args.dtype)}, {beams.num_beams} beams ===")
@@ -350,7 +258,7 @@ def run(args):
     if args.num_beams != 1:
         return run_beams(args, beam_settings(args), prompts)
     args.mode = args.mode or "both"
-    encoder, target, drafter = load_models(args)
+    encoder, target, drafter = flags.load_models(args)
     n_ctx = target[1]["n_ctx"]
     eos = None if args.ignore_eos else encoder.eot_token
     reqs = batching.requests(tokenize(encoder, prompts, n_ctx), args.n_tokens_to_generate, settings, args.seed, eos)
@@ -389,7 +297,7 @@ def main(argv=None):
     try:
         run(parse_args(argv))
     except sampling.BadSetting as e:
-        print(f"error: --{FLAG_OF.get(e.name, e.name)} {e.problem}", file=sys.stderr)
+        print(f"error: --{flags.FLAG_OF.get(e.name, e.name)} {e.problem}", file=sys.stderr)
         return 2
     except (utils.LoadError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -12,7 +12,6 @@ import json
 import os
 import time
 
-import numpy as np
 import requests
 import tiktoken
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
@@ -20,8 +19,7 @@ from tiktoken_ext.openai_public import r50k_pat_str
 from tqdm import tqdm
 
 import checkpoint
-import rowwise
-import weight_formats
+from kernels import layout
 from checkpoint import LoadError  # the one error a user can fix: its message says how
 
 MODEL_SIZES = ("124M", "355M", "774M", "1558M")
@@ -169,108 +167,6 @@ def sha256_of(path):
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
 
-def decode_layout(params, kernel=None, dtype="float32"):
-    """params with every weight matrix of the blocks copied into the layout that the row
-    kernel reads fastest (rowwise.py); wte and the other tensors stay memory-mapped as
-    the checkpoint stores them. Shapes of activations and values do not change.
-
-    kernel "numba" (row_kernel.py): each matrix w [n_in, n_out] becomes its blocks of 64
-    output columns, wb [n_blocks, n_in, 64], in the format dtype (weight_formats.py:
-    float32, bfloat16 or int8 with a scale per column), and the tied head wte.T gets blocks
-    of its own, params["lm_head"] (the vocabulary padded to a multiple of 64, as nanoGPT
-    pads it; the padding is cut off the logits). The embeddings are read from those blocks
-    too (gpt2.embed); wte stays a memmap of the checkpoint that the decoder never reads.
-    kernel "numpy": each matrix column-major (Fortran order), so that the fallback's blocks
-    of output columns are contiguous runs of memory; the head wte.T is column-major already.
-    The price either way: a copy of the matrices at load (most of the model's bytes).
-    """
-    kernel = kernel or rowwise.KERNEL
-    if dtype not in weight_formats.DTYPES:
-        raise LoadError(f"--dtype {dtype}: the CPU runs {', '.join(weight_formats.DTYPES)}")
-    if kernel != "numba":
-        if dtype != "float32":
-            raise LoadError(f"--dtype {dtype} needs the numba row kernel (pip install numba, and leave "
-                            f"{rowwise.KERNEL_ENV} unset); the NumPy fallback runs --dtype float32")
-        return map_linear(params, lambda layer: {**layer, "w": column_major(layer["w"])})  # [n_in, n_out]
-
-    out = map_linear(params, lambda layer: {**layer, **kernel_blocks(layer["w"], dtype)})
-    out["lm_head"] = kernel_blocks(params["wte"].T, dtype)  # {"w": [n_blocks, n_embd, 64] (int8: paired), "scale"?}
-    return out
-
-
-def kernel_blocks(w, dtype):
-    """A matrix w [n_in, n_out] as the numba kernels read it: {"w": its blocks of 64
-    columns [n_blocks, n_in, 64] in the format dtype, "scale" for int8}, int8's blocks
-    with each column's weights in pairs of inputs [n_blocks, n_in / 2, 64, 2]
-    (int8_kernel.py)."""
-    layer = weight_formats.stored(rowwise.row_kernel.blocked(w), dtype)
-    if dtype == "int8":
-        layer["w"] = rowwise.int8_kernel.paired(layer["w"])
-    return layer
-
-
-def map_linear(params, f):
-    """params with f(layer) in place of every linear layer {"w", "b"} of the blocks."""
-    blocks = [{**block, "attn": {name: f(block["attn"][name]) for name in ("c_attn", "c_proj")},
-               "mlp": {name: f(block["mlp"][name]) for name in ("c_fc", "c_proj")}} for block in params["blocks"]]
-    return {**params, "blocks": blocks}
-
-
-def column_major(w, rows=256):
-    """np.asfortranarray(w), but faster on big matrices: a whole-matrix transposing copy
-    strides through memory on one side, while 256 rows at a time stay in cache on both."""
-    out = np.empty(w.shape, w.dtype, order="F")
-    for i in range(0, w.shape[0], rows):
-        out[i:i + rows] = w[i:i + rows]
-    return out
-
-
-def plain_layout(params):
-    """decode_layout undone: every weight matrix [n_in, n_out] row-major, as the checkpoint
-    stores it, and no lm_head (CuPy multiplies plain matrices; the benchmark measures what
-    the layout buys)."""
-    def plain(layer):
-        w = layer["w"]
-        if w.dtype != np.float32:
-            raise LoadError(f"a {w.dtype} model has no plain float32 layout: load it as --dtype float32")
-        if w.ndim == 3:
-            w = rowwise.row_kernel.unblocked(w, layer["b"].shape[-1])
-        return {**layer, "w": np.ascontiguousarray(w)}  # [n_in, n_out]
-    return {name: value for name, value in map_linear(params, plain).items() if name != "lm_head"}
-
-
-def to_backend(params, backend="numpy", dtype="float32"):
-    """The params on the array library that runs them. NumPy keeps them as they are
-    (memory-mapped, or laid out in their format at load); CuPy copies every tensor to the
-    GPU once, as `dtype` (float32 or float16). From then
-    on the model runs wherever its weights are (gpt2.py says how). CuPy is imported
-    only here, so the NumPy path never needs it."""
-    if backend == "numpy":
-        if dtype == "float16":
-            raise LoadError("--dtype float16 needs --backend cupy (NumPy has no fast float16 matmul)")
-        return params  # bfloat16 and int8 were converted as they were laid out (decode_layout)
-    try:
-        import cupy
-        cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # no CuPy, or no CUDA driver or GPU
-        raise LoadError(f"--backend cupy needs CuPy and an NVIDIA GPU ({type(e).__name__}: {e}): "
-                        "pip install cupy-cuda12x (or cupy-cuda13x), or use --backend numpy")
-    try:
-        return tree_map(lambda w: cupy.asarray(w.astype(dtype, copy=False)), plain_layout(params))
-    except cupy.cuda.memory.OutOfMemoryError as e:
-        raise LoadError(f"the GPU has too little free memory for these weights ({e}): "
-                        "try --dtype float16, a smaller model, or --backend numpy")
-
-
-def tree_map(f, tree):
-    """f applied to every array of a nested dict/list of params."""
-    if isinstance(tree, dict):
-        return {k: tree_map(f, v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [tree_map(f, v) for v in tree]
-    return f(tree)
-
-
 def load_encoder_hparams_and_params(model_size, models_dir="models", source="openai", base_url=None,
                                     verify_crc=False, dtype="float32", **download_kw):
     """picoGPT's entry point: download what is missing, then (encoder, hparams, params)."""
@@ -292,4 +188,4 @@ def load_model_dir(model_dir, verify_crc=False, dtype="float32"):
     except (OSError, ValueError, KeyError, IndexError) as e:
         raise LoadError(f"cannot read the checkpoint in {model_dir} ({type(e).__name__}: {e})")
     checkpoint.check_params(params, hparams)
-    return encoder, hparams, decode_layout(params, dtype=dtype)
+    return encoder, hparams, layout.decode_layout(params, dtype=dtype)

@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 
-import rowwise  # noqa: E402
+from kernels import rowwise  # noqa: E402
 import utils  # noqa: E402
 
 # the row kernels this machine can run: numpy always, numba where it imports

@@ -10,10 +10,9 @@ import benchmark_llamacpp
 import benchmark_report
 import cost_model
 import gpt2
-import rowwise
 import speculative
-import utils
 from conftest import fixture_path
+from kernels import layout, rowwise
 
 
 def test_quick_benchmark_writes_every_measurement(tmp_path, capsys):
@@ -200,7 +199,7 @@ def test_gguf_for_llama_cpp_holds_the_same_weights(tiny, tmp_path, peer_format):
     """The llama.cpp peer reads what we wrote: every matrix transposed to GGUF's [n_out, n_in],
     widened back within its format's rounding; norms, biases and positions exact."""
     gguf = pytest.importorskip("gguf")
-    params, hparams = utils.plain_layout(tiny[2]), tiny[1]
+    params, hparams = layout.plain_layout(tiny[2]), tiny[1]
     path = str(tmp_path / f"tiny-{peer_format}.gguf")
     benchmark_llamacpp.write_gguf(path, params, hparams, fixture_path("gpt2-tokenizer"), peer_format)
     reader = gguf.GGUFReader(path)
@@ -236,7 +235,7 @@ def test_llama_cpp_computes_our_logits_from_the_gguf(tiny, tmp_path):
     pytest.importorskip("llama_cpp")
     params, hparams = tiny[2], tiny[1]
     path = str(tmp_path / "tiny-F32.gguf")
-    benchmark_llamacpp.write_gguf(path, utils.plain_layout(params), hparams, fixture_path("gpt2-tokenizer"), "F32")
+    benchmark_llamacpp.write_gguf(path, layout.plain_layout(params), hparams, fixture_path("gpt2-tokenizer"), "F32")
     llm = benchmark_llamacpp.load(path, hparams["n_ctx"], 1)
     try:
         for ids in ([464], [464, 2068, 7586, 21831, 18045]):

@@ -8,6 +8,7 @@ import gpt2
 import sampling
 import speculative
 import utils
+from kernels import layout
 
 cupy = pytest.importorskip("cupy")
 try:
@@ -24,7 +25,7 @@ SAMPLED = sampling.SamplingSettings(temperature=0.8, top_k=40, top_p=0.9, repeti
 def both(tiny):
     """(hparams, NumPy params, CuPy float32 params) of the tiny GPT-2."""
     _, hparams, params = tiny
-    return hparams, params, utils.to_backend(params, "cupy")
+    return hparams, params, layout.to_backend(params, "cupy")
 
 
 def layer_skip(params, hparams):
@@ -47,7 +48,7 @@ def spec(params, hparams, n, K, settings=GREEDY, seed=0):
 def test_weights_live_on_the_gpu(both):
     _, _, gpu = both
     leaves = []
-    utils.tree_map(leaves.append, gpu)
+    layout.tree_map(leaves.append, gpu)
     assert leaves and all(isinstance(w, cupy.ndarray) and w.dtype == np.float32 for w in leaves)
 
 
@@ -66,7 +67,7 @@ def test_float16_logits_stay_close(both):
     the error is float16's own (about 3 significant digits). Measured on an H100:
     1.7e-2 at logits up to 20; the bound is 5e-2."""
     hparams, params, _ = both
-    half = utils.to_backend(params, "cupy", "float16")
+    half = layout.to_backend(params, "cupy", "float16")
     got = all_logits(half, hparams, PROMPTS[1])
     assert got.dtype == np.float16
     want = all_logits(params, hparams, PROMPTS[1])
@@ -147,7 +148,7 @@ def test_too_little_gpu_memory_is_one_clear_error(both, monkeypatch):
         raise cupy.cuda.memory.OutOfMemoryError(1 << 40, 0)
     monkeypatch.setattr(cupy, "asarray", out_of_memory)
     with pytest.raises(utils.LoadError, match="too little free memory .* try --dtype float16"):
-        utils.to_backend(both[1], "cupy")
+        layout.to_backend(both[1], "cupy")
 
 
 def test_main_runs_in_float16(capsys, models_dir):

@@ -4,14 +4,14 @@ exactly the integer sums of those, block by block."""
 import numpy as np
 import pytest
 
-import rowwise
+from kernels import rowwise
 
 pytestmark = pytest.mark.skipif(rowwise.pick_kernel("numba") != "numba", reason="numba is not installed")
 
 
 @pytest.fixture(scope="module")
 def ik():
-    import int8_kernel
+    from kernels import int8_kernel
     return int8_kernel
 
 
@@ -46,7 +46,7 @@ def test_pairs_put_two_neighbouring_inputs_side_by_side(ik):
 def test_the_kernels_sum_the_integer_products_exactly(ik, n_in, n_out, R):
     """Against int64 sums of x16 * q per block of inputs, then the blocks in float64:
     only the float32 rounding of adding the blocks (and of the last scale) remains."""
-    import row_kernel
+    from kernels import row_kernel
     rng = np.random.default_rng(n_in + R)
     q = rng.integers(-127, 128, (n_in, n_out), dtype=np.int8)
     scale = rng.uniform(0.001, 0.01, n_out).astype(np.float32)

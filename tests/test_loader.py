@@ -7,6 +7,7 @@ import pytest
 import checkpoint
 import utils
 from conftest import KERNELS_HERE, fixture_path, make_model_dir
+from kernels import layout
 
 REAL = fixture_path("gpt2-124M-real-index")
 
@@ -53,7 +54,7 @@ def test_tiny_tf_and_safetensors_layouts_load_identical_params(tmp_path):
             return {k2: v for i, v in enumerate(p) for k2, v in leaves(v, f"{prefix}/{i}").items()}
         return {prefix: p}
 
-    l1, l2 = leaves(utils.plain_layout(p1)), leaves(utils.plain_layout(p2))
+    l1, l2 = leaves(layout.plain_layout(p1)), leaves(layout.plain_layout(p2))
     assert sorted(l1) == sorted(l2) and len(l1) == 4 + 2 * 12
     for k in l1:
         assert l1[k].dtype == np.float32, k
@@ -77,7 +78,7 @@ MATRICES = (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_
 
 @pytest.mark.parametrize("kernel", KERNELS_HERE)
 def test_params_are_memory_mapped_except_the_decode_layout_copies(models_dir, kernel):
-    params = utils.decode_layout(checkpoint.load_params(os.path.join(models_dir, "124M"), 2), kernel)
+    params = layout.decode_layout(checkpoint.load_params(os.path.join(models_dir, "124M"), 2), kernel)
     assert isinstance(params["wte"], np.memmap) or isinstance(params["wte"].base, np.memmap)  # the lookups
     for block in params["blocks"]:
         for w in (block[m][name]["w"] for m, name in MATRICES):
@@ -95,14 +96,14 @@ def test_params_are_memory_mapped_except_the_decode_layout_copies(models_dir, ke
 @pytest.mark.parametrize("kernel", KERNELS_HERE)
 def test_decode_layout_keeps_shapes_and_values(models_dir, kernel):
     raw = checkpoint.load_params(os.path.join(models_dir, "124M"), 2)
-    fast = utils.decode_layout(raw, kernel)
+    fast = layout.decode_layout(raw, kernel)
     assert fast["wte"] is raw["wte"]  # untouched, still the memmap
-    back = utils.plain_layout(fast)
+    back = layout.plain_layout(fast)
     for m, name in MATRICES:
         np.testing.assert_array_equal(back["blocks"][1][m][name]["w"], raw["blocks"][1][m][name]["w"])
         assert fast["blocks"][1][m][name]["b"] is raw["blocks"][1][m][name]["b"]
     if kernel == "numba":
-        import row_kernel
+        from kernels import row_kernel
         np.testing.assert_array_equal(row_kernel.unblocked(fast["lm_head"]["w"], 50257), raw["wte"].T)
         assert not fast["lm_head"]["w"][-1, :, 50257 % 64:].any()  # the padding is zeros
     assert raw["blocks"][1]["mlp"]["c_fc"]["w"].flags.c_contiguous  # the input is not modified
@@ -170,6 +171,6 @@ def test_tokenizer_from_hf_file_names(tmp_path):
 
 def test_to_backend_numpy_keeps_the_params_and_refuses_float16(tiny):
     params = tiny[2]
-    assert utils.to_backend(params) is params  # still memory-mapped: no copy on the CPU
+    assert layout.to_backend(params) is params  # still memory-mapped: no copy on the CPU
     with pytest.raises(utils.LoadError, match="--dtype float16 needs --backend cupy"):
-        utils.to_backend(params, "numpy", "float16")
+        layout.to_backend(params, "numpy", "float16")

@@ -16,11 +16,11 @@ import cost_model
 import fileserver
 import gpt2
 import main
-import rowwise
 import sampling
 import speculative
 import utils
 from conftest import ROOT, make_model_dir
+from kernels import rowwise
 
 GREEDY = ["--temperature", "0", "--n_tokens_to_generate", "12"]
 

@@ -5,14 +5,14 @@ import pytest
 
 import gpt2
 import kv_cache
-import rowwise
+from kernels import layout, rowwise
 
 pytestmark = pytest.mark.skipif(rowwise.row_ops is None, reason="numba is not installed")
 
 
 @pytest.mark.parametrize("n", [16, 768, 1024, 1600])
 def test_layer_norm_is_numpys_and_each_row_its_own(n):
-    from row_ops import layer_norm
+    from kernels.row_ops import layer_norm
     rng = np.random.default_rng(n)
     x = rng.standard_normal((6, n), dtype=np.float32) * 3 + 1  # [6, n]
     g, b = rng.standard_normal(n, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
@@ -33,7 +33,7 @@ def test_attention_sees_its_own_keys_up_to_itself_and_nothing_else():
     """A verify-like pass: row 0 has 5 tokens cached and 3 new, row 1 two cached and one new
     (its other two queries are padding, past its keys). Every real query is the softmax over
     its row's slots 0..position, and a row's outputs are bitwise those of the row alone."""
-    from row_ops import attention
+    from kernels.row_ops import attention
     rng = np.random.default_rng(0)
     B, H, T, D, S = 2, 3, 3, 16, 8
     q = rng.standard_normal((B, T, 3, H, D), dtype=np.float32).transpose(2, 0, 3, 1, 4)[0]  # a view, as mha's
@@ -54,9 +54,8 @@ def test_attention_sees_its_own_keys_up_to_itself_and_nothing_else():
 def test_a_kernel_pass_runs_them_and_stays_within_rounding_of_numpy(tiny, monkeypatch):
     """The row kernel's layout makes cached passes fused (kv_cache.begin_pass); their logits
     are within float rounding of the same pass with gpt2.py's NumPy layer norm and attention."""
-    import utils
-    model = (utils.decode_layout(utils.plain_layout(tiny[2]), "numba"), tiny[1])
-    assert rowwise.fuses(model) and not rowwise.fuses((utils.plain_layout(tiny[2]), tiny[1]))
+    model = (layout.decode_layout(layout.plain_layout(tiny[2]), "numba"), tiny[1])
+    assert rowwise.fuses(model) and not rowwise.fuses((layout.plain_layout(tiny[2]), tiny[1]))
     texts = [[464, 2068, 7586, 21831, 18045], [464, 3290]]
 
     def two_steps():
@@ -64,7 +63,7 @@ def test_a_kernel_pass_runs_them_and_stays_within_rounding_of_numpy(tiny, monkey
         gpt2.next_logits(model, cache, texts)
         return gpt2.next_logits(model, cache, [t + [11] for t in texts], n_logits=2)
 
-    import row_ops
+    from kernels import row_ops
     calls = []
     for name in ("layer_norm", "attention"):
         monkeypatch.setattr(row_ops, name, lambda *a, f=getattr(row_ops, name), name=name, **k: calls.append(name)

@@ -7,10 +7,10 @@ import batching
 import benchmark
 import gpt2
 import kv_cache
-import rowwise
 import sampling
-import scheduler
 import speculative
+from kernels import layout, rowwise
+from serving import scheduler
 
 WIDTHS = [(768, 2304), (1024, 4096), (4096, 1024), (1024, 50257)]  # GPT-2's matrices and its head
 
@@ -133,7 +133,7 @@ needs_numba = pytest.mark.skipif(rowwise.pick_kernel("numba") != "numba", reason
 @needs_numba
 @pytest.mark.parametrize("n_in, n_out", WIDTHS + [(16, 48), (1600, 4800), (6400, 1600)])
 def test_the_kernel_is_the_product_within_float_rounding(n_in, n_out):
-    import row_kernel
+    from kernels import row_kernel
     rng = np.random.default_rng(n_in + n_out)
     w = rng.standard_normal((n_in, n_out), dtype=np.float32)
     rows = rng.standard_normal((5, n_in), dtype=np.float32)
@@ -147,7 +147,7 @@ def test_the_kernel_is_the_product_within_float_rounding(n_in, n_out):
 @pytest.mark.parametrize("n_in, n_out", [(768, 2304), (1024, 50257), (4096, 1024)])
 def test_a_kernel_row_is_bitwise_the_same_for_any_row_count_and_place(n_in, n_out):
     """Row r of 1-16 rows, wherever it sits, equals row r multiplied alone."""
-    import row_kernel
+    from kernels import row_kernel
     rng = np.random.default_rng(7)
     wb = row_kernel.blocked(rng.standard_normal((n_in, n_out), dtype=np.float32))
     rows = rng.standard_normal((16, n_in), dtype=np.float32)
@@ -161,7 +161,7 @@ def test_a_kernel_row_is_bitwise_the_same_for_any_row_count_and_place(n_in, n_ou
 @needs_numba
 def test_the_kernel_takes_float32_only():
     """No silent float64 path: the kernel is compiled for float32 and refuses anything else."""
-    import row_kernel
+    from kernels import row_kernel
     wb = row_kernel.blocked(np.ones((8, 64), np.float32))
     with pytest.raises(TypeError):
         row_kernel.rows_times_blocks(np.ones((1, 8)), wb, np.empty((1, 64), np.float32))
@@ -172,8 +172,7 @@ def test_the_kernel_takes_float32_only():
 def test_padded_head_columns_are_never_logits(tiny, dtype):
     """The head's blocks pad the vocabulary to a multiple of 64. Fill the padding with huge
     weights: if any padded column reached the logits it would win every argmax."""
-    import utils
-    params, hparams = utils.decode_layout(utils.plain_layout(tiny[2]), "numba", dtype), tiny[1]
+    params, hparams = layout.decode_layout(layout.plain_layout(tiny[2]), "numba", dtype), tiny[1]
     head = params["lm_head"]
     assert head["w"].shape[0] * 64 > hparams["n_vocab"]
     poisoned = {name: a.copy() for name, a in head.items()}
@@ -192,6 +191,6 @@ def test_padded_head_columns_are_never_logits(tiny, dtype):
 
 @needs_numba
 def test_blocks_refuse_an_input_width_the_kernels_would_read_past():
-    import row_kernel
+    from kernels import row_kernel
     with pytest.raises(ValueError, match="multiple of 8 inputs, got a 12 x 64 matrix"):
         row_kernel.blocked(np.ones((12, 64), np.float32))

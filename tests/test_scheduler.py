@@ -10,8 +10,8 @@ import pytest
 import batching
 import gpt2
 import sampling
-import scheduler
 import speculative
+from serving import scheduler
 
 GREEDY = sampling.SamplingSettings(temperature=0.0)
 SAMPLED = sampling.SamplingSettings(temperature=1.0, top_k=40, repetition_penalty=1.2)

@@ -19,8 +19,8 @@ import pytest
 
 import gpt2
 import main
-import server
 from conftest import ROOT
+from serving import engine as engines, server
 
 PROMPTS = ["Alan Turing theorized that", "The quick brown fox", "In a shocking finding, scientists"]
 
@@ -346,13 +346,13 @@ def test_an_api_key_is_asked_for_when_set(models_dir):
 
 def test_health_is_503_while_loading(models_dir):
     args = server.parse_args(["--models_dir", models_dir, "--target_model_size", "124M", "--port", "0"])
-    engine = server.new_engine(args)
+    engine = engines.new_engine(args)
     httpd = server.listen(args, engine)
     url = f"http://127.0.0.1:{httpd.address[1]}"
     try:
         assert post(url, "/v1/completions", {"prompt": "x"})[0] == 503
         assert get(url, "/health") == (503, '{"status":"loading"}')
-        server.load(engine)
+        engines.load(engine)
         assert get(url, "/health")[0] == 200
     finally:
         server.stop(httpd, engine)

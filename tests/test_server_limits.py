@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-import server
 from conftest import ROOT
+from serving import engine as engines, server
 
 KEY = "sesame"
 AUTH = f"Authorization: Bearer {KEY}\r\n"
@@ -113,7 +113,7 @@ def test_2_a_client_that_stops_reading_is_cut_off_and_its_rows_freed(tight):
             most_waiting = max([most_waiting] + [box["events"].qsize() for box in engine["outboxes"].values()])
         return not engine["running"]
     assert wait_until(waiting_events, 60)
-    assert most_waiting <= server.EVENTS_PER_ROW + 1
+    assert most_waiting <= engines.EVENTS_PER_ROW + 1
     status, got = exchange(httpd, request({"prompt": "y", "max_tokens": 3}))
     assert status == 200 and len(json.loads(got.split(b"\r\n\r\n", 1)[1])["choices"]) == 1
     for sock in stalled:
@@ -136,7 +136,7 @@ def test_2_the_events_waiting_for_a_client_are_bounded_without_a_write_timeout(m
         time.sleep(0.5)
         with engine["lock"]:
             waiting = [box["events"].qsize() for box in engine["outboxes"].values()]
-        assert len(waiting) == 1 and server.EVENTS_PER_ROW <= waiting[0] <= server.EVENTS_PER_ROW + 8
+        assert len(waiting) == 1 and engines.EVENTS_PER_ROW <= waiting[0] <= engines.EVENTS_PER_ROW + 8
         status, got = exchange(httpd, request({"prompt": "y", "max_tokens": 3}, headers=""))
         assert status == 200 and engine["paused"]
         stalled.close()

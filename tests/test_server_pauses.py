@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-import server
+from serving import server
 from test_server_limits import connect, error_of, exchange, request, wait_until
 
 WRITE_TIMEOUT_S = 2.0

@@ -5,13 +5,12 @@ lone run's, and the server's gauges, queues and memory come back to where they w
 import gc
 import json
 import multiprocessing
-import os
 import sys
 
 import pytest
 
-import server
 import soak_clients
+from serving import server
 from test_server_limits import exchange, request, wait_until
 
 N_CLIENTS, SECONDS, PAUSE_S = 48, 60, (1.0, 8.0)

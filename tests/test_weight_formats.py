@@ -11,12 +11,12 @@ import cost_model
 import gpt2
 import kv_cache
 import main
-import rowwise
 import sampling
 import utils
-import weight_formats
+from kernels import rowwise, weight_formats
 from test_rowwise import assert_served_equals_alone, requests
 from test_speculative import N_CTX, PROMPTS, chi_square_ok, first_tokens, plain, spec
+from kernels import layout
 
 needs_numba = pytest.mark.skipif(rowwise.pick_kernel("numba") != "numba", reason="numba is not installed")
 NARROW = ["bfloat16", "int8"]
@@ -58,13 +58,13 @@ def test_int8_is_symmetric_per_output_column_within_half_a_step():
 
 
 def narrow_blocks(w, dtype):
-    return utils.kernel_blocks(w, dtype)
+    return layout.kernel_blocks(w, dtype)
 
 
 def widened(stored, n_out):
     """The float32 matrix [n_in, n_out] that stored blocks hold."""
-    import int8_kernel
-    import row_kernel
+    from kernels import int8_kernel
+    from kernels import row_kernel
     wb = stored["w"]
     if wb.ndim == 4:
         wb = int8_kernel.unpaired(wb)
@@ -108,7 +108,7 @@ def test_a_narrow_row_is_bitwise_the_same_for_any_row_count_and_place(dtype, n_i
 @pytest.mark.parametrize("dtype", ["float32"] + NARROW)
 def test_embeddings_are_read_from_the_heads_stored_weights(tiny, dtype):
     _, hparams, params = tiny
-    fast = utils.decode_layout(utils.plain_layout(params), "numba", dtype)
+    fast = layout.decode_layout(layout.plain_layout(params), "numba", dtype)
     ids = np.array([[0, 5, 63, 64, 50256], [1, 2, 3, 4, 40000]])
     got = gpt2.embed(ids, fast["wte"], fast["lm_head"])  # [2, 5, n_embd]
     want = widened(fast["lm_head"], hparams["n_vocab"]).T[ids]
@@ -122,9 +122,9 @@ def test_embeddings_are_read_from_the_heads_stored_weights(tiny, dtype):
 def wide_formats():
     """wide (test_rowwise.py: 124M's widths, 2 layers) in every format."""
     params, hparams = benchmark.random_params("124M", seed=5, n_ctx=256)
-    plain_params = utils.plain_layout(dict(params, blocks=params["blocks"][:2]))
+    plain_params = layout.plain_layout(dict(params, blocks=params["blocks"][:2]))
     hparams = dict(hparams, n_layer=2)
-    return {dtype: (utils.decode_layout(plain_params, "numba", dtype), hparams) for dtype in ["float32"] + NARROW}
+    return {dtype: (layout.decode_layout(plain_params, "numba", dtype), hparams) for dtype in ["float32"] + NARROW}
 
 
 @needs_numba
@@ -161,8 +161,8 @@ def test_narrow_logits_stay_near_float32_and_keep_the_hot_path_float32(wide_form
 def self_drafts(tiny):
     """The tiny GPT-2 (float32, the target) and its own copies in each narrow format."""
     _, hparams, params = tiny
-    plain_params = utils.plain_layout(params)
-    return (params, hparams), {d: (utils.decode_layout(plain_params, "numba", d), hparams) for d in NARROW}
+    plain_params = layout.plain_layout(params)
+    return (params, hparams), {d: (layout.decode_layout(plain_params, "numba", d), hparams) for d in NARROW}
 
 
 @needs_numba
@@ -274,13 +274,13 @@ def test_the_numpy_fallback_refuses_narrow_formats_in_one_line(capsys, tmp_path,
     rc, out, err = run_main(capsys, "--models_dir", str(tmp_path), "--dtype", "int8")
     assert rc == 2 and err.count("\n") == 1 and "--dtype int8 needs the numba row kernel" in err, err
     with pytest.raises(utils.LoadError, match="--dtype bfloat16 needs the numba row kernel"):
-        utils.decode_layout({"wte": np.zeros((64, 8), np.float32), "blocks": []}, "numpy", "bfloat16")
+        layout.decode_layout({"wte": np.zeros((64, 8), np.float32), "blocks": []}, "numpy", "bfloat16")
 
 
 @needs_numba
 def test_the_server_serves_the_self_draft_with_the_float32_targets_text(models_dir, capsys):
     """server.py with --draft_dtype int8: a greedy completion is main.py's float32 greedy text."""
-    import server
+    from serving import server
     from test_server import client, start
     httpd, engine, url = start(models_dir, "--mode", "speculative", "--draft_model_size", "124M",
                                "--draft_dtype", "int8")

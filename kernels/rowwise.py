@@ -35,9 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 try:
-    import int8_kernel  # int8 weights times 16-bit activations
-    import row_kernel  # compiles the kernel, or loads it from numba's cache
-    import row_ops  # layer norm and attention for the kernel's passes
+    from kernels import int8_kernel  # int8 weights times 16-bit activations
+    from kernels import row_kernel  # compiles the kernel, or loads it from numba's cache
+    from kernels import row_ops  # layer norm and attention for the kernel's passes
 except ImportError:  # no numba: the NumPy fallback
     int8_kernel = row_kernel = row_ops = None
 
@@ -116,7 +116,7 @@ def gemv_one(row, w):
 
 def gemv_rows(rows, w):
     """Each row of rows [n, n_in] times w, one gemv per row and block of output columns,
-    the blocks split between two threads. w column-major (utils.decode_layout) makes each
+    the blocks split between two threads. w column-major (kernels/layout.py) makes each
     block a contiguous run of memory; any other w falls back to one gemv per row."""
     (n, n_in), n_out = rows.shape, w.shape[1]
     if not w.T.flags.c_contiguous:

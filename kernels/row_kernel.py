@@ -61,7 +61,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-import weight_formats
+from kernels import weight_formats
 
 W = 64  # outputs per block: a multiple of every vector width (8 on AVX2, 16 on AVX-512)
 V = 8  # floats per vector register (AVX2)

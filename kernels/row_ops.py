@@ -23,7 +23,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from row_kernel import V, float32x8, fma8, load8, store8, zero8
+from kernels.row_kernel import V, float32x8, fma8, load8, store8, zero8
 
 
 @intrinsic

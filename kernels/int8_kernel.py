@@ -46,7 +46,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from row_kernel import AHEAD, AHEAD_ROWS, VECTOR, W, _address, float32x8, fma8, load8, prefetch, store8, zero8
+from kernels.row_kernel import AHEAD, AHEAD_ROWS, VECTOR, W, _address, float32x8, fma8, load8, prefetch, store8, zero8
 
 C = 64  # inputs per activation block (fewer where a matrix has fewer: the test models)
 X16_MAX = 32767
