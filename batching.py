@@ -127,6 +127,25 @@ class Stats:
         self.last_step_at = now
         self.n_steps += 1
 
+    def speculative_step_done(self, k, n, draft_s, verify_s):
+        """A draft-verify step ended: k [B] drafts verified, n [B] accepted, and its two phases' times."""
+        self.step_done()
+        self.target_passes += 1
+        self.row_passes += len(k)
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+        if self.n_steps == 1:  # the prefill's step, which the benchmark leaves out of a step's cost
+            self.first_draft_s, self.first_verify_s = draft_s, verify_s
+        self.drafted += int(k.sum())
+        self.accepted += sum(n)
+        self.K_trace.append(int(k.max()))
+        for kb, nb in zip(k, n):
+            self.proposed_at += [0] * (kb - len(self.proposed_at))
+            self.accepted_at += [0] * (kb - len(self.accepted_at))
+            for i in range(kb):
+                self.proposed_at[i] += 1
+                self.accepted_at[i] += i < nb
+
     @property
     def decode_tokens_per_s(self):
         """Tokens/s after the first step (the prefill), which may emit several tokens."""
@@ -299,12 +318,12 @@ def penalized(batch):
     return any(seq.request.settings.uses_counts for seq in batch.seqs)
 
 
-def texts(batch, extra=None):
-    """Each row's text, followed by extra[b] (speculative drafts) if given."""
+def token_ids(batch, extra=None):
+    """Each row's token ids, followed by extra[b] (speculative drafts) if given."""
     return [s.tokens + (extra[b] if extra else []) for b, s in enumerate(batch.seqs)]
 
 
-def probabilities(batch, logits, counts=None, drafts=None):
+def distributions(batch, logits, counts=None, drafts=None):
     """Each row's distribution [B, ..., n_vocab] under its own request's settings (rows
     that share settings share one call); counts default to each row's text so far.
     drafts[b]: tokens drafted after row b's text, which the n-gram ban must see too."""

@@ -85,7 +85,7 @@ def beam_search(prompts, model, max_new_tokens, settings=BeamSettings(), eos_id=
     open_search = np.ones(B, bool)  # transformers' "is_early_stop_heuristic_unsatisfied"
     logits = np.repeat(first, N, axis=0)  # [B*N, V]
     for step in range(max_new_tokens):
-        logp = processed(gpt2.log_softmax(logits.astype(np.float32, copy=False)),  # [B*N, V]
+        logp = processed(sampling.log_softmax(logits.astype(np.float32, copy=False)),  # [B*N, V]
                          [t for beams in texts for t in beams], settings)
         total = (logp.reshape(B, N, V) + scores[:, :, None]).reshape(B, N * V)  # [B, N*V]
         top = top_k(total, 2 * N)  # [B, 2N]: the likeliest continuations of all beams

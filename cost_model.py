@@ -12,7 +12,7 @@ GPU verify(K+1) stays near 1 up to K ~ 7, so a large K pays; on a 2-core CPU a p
 K+1 tokens costs 1.1-1.7 steps with the row kernel (row_kernel.py, CPU_VERIFY), so K stays
 moderate. `best_K` picks the K with the largest speedup; adaptive K (speculative.py) asks it
 before every step with each row's own alpha. The costs are fixed numbers, never this run's
-clock, so the same seed gives the same text; `speculative.measure_costs` times them on the
+clock, so the same seed gives the same text; `cli/timing.measure_costs` times them on the
 machine at hand to advise (main.py prints the K it recommends). This file is the math only.
 """
 from dataclasses import dataclass
@@ -32,10 +32,10 @@ class Costs:
 
 
 # verify(K+1) / one decode step for K = 0..8 on a 2-core AVX2 CPU, 355M target, the numba row
-# kernel: `python benchmark.py --only rows --target 355M` (benchmark_results/rows-355M-zen5,
-# an AMD Zen 5 held to AVX2; K = 8 between its n = 8 and n = 12). Each cost at least the one
-# before: adaptive K must never see a longer pass as cheaper (n = 5, 6 measured 1.08, 1.13,
-# below n = 4's 1.14: one tile each, and noise). From n = 7 two tiles: bound by multiply-adds.
+# kernel: `python benchmark.py --only rows --target 355M` (n = K + 1 rows; K = 8, n = 9, lies
+# between its n = 8 and n = 12). Each cost is at least the one before: adaptive K must never
+# see a longer pass as cheaper, and up to n = 6 a pass is one register tile, so a lower
+# reading is noise. From n = 7 two tiles: bound by multiply-adds.
 CPU_VERIFY = (1.0, 1.08, 1.11, 1.14, 1.14, 1.14, 1.51, 1.53, 1.68)
 
 

@@ -18,36 +18,24 @@ and 18), and arrays made from nothing take `like=` an array that exists (NEP 35)
 So the weights' location decides where every step runs. Host and device meet
 only at small index arrays and the chosen token ids.
 
-These NumPy functions are the model. On a CPU the matrix products go through
-rowwise.py, and a cached pass in the row kernel's layout runs layer_norm and
-attention as numba loops too (row_ops.py): the same math, summed in a fixed order.
+These NumPy functions are the model, and with `--kernel numpy` they are all that runs.
+Where the CPU's kernels take over, they do through one door, kernels/rowwise.py: the
+matrix products (`rowwise.matmul`), and in a pass marked fused, layer norm and attention
+(`rowwise.layer_norm`, `rowwise.attention`): the same math, each row summed in a fixed order.
 """
 
-
-import time
 
 import numpy as np
 
 import batching
 import kv_cache
 import sampling
-from kernels import row_ops, rowwise
+from kernels import rowwise
 
 
 def gelu(x):
     """GELU, tanh approximation (what GPT-2 was trained with)."""
     return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
-
-
-def softmax(x):
-    exp_x = np.exp(x - x.max(axis=-1, keepdims=True))
-    return exp_x / exp_x.sum(axis=-1, keepdims=True)
-
-
-def log_softmax(x):
-    """log(softmax(x)), without taking the log of a probability that underflowed to 0."""
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 # At batch 1 each small op costs microseconds of Python and NumPy overhead, hundreds
@@ -105,57 +93,59 @@ def attention(q, k, v, mask, shared=False):
     # the mask is float32, so a float16 model's scores (and its softmax) become float32 here
     if not shared:
         scores = (q @ k.swapaxes(-1, -2)) * scale + mask  # [B, n_head, T, S]
-        return softmax(scores).astype(v.dtype, copy=False) @ v  # [B, n_head, T, d_head]
+        return sampling.softmax(scores).astype(v.dtype, copy=False) @ v  # [B, n_head, T, d_head]
     scores = np.matmul(k[:, :, None], q[..., None])[..., 0] * scale + mask  # [B, n_head, T, S]
-    p = softmax(scores).astype(v.dtype, copy=False)  # [B, n_head, T, S]
+    p = sampling.softmax(scores).astype(v.dtype, copy=False)  # [B, n_head, T, S]
     return np.matmul(p[..., None, :], v[:, :, None])[..., 0, :]  # [B, n_head, T, d_head]
 
 
-def mha(x, c_attn, c_proj, n_head, kv):
-    """Causal multi-head self-attention. kv: this layer's view of the pass (kv_cache.begin_pass):
-    the mask, with a cache where these keys and values go, and which rows share a length."""
+def mha(x, c_attn, c_proj, n_head, p, layer=None):
+    """Causal multi-head self-attention. p: the kv_cache.Pass (positions, mask, which rows
+    share a length); layer: this layer's cache, where these keys and values go (or None)."""
     B, T, n_embd = x.shape
-    qkv = linear(x, **c_attn, shared=kv["shared"])  # [B, T, 3*n_embd]
+    qkv = linear(x, **c_attn, shared=p.shared)  # [B, T, 3*n_embd]
     qkv = qkv.reshape(B, T, 3, n_head, n_embd // n_head).transpose(2, 0, 3, 1, 4)  # [3, B, n_head, T, d_head]
     q, k, v = qkv[0], qkv[1], qkv[2]  # [B, n_head, T, d_head]
-    if "k" in kv:  # cached: store these keys and values, attend over everything cached
-        k, v = kv_cache.append(kv, k, v)  # [B, n_head, S, d_head]
-    if kv["fused"]:  # one numba call: each query over its own row's keys up to itself
-        return linear(row_ops.attention(q, k, v, kv["positions"]), **c_proj, shared=True)
+    if layer is not None:  # cached: store these keys and values, attend over everything cached
+        k, v = kv_cache.append(p, layer, k, v)  # [B, n_head, S, d_head]
+    if p.fused:  # the kernels' loop: each query over its own row's keys up to itself
+        return linear(rowwise.attention(q, k, v, p.positions), **c_proj, shared=True)
     out = np.empty_like(q)  # [B, n_head, T, d_head]
-    for S, rows in kv["groups"]:  # each row attends over its own S keys: a sum's length is the row's own
-        out[rows] = attention(q[rows], k[rows, :, :S], v[rows, :, :S], kv["mask"][rows, ..., :S], kv["shared"])
+    for S, rows in p.groups:  # each row attends over its own S keys: a sum's length is the row's own
+        out[rows] = attention(q[rows], k[rows, :, :S], v[rows, :, :S], p.mask[rows, ..., :S], p.shared)
     out = out.transpose(0, 2, 1, 3).reshape(B, T, n_embd)  # [B, T, n_embd]
-    return linear(out, **c_proj, shared=kv["shared"])
+    return linear(out, **c_proj, shared=p.shared)
 
 
-def transformer_block(x, mlp, attn, ln_1, ln_2, n_head, kv):
-    norm = row_ops.layer_norm if kv["fused"] else layer_norm
-    x = x + mha(norm(x, **ln_1), **attn, n_head=n_head, kv=kv)
-    x = x + ffn(norm(x, **ln_2), **mlp, shared=kv["shared"])
+def transformer_block(x, mlp, attn, ln_1, ln_2, n_head, p, layer=None):
+    norm = rowwise.layer_norm if p.fused else layer_norm
+    x = x + mha(norm(x, **ln_1), **attn, n_head=n_head, p=p, layer=layer)
+    x = x + ffn(norm(x, **ln_2), **mlp, shared=p.shared)
     return x  # [B, T, n_embd]
 
 
-def hidden(inputs, wte, wpe, blocks, ln_f, n_head, kv=None, lm_head=None):
+def final_hidden(inputs, wte, wpe, blocks, ln_f, n_head, p=None, lm_head=None):
     """The transformer without its head (lm_head gives only the embeddings): the final hidden
     states [B, n, n_embd] of a batch of token ids inputs [B, T], at every position
-    (without kv) or where kv (kv_cache.begin_pass) says logits are needed: each row's
-    last few real tokens. kv also gives the tokens' positions, the mask and the caches."""
+    (without p) or where the kv_cache.Pass p says logits are needed: each row's last few
+    real tokens. p also gives the tokens' positions, the mask and the cache."""
     B, T = inputs.shape
-    kv = kv or kv_cache.begin_pass(None, np.full(B, T), T, T, like=wte)
-    x = embed(inputs, wte, lm_head) + wpe[np.minimum(kv["positions"], wpe.shape[0] - 1)]  # [B, T, n_embd]
-    for block, layer in zip(blocks, kv["layers"]):
-        x = transformer_block(x, **block, n_head=n_head, kv=layer)
-    if kv["cache"] is not None:
-        kv_cache.advance(kv)
-    x = x[np.arange(B)[:, None], kv["logits_at"]]  # [B, n, n_embd]: only where logits are needed
-    return (row_ops.layer_norm if kv["fused"] else layer_norm)(x, **ln_f)
+    p = p or kv_cache.begin_pass(None, np.full(B, T), T, T, like=wte)
+    x = embed(inputs, wte, lm_head) + wpe[np.minimum(p.positions, wpe.shape[0] - 1)]  # [B, T, n_embd]
+    layers = p.cache["layers"] if p.cache is not None else [None] * len(blocks)
+    for block, layer in zip(blocks, layers):
+        x = transformer_block(x, **block, n_head=n_head, p=p, layer=layer)
+    if p.cache is not None:
+        kv_cache.advance(p)
+    x = x[np.arange(B)[:, None], p.logits_at]  # [B, n, n_embd]: only where logits are needed
+    return (rowwise.layer_norm if p.fused else layer_norm)(x, **ln_f)
 
 
-def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, kv=None, lm_head=None):
-    """Logits [B, T, n_vocab] at every position, as picoGPT (or [B, n, n_vocab] where kv says).
-    The 50257-wide head is the largest matmul of a step, so it runs only where logits are needed."""
-    x = hidden(inputs, wte, wpe, blocks, ln_f, n_head, kv, lm_head)  # [B, n, n_embd]
+def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, p=None, lm_head=None):
+    """Logits [B, T, n_vocab] at every position, as picoGPT (or [B, n, n_vocab] where the Pass
+    p says). The 50257-wide head is the largest matmul of a step, so it runs only where
+    logits are needed."""
+    x = final_hidden(inputs, wte, wpe, blocks, ln_f, n_head, p, lm_head)  # [B, n, n_embd]
     return head_logits(x, wte, lm_head)  # [B, n, n_vocab]
 
 
@@ -176,12 +166,12 @@ def next_logits(model, cache, texts, n_logits=1, head=None):
         if cache is not None:
             prefill_alone(model, cache, texts, n_logits)
         inputs, n_new = kv_cache.pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
-        kv = kv_cache.begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wte"],
-                                 shared=cache is not None, fused=cache is not None and rowwise.fuses(model))
-        x = hidden(inputs, **params, n_head=hparams["n_head"], kv=kv)  # [B, n, n_embd]
+        p = kv_cache.begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wte"],
+                                shared=cache is not None, fused=cache is not None and rowwise.fuses(model))
+        x = final_hidden(inputs, **params, n_head=hparams["n_head"], p=p)  # [B, n, n_embd]
         if head:
             return head(x)
-        return head_logits(x, params["wte"], params.get("lm_head"), shared=kv["shared"])  # [B, n, n_vocab]
+        return head_logits(x, params["wte"], params.get("lm_head"), shared=p.shared)  # [B, n, n_vocab]
 
 
 def prefill_alone(model, cache, texts, n_logits):
@@ -191,14 +181,14 @@ def prefill_alone(model, cache, texts, n_logits):
     inputs, n_new = kv_cache.pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
     m = n_new - np.broadcast_to(n_logits, n_new.shape)  # [B]: tokens before the first that needs logits
     for b in np.nonzero(m > ALONE_ABOVE)[0]:
-        kv = kv_cache.begin_pass(kv_cache.rows(cache, b, b + 1), m[b:b + 1], int(m[b]), 1, like=params["wte"])
-        hidden(inputs[b:b + 1, :m[b]], **params, n_head=hparams["n_head"], kv=kv)  # [1, m, ...]: fills the cache
+        p = kv_cache.begin_pass(kv_cache.rows(cache, b, b + 1), m[b:b + 1], int(m[b]), 1, like=params["wte"])
+        final_hidden(inputs[b:b + 1, :m[b]], **params, n_head=hparams["n_head"], p=p)  # [1, m, ...]: fills the cache
 
 
 def autoregressive_step(batch, model):
     """Every row gains one token, sampled from the model's next-token distribution."""
-    logits = next_logits(model, batching.cache(batch, "target"), batching.texts(batch))[:, 0]  # [B, n_vocab]
-    p = batching.probabilities(batch, logits)  # [B, n_vocab]
+    logits = next_logits(model, batching.cache(batch, "target"), batching.token_ids(batch))[:, 0]  # [B, n_vocab]
+    p = batching.distributions(batch, logits)  # [B, n_vocab]
     tokens = sampling.sample(p, batching.uniforms(batch, 1)[:, 0]).tolist()  # [B]: only these leave a GPU
     for b, token in enumerate(tokens):
         batching.emit(batch, b, [token], logits=logits[b:b + 1])
@@ -211,21 +201,3 @@ def generate(requests, model, use_cache=True, callback=None):
     Returns (each request's new tokens, batching.Stats)."""
     return batching.run(requests, {"target": model}, lambda batch: autoregressive_step(batch, model), use_cache,
                         callback)
-
-
-def pass_seconds(model, context, T=1, head=None, reps=3, n_logits=None):
-    """Seconds of one cached pass over T new tokens after `context` cached tokens (the
-    best of reps), with logits at the last n_logits of them (default: all T): T = 1 is
-    a decode step, T = K+1 a verification. Token values do not change the time, so the
-    text is 0, 1, 2, ..."""
-    params, hparams = model
-    text = [i % hparams["n_vocab"] for i in range(context + T)]
-    cache = kv_cache.init_cache(hparams, 1, context + T, like=params["wte"])
-    next_logits(model, cache, [text[:context]])
-    times = []
-    for _ in range(reps + 1):  # the first is a warm-up
-        cache["lengths"][:] = context  # roll back, so every pass sees the same context
-        start = time.perf_counter()
-        float(next_logits(model, cache, [text], n_logits=n_logits or T, head=head)[0, 0, 0])  # waits for a GPU too
-        times.append(time.perf_counter() - start)
-    return min(times[1:])

@@ -30,7 +30,7 @@ of a batch see exactly the same tokens: they agree at any length. Speculative
 decoding verifies drafts only up to the next restart (`room`), so one target
 pass never straddles two windows.
 """
-import itertools
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -89,14 +89,26 @@ def pad_right(rows, pad=0):
     return inputs, n_new
 
 
+@dataclass
+class Pass:
+    """What one model pass needs to know besides its tokens (begin_pass builds it)."""
+    positions: np.ndarray  # [B, T]: each token's position, which is also its slot in the cache
+    mask: np.ndarray  # [B, 1, T, S]: 0 where a query may see a key, -inf where it may not
+    groups: list  # [(S, rows)]: the rows whose texts are S tokens long attend over S keys
+    logits_at: np.ndarray  # [B, n]: which of each row's T tokens need logits
+    n_new: np.ndarray  # [B]: each row's real tokens (the rest of its T is padding)
+    cache: dict = None  # where the keys and values go and come from (None: no cache)
+    where: object = None  # where each real token's keys and values go (write_slots)
+    S: int = 0  # the slots attention reads
+    shared: bool = False  # the pass serves several requests: each row must come out as if alone
+    fused: bool = False  # layer norm and attention run as the kernels' loops (kernels/rowwise.py)
+
+
 def begin_pass(cache, n_new, T, n_logits, like, shared=False, fused=False):
-    """What one model pass over inputs [B, T] (row b: n_new[b] real tokens) needs to know:
-    each token's position, the causal mask, where each layer stores its keys and values
-    (with a cache), and which positions need logits: row b's last n_logits[b] real
-    tokens, the rest of its n_logits.max() entries repeating its last token.
-    shared: the pass serves several requests, so each row attends over exactly its own
-    keys (`groups`: rows of one length together), never the longest row's. fused: a
-    shared pass runs layer norm and attention as numba loops (row_ops.py).
+    """The Pass over inputs [B, T] (row b: n_new[b] real tokens): each token's position,
+    the causal mask, where each layer stores its keys and values (with a cache), and which
+    positions need logits: row b's last n_logits[b] real tokens, the rest of its
+    n_logits.max() entries repeating its last token.
 
     A worked example: a verify pass for two rows, row 0 with 5 tokens cached and 3 new
     (2 drafts + its last token), row 1 with 2 cached and 1 new; logits at 3 and 1 tokens.
@@ -110,22 +122,14 @@ def begin_pass(cache, n_new, T, n_logits, like, shared=False, fused=False):
     start = cache["lengths"] if cache is not None else np.zeros(B, dtype=np.int64)
     positions = start[:, None] + np.arange(T)  # [B, T]: a token's position is its slot
     S = int((start + n_new).max()) if cache is not None else T  # slots attention reads
-    hidden = np.arange(S)[None, None, :] > positions[:, :, None]  # [B, T, S]: keys after the query
-    mask = np.where(hidden, np.float32(-np.inf), np.float32(0.0))[:, None]  # [B, 1, T, S]
+    after = np.arange(S)[None, None, :] > positions[:, :, None]  # [B, T, S]: keys after the query
+    mask = np.where(after, np.float32(-np.inf), np.float32(0.0))[:, None]  # [B, 1, T, S]
     mask = np.asarray(mask, like=like)  # built on the host, used where the weights are
     n_logits = np.broadcast_to(n_logits, (B,))
     at = n_new[:, None] - n_logits[:, None] + np.arange(n_logits.max())  # [B, n_logits.max()]
     groups = row_groups(start + n_new) if shared else [(S, slice(None))]
-    kv = {"positions": positions, "cache": cache, "n_new": n_new, "shared": shared, "fused": fused,
-          "logits_at": np.clip(at, 0, (n_new - 1).clip(0)[:, None]),
-          "layers": itertools.repeat({"mask": mask, "groups": groups, "shared": shared, "fused": fused,
-                                             "positions": positions})}  # nothing to store
-    if cache is not None:
-        where = write_slots(start, n_new, T)
-        kv["layers"] = [dict(layer, where=where, S=S, mask=mask, groups=groups, shared=shared, fused=fused,
-                             positions=positions)
-                        for layer in cache["layers"]]
-    return kv
+    return Pass(positions, mask, groups, np.clip(at, 0, (n_new - 1).clip(0)[:, None]), n_new, cache,
+                write_slots(start, n_new, T) if cache is not None else None, S, shared, fused)
 
 
 def row_groups(lengths):
@@ -148,10 +152,10 @@ def write_slots(lengths, n_new, T):
     return b_idx, t_idx, lengths[b_idx] + t_idx
 
 
-def append(layer, k, v):
-    """Store this pass's k, v [B, n_head, T, d_head] in one layer's cache and return every
+def append(p, layer, k, v):
+    """Store the Pass p's k, v [B, n_head, T, d_head] in one layer's cache and return every
     row's keys and values [B, n_head, S, d_head]; the mask hides slots past a row's length."""
-    where, S = layer["where"], layer["S"]
+    where, S = p.where, p.S
     if isinstance(where, slice):
         layer["k"][:, :, where] = k
         layer["v"][:, :, where] = v
@@ -163,9 +167,9 @@ def append(layer, k, v):
     return layer["k"][:, :, :S], layer["v"][:, :, :S]  # [B, n_head, S, d_head]
 
 
-def advance(kv):
-    """After a pass: each row now holds its n_new more tokens."""
-    kv["cache"]["lengths"] += kv["n_new"]
+def advance(p):
+    """After the Pass p: each row now holds its n_new more tokens."""
+    p.cache["lengths"] += p.n_new
 
 
 def rollback(cache, n_valid):

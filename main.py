@@ -27,7 +27,7 @@ import kv_cache
 import sampling
 import speculative
 import utils
-from cli import flags
+from cli import flags, timing
 from serving import scheduler
 
 DEFAULT_PROMPT = "Alan Turing theorized that computers would one day become"
@@ -36,7 +36,7 @@ def parse_args(argv=None):
     ap = flags.OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", action="append", help="a prompt ('' = unconditional); repeat the flag for a batch")
     ap.add_argument("--prompts_file", help="a file with one prompt per line (a batch; blank lines are skipped)")
-    ap.add_argument("--n_tokens_to_generate", type=int, default=40)
+    ap.add_argument("--n_tokens_to_generate", type=int, default=40, help="new tokens per prompt")
     flags.add_decoder_flags(ap, modes=("autoregressive", "speculative", "both"), default=None)  # None: both, or beams
     ap.add_argument("--temperature", type=float, default=0.8, help=f"0 (or below {sampling.GREEDY_BELOW}) = greedy")
     ap.add_argument("--top_k", type=int, default=0, help="0 = off")
@@ -195,20 +195,22 @@ def serve(title, decoder, reqs, encoder, args):
             "tokens_per_s": s["tokens_per_s"]}
 
 
-def advise_K(stats, target, drafter, config):
-    """After a run: the K that this run's acceptance and costs measured now recommend."""
+def advise_K(stats, target, drafter, config, self_draft=False):
+    """After a run: the K that this run's acceptance and costs measured now recommend, and a
+    narrower draft where it drafts in float32."""
     if not stats.drafted:
         return
     alpha = cost_model.estimate_alpha(stats.accepted, stats.rejections)
     draft = drafter if isinstance(drafter, tuple) else None
-    costs = speculative.measure_costs(target, draft, config.K_max, config.draft_vocab)
+    costs = timing.measure_costs(target, draft, config.K_max, config.draft_vocab)
     K = cost_model.best_K(alpha, costs, config.K_max)
     print(f"advice: at this run's acceptance (alpha = {alpha:.2f}) and costs measured now (a draft token "
           f"{costs.draft:.2f} of a target step; verifying K+1 tokens {min(costs.verify[1:]):.2f}-"
           f"{max(costs.verify[1:]):.2f} steps), K = {K} is expected fastest: "
           f"{cost_model.speedup(alpha, K, costs):.2f}x plain decoding")
     if draft and "lm_head" in draft[0] and draft[0]["lm_head"]["w"].dtype == "float32":
-        print("advice: a draft in int8 (--draft_dtype int8) reads a quarter of its float32 bytes, so each draft "
+        how = "--draft_dtype int8" if self_draft else "the default: leave out --draft_dtype"
+        print(f"advice: a draft in int8 ({how}) reads a quarter of its float32 bytes, so each draft "
               "token costs less; the text stays the target's, only the acceptance may change")
 
 
@@ -272,7 +274,7 @@ def run(args):
         if config.K >= n_ctx:
             print(f"note: --K {config.K} is more drafts than GPT-2's {n_ctx}-token window holds: "
                   "each step drafts at most what fits before the window restarts")
-        draft = named(args.draft_model_size, args.draft_dtype or args.dtype)
+        draft = named(args.draft_model_size, flags.draft_dtype(args))
         who = f"draft {draft}" if args.drafter == "model" else "prompt lookup"
         runs["speculative"] = (f"speculative: target {named(args.target_model_size, args.dtype)}, {who}, K={config.K}"
                                f"{' (adaptive)' if config.adaptive else ''}",
@@ -284,7 +286,8 @@ def run(args):
         results[name] = (serve(title, decoder(), reqs, encoder, args) if args.max_batch
                          else decode(title, generate, encoder, prompts, args))
     if "speculative" in results and not args.max_batch:
-        advise_K(results["speculative"]["stats"], target, drafter, speculative.resolve(config, target, None))
+        advise_K(results["speculative"]["stats"], target, drafter, speculative.resolve(config, target, None),
+                 args.draft_model_size == args.target_model_size)
     if len(results) == 2:
         ar, sp = results["autoregressive"], results["speculative"]
         print(f"\nspeedup of speculative over autoregressive: {sp['tokens_per_s'] / ar['tokens_per_s']:.2f}x")

@@ -164,6 +164,12 @@ def softmax(x):
     return exp_x / np.sum(exp_x, axis=-1, keepdims=True)
 
 
+def log_softmax(x):
+    """log(softmax(x)), without taking the log of a probability that underflowed to 0."""
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
 def process_logits(logits, counts, s, prompt_counts=None):
     """Logits [..., n_vocab] after every processor: -inf marks a removed token."""
     if s.repetition_penalty != 1.0:

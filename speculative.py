@@ -43,55 +43,36 @@ import kv_cache
 import sampling
 
 
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    K: int = 4  # drafts per target pass (the papers' gamma)
-    adaptive: bool = False  # before each step, each row picks its K from its own acceptance so far
-    K_max: int = None  # the largest K adaptive K picks; None: max(K, 7)
-    costs: cost_model.Costs = None  # for adaptive K; None: estimated from the models' sizes and formats (default_costs)
-    draft_vocab: int = 0  # the draft's head covers the N most frequent tokens (+ the text's); 0: all
+def verify(p, q, drafts, k, u, v):
+    """Accept/reject K drafted tokens per row, then draw one more from the target.
 
-
-def check(config, target_hparams=None, draft_hparams=None):
-    """K, K_max and the draft's vocabulary, or a sampling.BadSetting naming the one that is wrong."""
-    if config.K < 1:
-        raise sampling.BadSetting("K", f"must be >= 1, got {config.K}")
-    if config.adaptive and config.K_max is not None and config.K_max < config.K:
-        raise sampling.BadSetting("K_max", f"must be >= K, got {config.K_max} < {config.K}")
-    if config.draft_vocab < 0:
-        raise sampling.BadSetting("draft_vocab", f"must be >= 0 (0 = the whole vocabulary), got {config.draft_vocab}")
-    if draft_hparams is not None and draft_hparams["n_vocab"] != target_hparams["n_vocab"]:
-        raise sampling.BadSetting("draft", f"vocabulary ({draft_hparams['n_vocab']} tokens) differs from the "
-                                  f"target's ({target_hparams['n_vocab']}): speculative decoding needs one tokenizer")
-
-
-def speculative_generate(requests, target, drafter, config=SpeculativeConfig(), use_cache=True, callback=None):
-    """Draft-verify decoding for a batch of requests (batching.requests).
-
-    target: (params, hparams). drafter: a draft model (params, hparams); "prompt_lookup";
-      or a function propose(batch, k) -> (drafts, q) (the benchmark's oracle and
-      controlled drafters). callback(seq, token, accepted, logits) sees each token as it comes.
-    Returns (each request's new tokens, batching.Stats).
+    p [B, K+1, n_vocab]: target distributions; p[:, i] is for the token after d_1..d_i.
+    q [B, K, n_vocab]: draft distributions the drafts were sampled from.
+    drafts [B, K], k [B]: row b drafted k[b] <= K real tokens.
+    u [B, K], v [B]: uniform draws in (0, 1] for the acceptance tests and the last token.
+    Returns (n [B] accepted drafts, token [B] the target's own next token).
     """
-    draft = drafter if isinstance(drafter, tuple) else None
-    check(config, target[1], draft and draft[1])
-    config = resolve(config, target, draft)
-    models = {"target": target, "draft": draft} if draft else {"target": target}
-    return batching.run(requests, models, lambda batch: speculative_step(batch, target, drafter, config), use_cache,
-                        callback)
-
-
-def resolve(config, target, draft):
-    """config with its defaults filled in: K_max = max(K, 7), costs from the models' sizes."""
-    return replace(config, K_max=config.K_max or max(config.K, 7),
-                   costs=config.costs or cost_model.default_costs(target, draft, config.draft_vocab))
+    B, K = drafts.shape
+    q, drafts, k, u = (np.asarray(a, like=p) for a in (q, drafts, k, u))  # to p's device (NumPy: no copy)
+    rows = np.arange(B, like=p)
+    i = np.arange(K, like=p)
+    p_d = p[rows[:, None], i, drafts]  # [B, K]: p_i(d_i)
+    q_d = q[rows[:, None], i, drafts]  # [B, K]: q_i(d_i)
+    accept = (u * q_d < p_d) & (i < k[:, None])  # u < p/q without dividing by q = 0
+    n = np.cumprod(accept, axis=1).sum(axis=1)  # [B]: accepted before the first rejection
+    p_n = p[rows, n]  # [B, n_vocab]
+    q_n = np.where((n < k)[:, None], q[rows, np.minimum(n, K - 1)] if K else 0.0, 0.0)
+    residual = np.maximum(p_n - q_n, 0.0)  # [B, n_vocab]: equals p_n where all drafts passed
+    mass = residual.sum(axis=-1, keepdims=True)
+    residual = np.where(mass > 0, residual, p_n)  # p == q up to rounding: rejection had ~0 chance
+    return n, sampling.sample(residual, v)
 
 
 def speculative_step(batch, target, drafter, config):
     """One round of the papers' loop for every row of the batch."""
-    k = [n_drafts(seq, config, target[1]["n_ctx"]) for seq in batch.seqs]  # drafts each row may verify
+    allowed = [n_drafts(seq, config, target[1]["n_ctx"]) for seq in batch.seqs]  # drafts each row may verify
     t0 = time.perf_counter()
-    drafts, q = propose(batch, drafter, k, config.draft_vocab)  # 1. d_1..d_k, sampled from q_1..q_k
+    drafts, q = propose(batch, drafter, allowed, config.draft_vocab)  # 1. d_1..d_k, sampled from q_1..q_k
     k = np.array([len(d) for d in drafts])  # [B]
     t1 = time.perf_counter()
     logits, p = score_with_target(batch, target, drafts)  # 2. p_1..p_{k+1}, from ONE target pass
@@ -107,8 +88,27 @@ def speculative_step(batch, target, drafter, config):
         batch.stats.rejections += n[b] < k[b]
     for name in batch.caches:  # 6. every cache forgets the rejected drafts
         kv_cache.rollback(batching.cache(batch, name), [len(seq.tokens) - 1 for seq in batch.seqs])
-    record(batch.stats, k, n, t1 - t0, t2 - t1)
+    batch.stats.speculative_step_done(k, n, t1 - t0, t2 - t1)
 
+
+def speculative_generate(requests, target, drafter, config=None, use_cache=True, callback=None):
+    """Draft-verify decoding for a batch of requests (batching.requests).
+
+    target: (params, hparams). drafter: a draft model (params, hparams); "prompt_lookup";
+      or a function propose(batch, k) -> (drafts, q) (the benchmark's oracle and
+      controlled drafters). callback(seq, token, accepted, logits) sees each token as it comes.
+    config: SpeculativeConfig (None: its defaults). Returns (each request's new tokens, batching.Stats).
+    """
+    config = config or SpeculativeConfig()
+    draft = drafter if isinstance(drafter, tuple) else None
+    check(config, target[1], draft and draft[1])
+    config = resolve(config, target, draft)
+    models = {"target": target, "draft": draft} if draft else {"target": target}
+    return batching.run(requests, models, lambda batch: speculative_step(batch, target, drafter, config), use_cache,
+                        callback)
+
+
+# --- the two passes: the drafts (a draft model, or prompt lookup), then the target's scores ---
 
 def n_drafts(seq, config, n_ctx):
     """How many drafts a row verifies this step: its K, but never past its last token
@@ -136,10 +136,10 @@ def draft_with_model(batch, model, k, vocab=0):
     q = np.zeros((B, K, model[1]["n_vocab"]), dtype=np.float32, like=model[0]["wte"])
     counts = batch.counts[:B].copy() if batching.penalized(batch) else None  # penalties see the drafts too
     for i in range(K):
-        texts = batching.texts(batch, drafts)
+        texts = batching.token_ids(batch, drafts)
         head = vocab_subset_head(model[0], texts, vocab) if vocab else None
         logits = gpt2.next_logits(model, batching.cache(batch, "draft"), texts, head=head)[:, 0]  # [B, n_vocab]
-        q[:, i] = batching.probabilities(batch, logits, counts, drafts)  # [B, n_vocab]
+        q[:, i] = batching.distributions(batch, logits, counts, drafts)  # [B, n_vocab]
         drafting = [int(kb > i) for kb in k]
         tokens = sampling.sample(q[:, i], batching.uniforms(batch, drafting)[:, 0]).tolist()  # [B]
         for b in np.nonzero(drafting)[0]:
@@ -180,15 +180,28 @@ def draft_deterministic(batch, propose_fn, k):
     return drafts, q
 
 
+def prompt_lookup_draft(seq, K, max_ngram=3):
+    """Prompt lookup decoding (Saxena 2023): find the last n-gram of seq earlier in
+    seq (longest n first, latest match) and propose the up to K tokens after it."""
+    arr = np.asarray(seq)
+    for size in range(min(max_ngram, len(arr) - 1), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], size)  # [len-size, size]
+        hits = np.nonzero((windows == arr[-size:]).all(axis=1))[0]
+        if hits.size:
+            start = hits[-1] + size
+            return arr[start:start + K].tolist()
+    return []
+
+
 def score_with_target(batch, model, drafts):
     """The target's logits and distributions p [B, K+1, n_vocab] after each prefix of every
     row's drafts (row b: its first k[b]+1 entries), all from ONE forward pass."""
     n_logits = np.array([len(d) + 1 for d in drafts])
-    logits = gpt2.next_logits(model, batching.cache(batch, "target"), batching.texts(batch, drafts), n_logits)
+    logits = gpt2.next_logits(model, batching.cache(batch, "target"), batching.token_ids(batch, drafts), n_logits)
     counts = None
     if batching.penalized(batch):
         counts = counts_along_drafts(batch.counts[:len(drafts)], drafts, logits.shape[1])  # [B, K+1, n_vocab]
-    return logits, batching.probabilities(batch, logits, counts, drafts)  # [B, K+1, n_vocab] twice
+    return logits, batching.distributions(batch, logits, counts, drafts)  # [B, K+1, n_vocab] twice
 
 
 def counts_along_drafts(counts, drafts, n_positions):
@@ -201,75 +214,34 @@ def counts_along_drafts(counts, drafts, n_positions):
     return out
 
 
-def measure_costs(target, draft, K_max, draft_vocab=0, context=32):
-    """Costs measured on this machine: a draft token and verify(K+1) for K = 0..K_max, in
-    target decode steps. A few passes of each model; used to advise, never to decide
-    (a decision on the clock would change the text from run to run)."""
-    step = gpt2.pass_seconds(target, context)
-    verify = (1.0,) + tuple(gpt2.pass_seconds(target, context, K + 1) / step for K in range(1, K_max + 1))
-    if draft is None:
-        return cost_model.Costs(0.0, verify)
-    head = vocab_subset_head(draft[0], [list(range(context))], draft_vocab) if draft_vocab else None
-    draft_step = gpt2.pass_seconds(draft, context, head=head)
-    catch_up = gpt2.pass_seconds(draft, context, 2, head, n_logits=1) / draft_step
-    return cost_model.Costs(draft_step / step, verify, catch_up)
+# --- settings: how many drafts, and from what ---
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    K: int = 4  # drafts per target pass (the papers' gamma)
+    adaptive: bool = False  # before each step, each row picks its K from its own acceptance so far
+    K_max: int = None  # the largest K adaptive K picks; None: max(K, 7)
+    costs: cost_model.Costs = None  # for adaptive K; None: estimated from the models' sizes and formats (default_costs)
+    draft_vocab: int = 0  # the draft's head covers the N most frequent tokens (+ the text's); 0: all
 
 
-def verify(p, q, drafts, k, u, v):
-    """Accept/reject K drafted tokens per row, then draw one more from the target.
-
-    p [B, K+1, n_vocab]: target distributions; p[:, i] is for the token after d_1..d_i.
-    q [B, K, n_vocab]: draft distributions the drafts were sampled from.
-    drafts [B, K], k [B]: row b drafted k[b] <= K real tokens.
-    u [B, K], v [B]: uniform draws in (0, 1] for the acceptance tests and the last token.
-    Returns (n [B] accepted drafts, token [B] the target's own next token).
-    """
-    B, K = drafts.shape
-    q, drafts, k, u = (np.asarray(a, like=p) for a in (q, drafts, k, u))  # to p's device (NumPy: no copy)
-    rows = np.arange(B, like=p)
-    i = np.arange(K, like=p)
-    p_d = p[rows[:, None], i, drafts]  # [B, K]: p_i(d_i)
-    q_d = q[rows[:, None], i, drafts]  # [B, K]: q_i(d_i)
-    accept = (u * q_d < p_d) & (i < k[:, None])  # u < p/q without dividing by q = 0
-    n = np.cumprod(accept, axis=1).sum(axis=1)  # [B]: accepted before the first rejection
-    p_n = p[rows, n]  # [B, n_vocab]
-    q_n = np.where((n < k)[:, None], q[rows, np.minimum(n, K - 1)] if K else 0.0, 0.0)
-    residual = np.maximum(p_n - q_n, 0.0)  # [B, n_vocab]: equals p_n where all drafts passed
-    mass = residual.sum(axis=-1, keepdims=True)
-    residual = np.where(mass > 0, residual, p_n)  # p == q up to rounding: rejection had ~0 chance
-    return n, sampling.sample(residual, v)
+def check(config, target_hparams=None, draft_hparams=None):
+    """K, K_max and the draft's vocabulary, or a sampling.BadSetting naming the one that is wrong."""
+    if config.K < 1:
+        raise sampling.BadSetting("K", f"must be >= 1, got {config.K}")
+    if config.adaptive and config.K_max is not None and config.K_max < config.K:
+        raise sampling.BadSetting("K_max", f"must be >= K, got {config.K_max} < {config.K}")
+    if config.draft_vocab < 0:
+        raise sampling.BadSetting("draft_vocab", f"must be >= 0 (0 = the whole vocabulary), got {config.draft_vocab}")
+    if draft_hparams is not None and draft_hparams["n_vocab"] != target_hparams["n_vocab"]:
+        raise sampling.BadSetting("draft", f"vocabulary ({draft_hparams['n_vocab']} tokens) differs from the "
+                                  f"target's ({target_hparams['n_vocab']}): speculative decoding needs one tokenizer")
 
 
-def prompt_lookup_draft(seq, K, max_ngram=3):
-    """Prompt lookup decoding (Saxena 2023): find the last n-gram of seq earlier in
-    seq (longest n first, latest match) and propose the up to K tokens after it."""
-    arr = np.asarray(seq)
-    for n in range(min(max_ngram, len(arr) - 1), 0, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # [len-n, n]
-        hits = np.nonzero((windows == arr[-n:]).all(axis=1))[0]
-        if hits.size:
-            start = hits[-1] + n
-            return arr[start:start + K].tolist()
-    return []
-
-
-def record(stats, k, n, draft_s, verify_s):
-    stats.step_done()
-    stats.target_passes += 1
-    stats.row_passes += len(k)
-    stats.draft_s += draft_s
-    stats.verify_s += verify_s
-    if stats.n_steps == 1:  # the prefill's step, which the benchmark leaves out of a step's cost
-        stats.first_draft_s, stats.first_verify_s = draft_s, verify_s
-    stats.drafted += int(k.sum())
-    stats.accepted += sum(n)
-    stats.K_trace.append(int(k.max()))
-    for kb, nb in zip(k, n):
-        stats.proposed_at += [0] * (kb - len(stats.proposed_at))
-        stats.accepted_at += [0] * (kb - len(stats.accepted_at))
-        for i in range(kb):
-            stats.proposed_at[i] += 1
-            stats.accepted_at[i] += i < nb
+def resolve(config, target, draft):
+    """config with its defaults filled in: K_max = max(K, 7), costs from the models' sizes."""
+    return replace(config, K_max=config.K_max or max(config.K, 7),
+                   costs=config.costs or cost_model.default_costs(target, draft, config.draft_vocab))
 
 
 def adaptive_K(seq, config):

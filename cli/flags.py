@@ -26,20 +26,27 @@ class OneLineParser(argparse.ArgumentParser):
 
 def add_decoder_flags(ap, modes, default):
     """The models and how they decode (main.py and server.py share these)."""
-    ap.add_argument("--target_model_size", default="355M", choices=utils.MODEL_SIZES)
-    ap.add_argument("--draft_model_size", default="124M", choices=utils.MODEL_SIZES)
-    ap.add_argument("--mode", choices=modes, default=default)
+    ap.add_argument("--target_model_size", default="355M", choices=utils.MODEL_SIZES,
+                    help="the model whose text is generated")
+    ap.add_argument("--draft_model_size", default="124M", choices=utils.MODEL_SIZES,
+                    help="the model that drafts for it (speculative decoding; the same size: a self-draft)")
+    ap.add_argument("--mode", choices=modes, default=default,
+                    help="how to decode" + ("" if default else " (default: both, compared; beams with --num_beams)"))
     ap.add_argument("--K", type=int, default=4, help="draft tokens per target pass")
     ap.add_argument("--adaptive_K", action="store_true",
                     help="each row picks its K before each step from its acceptance so far (up to --K_max)")
     ap.add_argument("--K_max", type=int, help="the bound for --adaptive_K (default: max(K, 7))")
-    ap.add_argument("--drafter", choices=["model", "prompt_lookup"], default="model")
+    ap.add_argument("--drafter", choices=["model", "prompt_lookup"], default="model",
+                    help="who drafts: the draft model, or prompt lookup (copies what followed the text's last "
+                         "n-gram earlier on)")
     ap.add_argument("--draft_vocab", type=int, default=0,
                     help="the draft model computes logits only for the N most frequent tokens and the text's "
                          "own (a cheaper draft step; still exact); 0 = all")
     ap.add_argument("--draft_dtype", choices=DTYPES,
-                    help="the draft's weights (default: --dtype); with --draft_model_size equal to "
-                         "--target_model_size, --draft_dtype int8 drafts with the target's own int8 copy")
+                    help="the draft's weights (default: int8 for a smaller draft model on the CPU's kernel, else "
+                         "--dtype); the draft's precision never changes the text, only how often its guesses are "
+                         "accepted. With --draft_model_size equal to --target_model_size, --draft_dtype int8 "
+                         "drafts with the target's own int8 copy")
 
 
 def add_model_flags(ap):
@@ -49,15 +56,20 @@ def add_model_flags(ap):
     ap.add_argument("--dtype", choices=DTYPES, default="float32",
                     help="the weights as stored: bfloat16 / int8 read 2x / 4x fewer bytes per token (the CPU's "
                          "numba kernel; an approximation of float32, see README); float16: --backend cupy only")
-    ap.add_argument("--models_dir", default="models")
+    ap.add_argument("--models_dir", default="models", help="where the checkpoints are (or are downloaded to)")
     ap.add_argument("--source", choices=list(utils.SOURCES), default="openai",
                     help="openai: OpenAI's TensorFlow checkpoints; hf: the Hugging Face safetensors")
     ap.add_argument("--base_url", help=f"download from this mirror instead (or set ${utils.BASE_URL_ENV})")
+    ap.add_argument("--kernel", choices=rowwise.KERNELS,
+                    help=f"numpy: gpt2.py's own NumPy functions run every pass (the reference; or set "
+                         f"${rowwise.KERNEL_ENV}=numpy); numba: the CPU's kernels (the default where numba imports)")
 
 
 def check_dtypes(args):
-    """Each weight format runs where a kernel for it exists: bfloat16 and int8 on the
-    CPU's numba kernel, float16 on a GPU (CuPy); float32 everywhere."""
+    """The kernel --kernel asks for, and each weight format where a kernel for it exists:
+    bfloat16 and int8 on the CPU's numba kernel, float16 on a GPU (CuPy); float32 everywhere."""
+    if getattr(args, "kernel", None):
+        rowwise.use(args.kernel)
     for flag in ("dtype", "draft_dtype"):
         dtype = getattr(args, flag, None)
         if dtype is None or dtype == "float32":
@@ -69,8 +81,21 @@ def check_dtypes(args):
             raise ValueError(f"--{flag} float16 needs --backend cupy (NumPy has no fast float16 matmul); "
                              "on the CPU use bfloat16 or int8")
         if args.backend == "numpy" and rowwise.KERNEL != "numba":
-            raise ValueError(f"--{flag} {dtype} needs the numba row kernel (pip install numba, and leave "
-                             f"{rowwise.KERNEL_ENV} unset); the NumPy fallback runs float32")
+            raise ValueError(f"--{flag} {dtype} needs the numba row kernel (pip install numba, and leave out "
+                             f"--kernel numpy and {rowwise.KERNEL_ENV}); the NumPy reference runs float32")
+
+
+def draft_dtype(args):
+    """The draft's weight format: --draft_dtype if given; else int8 for a separate, smaller
+    draft model where the CPU's kernels run it (it reads a quarter of float32's bytes, and
+    rejection sampling keeps the target's distribution whatever q is); else --dtype. A
+    self-draft (the target's own size) is asked for explicitly."""
+    if args.draft_dtype:
+        return args.draft_dtype
+    smaller = utils.MODEL_SIZES.index(args.draft_model_size) < utils.MODEL_SIZES.index(args.target_model_size)
+    if smaller and args.backend == "numpy" and rowwise.KERNEL == "numba":
+        return "int8"
+    return args.dtype
 
 
 def load(size, args, dtype, log=print):
@@ -95,9 +120,12 @@ def load_models(args, log=print):
     rowwise.gemv_is_exact()  # its one-time probe (about a second) belongs to loading, not to the first token
     drafter = args.drafter
     if args.mode != "autoregressive" and args.drafter == "model":
-        draft_dtype = args.draft_dtype or args.dtype
-        if args.draft_model_size == args.target_model_size and draft_dtype == args.dtype:
+        dtype = draft_dtype(args)
+        if args.draft_model_size == args.target_model_size and dtype == args.dtype:
             drafter = target
         else:
-            drafter = load(args.draft_model_size, args, draft_dtype, log)[1]
+            drafter = load(args.draft_model_size, args, dtype, log)[1]
+        if dtype == "float32" and not args.draft_dtype and args.backend == "numpy" and rowwise.KERNEL != "numba":
+            log("note: the draft runs in float32: an int8 draft (4x fewer bytes a token) needs the numba kernel "
+                "(pip install numba, and leave out --kernel numpy)")
     return encoder, target, drafter

@@ -4,9 +4,9 @@ gpt2.py is the model as math; on a CPU its matrix products, and in a cached pass
 layer norm and attention, can run here instead, computing the same functions with every
 row summed in a fixed order (each row as if alone):
 
-- rowwise.py: the door. `rowwise.matmul` is where rows meet weights, `rowwise.fused`
-  what a pass runs as numba loops; `rowwise.KERNEL` says which kernel runs ("numba", or
-  "numpy": gpt2.py's own NumPy, the reference).
+- rowwise.py: the door. `rowwise.matmul` is where rows meet weights; in a pass that
+  `rowwise.fuses`, `rowwise.layer_norm` and `rowwise.attention` replace gpt2.py's;
+  `rowwise.use` picks the kernel ("numba", or "numpy": gpt2.py's own NumPy, the reference).
 - row_kernel.py, int8_kernel.py, row_ops.py: the numba kernels (float32 and bfloat16;
   int8 in integers; layer norm and attention).
 - weight_formats.py: bfloat16 and int8 weights; layout.py: the weights laid out once at

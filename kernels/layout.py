@@ -85,9 +85,9 @@ def plain_layout(params):
 def to_backend(params, backend="numpy", dtype="float32"):
     """The params on the array library that runs them. NumPy keeps them as they are
     (memory-mapped, or laid out in their format at load); CuPy copies every tensor to the
-    GPU once, as `dtype` (float32 or float16). From then
-    on the model runs wherever its weights are (gpt2.py says how). CuPy is imported
-    only here, so the NumPy path never needs it."""
+    GPU once, as `dtype` (float32 or float16). From then on the model runs wherever its
+    weights are (gpt2.py says how). CuPy is imported only here, so the NumPy path never
+    needs it."""
     if backend == "numpy":
         if dtype == "float16":
             raise LoadError("--dtype float16 needs --backend cupy (NumPy has no fast float16 matmul)")

@@ -4,8 +4,8 @@ Decoding is bound by memory: one row (a token) reads every weight once and does 
 flops per four bytes read. A verification, a draft's catch-up, a batch or a beam step
 multiplies a few rows by the same weights, and they could share that read. NumPy cannot
 say so: its product (sgemm) first copies the weights into panels of its own, which for
-2-8 rows costs 2-3 one-row passes, and one gemv per row reads the weights once per row.
-So this file writes the loop itself, with numba (https://numba.pydata.org), which
+a few rows costs several one-row passes, and one gemv per row reads the weights once per
+row. So this file writes the loop itself, with numba (https://numba.pydata.org), which
 compiles a Python function to machine code through LLVM.
 
 Layout: each weight matrix w [n_in, n_out] is stored once as contiguous blocks of
@@ -31,11 +31,9 @@ is a register, as a float64 local is.
   rows) takes the same CHUNK steps of the block, now in L1, so each weight still comes
   from memory once for all rows. A pair of rows takes tiles of 2 rows x 32 columns.
   The rows go in as few tiles as hold them: a second tile over the same chunk lets
-  memory and arithmetic overlap less. Whole 355M passes on an AMD Zen 5 held to AVX2,
-  old and new in turns: 5 rows cost 1.33 one-row passes as a tile of 4 and a pair (with
-  a zero row), 1.09 as one tile of 5; 6 rows 1.38 -> 1.16. A tile of fewer rows
-  overlaps worse: 3 rows in a tile of their own cost 1.27, more than 4 (1.12), so
-  float32 gives 2 or 3 rows a 4-row tile (`FLOAT32_MIN_TILE`).
+  memory and arithmetic overlap less. A tile of fewer rows overlaps worse too: 3 rows
+  in a tile of their own cost more than 4 rows do, so float32 gives 2 or 3 rows a
+  4-row tile (`FLOAT32_MIN_TILE`).
 
 Batch invariance by construction: output j of row i is x[i, 0] w[0, j] + x[i, 1] w[1, j]
 + ..., added in that order, one fused multiply-add at a time, in both kernels, whatever
@@ -47,7 +45,8 @@ Why the prefetch: while the core is busy with multiply-adds, fewer loads are in 
 and the weights arrive later than they could; a pass then costs its memory time plus its
 arithmetic. Asking for the weights a few KiB ahead (the `prefetch` intrinsic below,
 LLVM's llvm.prefetch) keeps memory busy while the arithmetic runs, so the two overlap.
-`python benchmark.py --only rows` measures what a pass over n rows costs.
+`python benchmark.py --only rows` measures what a pass over n rows costs (beside a gemv
+per row and one sgemm).
 
 Narrow weights (weight_formats.py): the same blocks stored as bfloat16 (uint16), read by
 the same two kernels: `load8` widens 8 of them in registers (the 16 bits become a
@@ -70,9 +69,8 @@ AHEAD = 8192  # bytes of a block that one row asks memory for ahead of its loads
 AHEAD_ROWS = 12288  # the same for a register tile, whose arithmetic takes longer
 # 2 or 3 rows of float32 take a 4-row tile, the rest zero rows: float32 weights arrive
 # slowly enough that 4 rows' arithmetic hides under them, and a tile of fewer rows
-# overlaps the two worse (355M, Zen 5 held to AVX2: 2 rows 1.27 one-row passes, 3 rows
-# 1.20, 4 rows 1.07). bfloat16 arrives 2x faster: its passes are arithmetic, so it takes
-# tiles of its own size, with no zero rows.
+# overlaps the two worse (its pass costs more than a 4-row tile's). bfloat16 arrives 2x
+# faster: its passes are arithmetic, so it takes tiles of its own size, with no zero rows.
 FLOAT32_MIN_TILE = 4
 
 

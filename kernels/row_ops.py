@@ -6,7 +6,7 @@ attention of each new token over its row's cached keys and values. gpt2.py write
 in NumPy, a dozen calls each of a few microseconds on arrays of a few KiB, and after
 the weights have streamed through the caches their small inputs come from memory. Here
 each is one numba call over all rows of the pass, in the row kernel's registers
-(float32x8, load8, fma8). In a shared pass with the row kernel's layout (gpt2.hidden)
+(float32x8, load8, fma8). In a shared pass with the row kernel's layout (gpt2.final_hidden)
 they replace the NumPy ones; gpt2.py's stay the reference and the fallback's.
 
 Batch invariance, as in the row kernel: every output is a sum in an order fixed by its

@@ -57,7 +57,17 @@ try:
 except ValueError as e:  # main.py and server.py print it as one line
     KERNEL, KERNEL_ERROR = "numpy", str(e)
 
-BLOCK_BYTES = 256 << 10  # a block stays in a core's L2 (512 KiB on Zen 3) while every row uses it
+
+def use(kernel):
+    """Run `kernel` from now on (the commands' --kernel, before any model is loaded: a model's
+    layout at load decides which kernel runs it). "numpy": gpt2.py's own NumPy functions for
+    every pass, the reference a reader can trust; "numba": the kernels, where numba imports."""
+    global KERNEL, KERNEL_ERROR
+    if kernel == "numba" and row_kernel is None:
+        raise ValueError("--kernel numba needs numba: pip install numba (or use --kernel numpy)")
+    KERNEL, KERNEL_ERROR = pick_kernel(kernel), None
+
+BLOCK_BYTES = 256 << 10  # a block stays in a core's L2 (512 KiB or more) while every row uses it
 STRATEGIES = ("rows", "product")  # each row as if alone (batch invariant); one BLAS product (the baseline)
 STRATEGY = "rows"
 _second_thread = ThreadPoolExecutor(1)
@@ -79,6 +89,17 @@ def matmul(rows, w, shared=True, n_out=None, scale=None):
     if rows.shape[0] == 1 and gemv_is_exact():
         return gemv_one(rows, w)
     return gemv_rows(rows, w)
+
+
+def layer_norm(x, g, b):
+    """gpt2.layer_norm as the kernels' loop (row_ops.py): each row's statistics in a fixed order."""
+    return row_ops.layer_norm(x, g, b)
+
+
+def attention(q, k, v, positions):
+    """gpt2.attention over each row's own keys up to each query's position, as one loop of
+    the kernels' (row_ops.py): q [B, n_head, T, d_head], k, v [B, n_head, S, d_head]."""
+    return row_ops.attention(q, k, v, positions)  # [B, n_head, T, d_head]
 
 
 def fuses(model):

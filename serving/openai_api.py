@@ -22,7 +22,6 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 import batching
-import gpt2
 import sampling
 import utils
 
@@ -238,7 +237,7 @@ def token_logprobs(logits, token, n_top):
     and top-k/p (what vLLM returns by default). Speculative decoding reports the same numbers:
     they come from the target's logits at each position of its verify pass."""
     logits = logits.get() if hasattr(logits, "get") else logits  # CuPy: to the host
-    logp = gpt2.log_softmax(np.asarray(logits, dtype=np.float32))  # [n_vocab]
+    logp = sampling.log_softmax(np.asarray(logits, dtype=np.float32))  # [n_vocab]
     top = np.argpartition(-logp, n_top)[:n_top] if n_top else []
     return float(logp[token]), [(int(t), float(logp[t])) for t in sorted(top, key=lambda t: -logp[t])]
 

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 import benchmark
-import benchmark_llamacpp
-import benchmark_report
 import cost_model
 import gpt2
 import speculative
+from bench import common, llamacpp, report, rows, speculation
+from cli import timing
 from conftest import fixture_path
 from kernels import layout, rowwise
 
@@ -27,7 +27,7 @@ def test_quick_benchmark_writes_every_measurement(tmp_path, capsys):
     assert all(d["decode_tok_s"] > 0 and d["roofline_tok_s"] > 0 and d["bandwidth_GBs"] > 0 for d in tiny["decode"])
     assert tiny["context"][0]["cached_ms"] > 0
     assert [x["tokens"] for x in tiny["layout"]] == [1, 8] and all(x["speedup"] > 0 for x in tiny["layout"])
-    assert [row["n"] for row in r["rows"]["by_n"]] == list(benchmark.ROW_COUNTS)
+    assert [row["n"] for row in r["rows"]["by_n"]] == list(rows.ROW_COUNTS)
     ways = {"kernel", "gemv", "product"} if r["machine"]["row_kernel"] == "numba" else {"gemv", "product"}
     assert all(row["best"] in ways and all(row[w] > 0 for w in ways) for row in r["rows"]["by_n"])
     if r["machine"]["row_kernel"] == "numba":  # the kernel against the fallback, and the kernel's start
@@ -93,7 +93,7 @@ def test_ceiling_counts_every_multiply_add(tmp_path):
                            "--models_dir", str(tmp_path / "none")]) == 0
     c = json.load(open(tmp_path / "results.json"))["ceiling"]
     assert {"float32", "int8 x int16"} <= set(c["ceilings"]) and min(c["ceilings"].values()) > 0
-    n_embd, _, n_layer = benchmark.SHAPES["tiny"]
+    n_embd, _, n_layer = common.SHAPES["tiny"]
     per_row = n_layer * 12 * n_embd ** 2 + 50257 * n_embd
     padded_head = -(-50257 // 64) * 64 * n_embd
     for k in c["kernels"]:
@@ -127,7 +127,7 @@ def test_decode_table_sets_decoding_beside_transformers_decoding():
                "ttft_ms": 1, "itl_ms_p50": 1, "itl_ms_p90": 1, "kv_cache_bytes_n_ctx": 1}]
     r = {"weights": "random", "load_s": 1, "decode": decode, "context": [], "layout": [],
          "transformers": [{"batch": 8, "tok_s": 100.0, "decode_tok_s": 120.0, "torch": "x", "threads": 2}]}
-    assert "| 8 | 200.0 | 100.0 | 2.00x | 300.0 | 120.0 | 2.50x |" in benchmark_report.decode_tables("124M", r)
+    assert "| 8 | 200.0 | 100.0 | 2.00x | 300.0 | 120.0 | 2.50x |" in report.decode_tables("124M", r)
 
 
 def test_controlled_drafter_hits_its_acceptance_rate(tiny):
@@ -136,10 +136,10 @@ def test_controlled_drafter_hits_its_acceptance_rate(tiny):
     run), and the text is the target's greedy text."""
     _, hparams, params = tiny
     model = (params, hparams)
-    prompt = benchmark.prompt_ids(8)
-    truth = prompt + benchmark.greedy([prompt], model, 400)[0][0]
+    prompt = common.prompt_ids(8)
+    truth = prompt + common.greedy([prompt], model, 400)[0][0]
     for seed in range(3):
-        stats = benchmark.controlled_run(model, model, truth, 0.7, speculative.SpeculativeConfig(K=3), 400, seed)
+        stats = speculation.controlled_run(model, model, truth, 0.7, speculative.SpeculativeConfig(K=3), 400, seed)
         assert abs(cost_model.estimate_alpha(stats.accepted, stats.rejections) - 0.7) < 0.02
 
 
@@ -150,7 +150,7 @@ def test_acceptance_draws_come_in_exact_blocks_and_keep_the_geometric_mean(a):
     tokens a target pass (the papers' expectation)."""
     rng = np.random.default_rng(0)
     L = 100 if a == 0.83 else 20
-    draws = benchmark.acceptance_draws(a, rng)
+    draws = speculation.acceptance_draws(a, rng)
     for _ in range(50):
         assert sum(next(draws) for _ in range(L)) == round(a * L)
     K, tokens = 4, []
@@ -164,9 +164,9 @@ def test_acceptance_draws_come_in_exact_blocks_and_keep_the_geometric_mean(a):
 
 def test_break_even_alpha():
     costs = cost_model.Costs(0.5, (1.0, 1.5, 2.0))
-    a = benchmark.break_even_alpha(costs, 1)
+    a = speculation.break_even_alpha(costs, 1)
     assert cost_model.speedup(a, 1, costs) == pytest.approx(1.0, abs=1e-6)
-    assert benchmark.break_even_alpha(cost_model.Costs(1.0, (1.0, 3.0)), 1) is None  # never pays
+    assert speculation.break_even_alpha(cost_model.Costs(1.0, (1.0, 3.0)), 1) is None  # never pays
 
 
 def test_speedup_counts_the_drafts_catch_up_pass():
@@ -180,10 +180,19 @@ def test_speedup_counts_the_drafts_catch_up_pass():
 
 
 def test_random_params_have_the_real_shapes():
-    params, hparams = benchmark.random_params("124M")
+    params, hparams = common.random_params("124M")
     assert hparams["n_layer"] == 12 and len(params["blocks"]) == 12
     # GPT-2 small's 124,439,808 parameters, less wpe and the layer norms' gains and biases
-    assert benchmark.matmul_weight_bytes(params) == 4 * (124_439_808 - 1024 * 768 - 12 * 4 * 768 - 2 * 768)
+    assert common.matmul_weight_bytes(params) == 4 * (124_439_808 - 1024 * 768 - 12 * 4 * 768 - 2 * 768)
+
+
+def test_pass_seconds_times_one_cached_pass(tiny):
+    """The benchmark's unit of cost (cli/timing.py): the seconds of a cached pass over T
+    tokens, a decode step (T = 1) and a verification of 7 drafts (T = 8)."""
+    _, hparams, params = tiny
+    step = timing.pass_seconds((params, hparams), 16, reps=2)
+    verify = timing.pass_seconds((params, hparams), 16, T=8, reps=2)
+    assert 0 < step < 10 and 0 < verify < 10
 
 
 def test_gpu_benchmark_without_cupy_is_one_clear_line(tmp_path, capsys, monkeypatch):
@@ -201,10 +210,10 @@ def test_gguf_for_llama_cpp_holds_the_same_weights(tiny, tmp_path, peer_format):
     gguf = pytest.importorskip("gguf")
     params, hparams = layout.plain_layout(tiny[2]), tiny[1]
     path = str(tmp_path / f"tiny-{peer_format}.gguf")
-    benchmark_llamacpp.write_gguf(path, params, hparams, fixture_path("gpt2-tokenizer"), peer_format)
+    llamacpp.write_gguf(path, params, hparams, fixture_path("gpt2-tokenizer"), peer_format)
     reader = gguf.GGUFReader(path)
     stored = {t.name: t for t in reader.tensors}
-    written = dict(benchmark_llamacpp.gguf_tensors(params))
+    written = dict(llamacpp.gguf_tensors(params))
     assert set(stored) == set(written) and len(written) == 2 + 12 * hparams["n_layer"] + 2
     n_embd = hparams["n_embd"]  # llama.cpp's shapes, fastest-varying first: matrices {n_in, n_out}
     assert [list(stored[name].shape) for name in ("token_embd.weight", "blk.0.attn_qkv.weight",
@@ -235,12 +244,12 @@ def test_llama_cpp_computes_our_logits_from_the_gguf(tiny, tmp_path):
     pytest.importorskip("llama_cpp")
     params, hparams = tiny[2], tiny[1]
     path = str(tmp_path / "tiny-F32.gguf")
-    benchmark_llamacpp.write_gguf(path, layout.plain_layout(params), hparams, fixture_path("gpt2-tokenizer"), "F32")
-    llm = benchmark_llamacpp.load(path, hparams["n_ctx"], 1)
+    llamacpp.write_gguf(path, layout.plain_layout(params), hparams, fixture_path("gpt2-tokenizer"), "F32")
+    llm = llamacpp.load(path, hparams["n_ctx"], 1)
     try:
         for ids in ([464], [464, 2068, 7586, 21831, 18045]):
             want = gpt2.gpt2(np.array([ids]), **params, n_head=hparams["n_head"])[0, -1]  # [n_vocab]
-            got = benchmark_llamacpp.last_logits(llm, ids)
+            got = llamacpp.last_logits(llm, ids)
             assert np.max(np.abs(got - want)) < 1e-3 * np.max(np.abs(want))  # llama.cpp's GELU: a float16 table
     finally:
         llm.close()

@@ -20,6 +20,7 @@ import sampling
 import speculative
 import utils
 from conftest import ROOT, make_model_dir
+from cli import timing
 from kernels import rowwise
 
 GREEDY = ["--temperature", "0", "--n_tokens_to_generate", "12"]
@@ -39,7 +40,7 @@ def results(models_dir, *argv):
 def test_greedy_autoregressive_and_speculative_print_the_same_text(capsys, models_dir, monkeypatch):
     # the advice rests on costs timed on this machine; fixed costs make it checkable
     costs = cost_model.Costs(0.1, (1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2, 2.4), 1.5)
-    monkeypatch.setattr(speculative, "measure_costs", lambda *args, **kwargs: costs)
+    monkeypatch.setattr(timing, "measure_costs", lambda *args, **kwargs: costs)
     rc, out, err = run_main(capsys, "--models_dir", models_dir, "--draft_model_size", "124M",
                             "--target_model_size", "355M", "--K", "4", *GREEDY)
     assert rc == 0, err
@@ -48,22 +49,26 @@ def test_greedy_autoregressive_and_speculative_print_the_same_text(capsys, model
     # alpha = 1 (the tiny draft is the target): (K + 1) / (0.1 (K + 0.5) + 1 + 0.2 K) grows with K, so K_max = 7
     assert "advice: at this run's acceptance (alpha = 1.00)" in out
     assert f"K = 7 is expected fastest: {cost_model.speedup(1.0, 7, costs):.2f}x plain decoding" in out
-    assert ("--draft_dtype int8" in out) == (rowwise.KERNEL == "numba")  # a float32 draft could be narrower
+    # the draft is int8 by default where the kernels run it: nothing to advise; the fallback says why not
+    assert ("draft 124M int8" in out) == (rowwise.KERNEL == "numba") and "advice: a draft in int8" not in out
+    assert ("the draft runs in float32" in out + err) == (rowwise.KERNEL != "numba")
 
 
 @pytest.mark.skipif(rowwise.KERNEL != "numba", reason="narrow weights need the numba row kernel")
-def test_no_narrow_draft_advice_for_a_narrow_draft(capsys, models_dir, monkeypatch):
-    monkeypatch.setattr(speculative, "measure_costs", lambda *args, **kwargs: cost_model.Costs(0.1, (1.0, 1.2), 1.5))
+@pytest.mark.parametrize("dtype, advised", [("float32", True), ("int8", False)])
+def test_a_float32_draft_asked_for_is_advised_the_default(capsys, models_dir, monkeypatch, dtype, advised):
+    monkeypatch.setattr(timing, "measure_costs", lambda *args, **kwargs: cost_model.Costs(0.1, (1.0, 1.2), 1.5))
     rc, out, err = run_main(capsys, "--models_dir", models_dir, "--draft_model_size", "124M", "--draft_dtype",
-                            "int8", "--target_model_size", "355M", "--K", "1", "--K_max", "1", *GREEDY)
+                            dtype, "--target_model_size", "355M", "--K", "1", "--K_max", "1", *GREEDY)
     assert rc == 0, err
-    assert "advice: at this run's acceptance" in out and "--draft_dtype int8" not in out
+    assert "advice: at this run's acceptance" in out and "greedy texts identical: yes" in out
+    assert ("advice: a draft in int8 (the default: leave out --draft_dtype)" in out) == advised
 
 
 def test_measured_costs_are_in_target_steps(tiny):
     """measure_costs times real passes: one entry per K, verify(1) is a step by definition."""
     _, hparams, params = tiny
-    costs = speculative.measure_costs((params, hparams), (params, hparams), 3, draft_vocab=100)
+    costs = timing.measure_costs((params, hparams), (params, hparams), 3, draft_vocab=100)
     assert len(costs.verify) == 4 and costs.verify[0] == 1.0 and min(costs.verify) > 0
     assert costs.draft > 0 and costs.catch_up > 0
 
@@ -385,3 +390,34 @@ def test_a_bad_row_kernel_setting_is_one_line(capsys, models_dir, monkeypatch):
     rc, out, err = run_main(capsys, "--models_dir", models_dir, "--target_model_size", "124M", "--mode",
                             "autoregressive")
     assert rc == 2 and err.strip() == "error: GPT2_ROW_KERNEL='cuda': set it to numba or numpy (or unset it)"
+
+
+def kernels_forbidden(monkeypatch):
+    """Every function of the numba kernels raises if called."""
+    from kernels import int8_kernel, row_kernel, row_ops
+    for module in (row_ops, row_kernel, int8_kernel):
+        for name, value in vars(module).items():
+            if callable(value) and getattr(value, "__module__", "").startswith("kernels."):
+                monkeypatch.setattr(module, name, lambda *a, _name=name, **k: pytest.fail(f"{_name} was called"))
+
+
+def test_kernel_numpy_runs_gpt2s_own_numpy_and_its_greedy_text_is_transformers(models_dir, reference,
+                                                                               monkeypatch, capsys):
+    """--kernel numpy: every pass is gpt2.py's NumPy (a numba kernel called fails the test),
+    plain and speculative, cached and not, and the greedy tokens are transformers' own."""
+    encoder = utils.load_encoder(os.path.join(models_dir, "124M"))
+    prompt = encoder.decode(reference["input_ids"].tolist())
+    monkeypatch.setattr(rowwise, "KERNEL", rowwise.KERNEL)  # restored after the test
+    argv = ["--prompt", prompt, "--target_model_size", "124M", "--draft_model_size", "355M", "--K", "3",
+            "--n_tokens_to_generate", "20", "--ignore_eos", "--temperature", "0"]
+    if rowwise.row_kernel is not None:  # the guard works: the kernels' own run trips it
+        with monkeypatch.context() as m:
+            kernels_forbidden(m)
+            with pytest.raises(pytest.fail.Exception):
+                results(models_dir, *argv, "--kernel", "numba")
+    kernels_forbidden(monkeypatch)
+    for extra in ([], ["--no_kv_cache"]):
+        r = results(models_dir, *argv, "--kernel", "numpy", *extra)
+        assert rowwise.KERNEL == "numpy"
+        for decoder in ("autoregressive", "speculative"):
+            assert r[decoder]["tokens"][0] == reference["greedy_ids"].tolist()

@@ -70,12 +70,33 @@ def test_every_link_and_file_it_names_exists(page):
     assert links
     for target in links:
         assert os.path.exists(os.path.join(here, target)), target
-    for name in files:
+    for name in files:  # at the root or in one of the project's folders
         if name not in ("prompts.txt",):  # the reader's own file in an example
-            assert os.path.exists(os.path.join(ROOT, name)), name
+            assert any(os.path.exists(os.path.join(ROOT, folder, name))
+                       for folder in ("", "kernels", "serving", "cli", "bench")), name
 
 
 def test_the_readme_states_what_the_code_does_now():
     text = read("README.md").lower()
     for history in ("this session", "issue ", "previous version", "earlier version", "before the restructuring"):
         assert history not in text
+
+
+def kept_runs():
+    """(results.md, the command atop it) of every kept benchmark run."""
+    found = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "benchmark_results")):
+        if "results.md" in files:
+            text = read(os.path.relpath(os.path.join(folder, "results.md"), ROOT))
+            m = re.search(r"^Command: `python (\w+\.py)(.*?)`", text, re.M)
+            found.append((os.path.relpath(folder, ROOT), m and (m.group(1), shlex.split(m.group(2)))))
+    return found
+
+
+@pytest.mark.parametrize("run, command", kept_runs())
+def test_the_command_atop_every_kept_run_parses(run, command):
+    """No kept result becomes unreproducible: the command it prints still parses."""
+    if command is None:
+        pytest.skip(f"{run}/results.md prints no command line")
+    script, argv = command
+    PARSERS[script](argv)

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 
 import batching
-import benchmark
 import gpt2
 import kv_cache
 import sampling
 import speculative
+from bench import common
 from kernels import layout, rowwise
 from serving import scheduler
 
@@ -59,7 +59,7 @@ def test_one_product_is_the_baseline_and_blas_threads_come_back():
 def wide():
     """A random GPT-2 with 124M's widths (768, 12 heads) but 2 layers and a 256-token
     window: real BLAS kernels, small enough for a test."""
-    params, hparams = benchmark.random_params("124M", seed=5, n_ctx=256)
+    params, hparams = common.random_params("124M", seed=5, n_ctx=256)
     params = dict(params, blocks=params["blocks"][:2])
     return params, dict(hparams, n_layer=2)
 

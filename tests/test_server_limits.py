@@ -42,12 +42,15 @@ def connect(httpd, rcvbuf=None):
     return sock
 
 
-def exchange(httpd, data, timeout=10):
-    """Send raw bytes, read until the server closes or goes quiet: (status or None, what came)."""
+def exchange(httpd, data, timeout=10, half_close=False):
+    """Send raw bytes (then, with half_close, shut our side for writing, as `nc -N` does),
+    read until the server closes or goes quiet: (status or None, what came)."""
     sock = connect(httpd)
     sock.settimeout(timeout)
     try:
         sock.sendall(data)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
         got = b""
         while True:
             part = sock.recv(65536)

@@ -3,7 +3,6 @@ test reproduces a defect of the server before it (a 3 s pause cancelled a stream
 --max_connections N served N-1, a half-closed request got no answer) and fails there."""
 import http.client
 import json
-import socket
 import sys
 import threading
 import time
@@ -170,17 +169,7 @@ def keyed(models_dir):
 
 def half_closed(httpd, data):
     """Send a whole request, shut our side for writing (nc -N), read what comes back."""
-    sock = connect(httpd)
-    sock.sendall(data)
-    sock.shutdown(socket.SHUT_WR)
-    got = b""
-    while True:
-        part = sock.recv(65536)
-        if not part:
-            break
-        got += part
-    sock.close()
-    return got
+    return exchange(httpd, data, half_close=True)[1]
 
 
 AUTH = "Authorization: Bearer sesame\r\n"

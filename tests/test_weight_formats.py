@@ -6,13 +6,13 @@ import os
 import numpy as np
 import pytest
 
-import benchmark
 import cost_model
 import gpt2
 import kv_cache
 import main
 import sampling
 import utils
+from bench import common
 from kernels import rowwise, weight_formats
 from test_rowwise import assert_served_equals_alone, requests
 from test_speculative import N_CTX, PROMPTS, chi_square_ok, first_tokens, plain, spec
@@ -121,7 +121,7 @@ def test_embeddings_are_read_from_the_heads_stored_weights(tiny, dtype):
 @pytest.fixture(scope="module")
 def wide_formats():
     """wide (test_rowwise.py: 124M's widths, 2 layers) in every format."""
-    params, hparams = benchmark.random_params("124M", seed=5, n_ctx=256)
+    params, hparams = common.random_params("124M", seed=5, n_ctx=256)
     plain_params = layout.plain_layout(dict(params, blocks=params["blocks"][:2]))
     hparams = dict(hparams, n_layer=2)
     return {dtype: (layout.decode_layout(plain_params, "numba", dtype), hparams) for dtype in ["float32"] + NARROW}

@@ -1,12 +1,12 @@
-"""benchmark_report.py: benchmark.py's measurements as the README's tables and plots.
+"""bench/report.py: benchmark.py's measurements as the README's tables (the plots are
+plots.py's).
 
-    python benchmark_report.py benchmark_results/decode/results.json   # the tables again, and the plots
+    python -m bench.report benchmark_results/decode/results.json   # the tables again, and the plots
 
 Nothing here measures: every function reads the results dict that benchmark.py wrote.
 Plots need matplotlib (optional: pip install matplotlib).
 """
 import json
-import os
 import statistics
 import sys
 
@@ -24,7 +24,9 @@ def decode_tables(size, r):
                      f"{d['bandwidth_GBs']:.1f} | {d['roofline_tok_s']:.1f} | {d['fraction_of_roofline']:.0%} | "
                      f"{d['ttft_ms']:.0f} | {d['itl_ms_p50']:.1f}{p90} | "
                      + (f"{d['kv_cache_bytes_n_ctx'] / 2**20:.0f} MiB |" if d["cache"] else "- |"))
-    if r.get("transformers"):
+    if isinstance(r.get("transformers"), dict):  # its process crashed or refused
+        lines += ["", f"transformers' generate() on the same shapes: {r['transformers']['failed']}"]
+    elif r.get("transformers"):
         ours = {d["batch"]: d for d in r["decode"] if d["cache"]}
         t0 = r["transformers"][0]
         lines += ["", f"Against transformers' generate() on the same shapes (torch {t0['torch']}, {t0['threads']} "
@@ -53,7 +55,7 @@ def rows_table(rows):
              "product": "one BLAS product (not batch invariant)"}
     ones = {w: rows["by_n"][0][w] for w in ways}
     lines = [f"### Rows: a whole cached {rows['target']} pass over n tokens, in one-token steps of each way", "",
-             f"one-token step: " + ", ".join(f"{w} {ones[w]:.1f} ms" for w in ways), "",
+             "one-token step: " + ", ".join(f"{w} {ones[w]:.1f} ms" for w in ways), "",
              "| n | " + " | ".join(names[w] for w in ways) + " | best |", "|---|" + "---|" * len(ways) + "---|"]
     lines += [f"| {r['n']} | " + " | ".join(f"{r[w] / ones[w]:.2f}" for w in ways) + f" | {r['best']} |"
               for r in rows["by_n"]]
@@ -150,12 +152,17 @@ def end_to_end_table(s):
 
 
 def llamacpp_lines(results):
-    """llama.cpp on the same weights at batch 1, timed in the same turns as ours."""
+    """llama.cpp on the same weights at batch 1, timed in the same turns as ours, and a line
+    for each of its formats that crashed or refused (each ran in a process of its own)."""
     peers = [f["llama_cpp"] for f in results["formats"] if f.get("llama_cpp")]
+    failed = [f"- llama.cpp {x['format']} ({x['size']}), {x['while']}: {x['why']}"
+              for p in peers for x in p.get("failed", [])]
+    if failed:
+        failed = ["", "llama.cpp formats that did not run to the end (the rest of the run went on):", ""] + failed
     if not any(p.get("decode") for p in peers):
-        return [f"\nllama.cpp peer: skipped ({p['skipped']})" for p in peers[:1] if "skipped" in p]
-    lines = ["", f"llama.cpp on the same weights written as GGUF ({peers[0]['version']}; {peers[0]['threads']} threads), "
-             "batch 1, timed in the same turns as ours:", "",
+        return [f"\nllama.cpp peer: skipped ({p['skipped']})" for p in peers[:1] if "skipped" in p] + failed
+    lines = ["", f"llama.cpp on the same weights written as GGUF ({peers[0]['version']}; {peers[0]['threads']} "
+             "threads), batch 1, timed in the same turns as ours:", "",
              "| model | ours | tok/s | llama.cpp | tok/s (min-max) | ours / llama.cpp (range of paired ratios) |",
              "|---|---|---|---|---|---|"]
     ours = {(d["size"], d["dtype"]): d for f in results["formats"] for d in f["decode"] if d["batch"] == 1}
@@ -163,11 +170,14 @@ def llamacpp_lines(results):
               f"{d['decode_tok_s']:.1f} ({d['decode_tok_s_min']:.1f}-{d['decode_tok_s_max']:.1f}) | "
               f"{d['ours_over_peer']:.2f}x ({d['ours_over_peer_min']:.2f}-{d['ours_over_peer_max']:.2f}) |"
               for p in peers for d in p["decode"]]
+    lines += failed
     lines += ["", "The GGUF files, and llama.cpp's logits for one prompt against ours in float32 (F32 checks that "
-              "both run the same model):", "", "| model | format | MiB | written in s | logits max error, of the largest | same top token |",
+              "both run the same model):", "",
+              "| model | format | MiB | written in s | logits max error, of the largest | same top token |",
               "|---|---|---|---|---|---|"]
-    lines += [f"| {x['size']} | {x['format']} | {x['mib']:.0f} | {x['write_s']:.1f} | {x['logits_max_rel_error']:.2%} | "
-              f"{'yes' if x['same_top1'] else 'no'} |" for p in peers for x in p["files"]]
+    lines += [f"| {x['size']} | {x['format']} | {x['mib']:.0f} | {x['write_s']:.1f} | "
+              f"{x['logits_max_rel_error']:.2%} | {'yes' if x['same_top1'] else 'no'} |"
+              for p in peers for x in p["files"]]
     return lines
 
 
@@ -197,7 +207,8 @@ def formats_tables(results):
               f"{f['numpy_fallback']['int8_widened_gemv_s'] * 1e3:.1f} ms: "
               f"{f['numpy_fallback']['int8_over_float32']:.2f}x" for f in results["formats"]]
     rows = [(x["size"], x) for f in results["formats"] for x in f["formats"] if x["dtype"] != "float32"]
-    rows += [("test model (tests/fixtures)", dict(x, dtype=d)) for d, x in results.get("formats_test_model", {}).items()]
+    rows += [("test model (tests/fixtures)", dict(x, dtype=d))
+             for d, x in results.get("formats_test_model", {}).items()]
     lines += ["", "How far each format moves the float32 model's output: the logits of one pass (max error, and "
               "relative to the largest logit), the top token at each position, and greedy text from 4 prompts "
               "(tokens before the first difference, mean; positions that agree). Random weights cannot say how a "
@@ -274,7 +285,8 @@ def http_table(h):
     if h.get("hostile"):
         lines += ["\n8 clients alone, then beside 8 streams that are never read and 200 connections that send "
                   "nothing (in turns):\n", "| rep | others | tokens/s | TTFT p50 s | beside / alone | stalled streams "
-                  "cut off after | requests paused | server RSS before -> after MB |", "|---|---|---|---|---|---|---|---|"]
+                  "cut off after | requests paused | server RSS before -> after MB |",
+                  "|---|---|---|---|---|---|---|---|"]
         for alone, beside in zip(h["hostile"][::2], h["hostile"][1::2]):
             for r in (alone, beside):
                 extra = (f"{beside['tokens_per_s'] / alone['tokens_per_s']:.3f}x | {r['stalled_held_s']:.1f} s"
@@ -339,106 +351,26 @@ def gpu_markdown(results):
              "greedy, against transformers' generate() on the same GPU, shapes and dtype:", "",
              "| model | batch | this project tok/s | transformers tok/s | ratio | step ms (p50) | "
              "weights at full bandwidth ms |", "|---|---|---|---|---|---|---|"]
+    failed = []
     for size, r in results["models"].items():
-        theirs = {t["batch"]: t["tok_s"] for t in r["transformers"] or []}
+        peer = r["transformers"]
+        if isinstance(peer, dict):  # its process crashed or refused
+            failed.append(f"transformers on GPT-2 {size}: {peer['failed']}")
+        theirs = {} if isinstance(peer, dict) else {t["batch"]: t["tok_s"] for t in peer or []}
         for d in r["decode"]:
             t = theirs.get(d["batch"])
             lines.append(f"| {size} | {d['batch']} | {d['end_to_end_tok_s']:.1f} | "
                          + (f"{t:.1f} | {d['end_to_end_tok_s'] / t:.2f}x |" if t else "- | - |")
                          + f" {d['itl_ms_p50']:.2f} | {r['weights_at_bandwidth_ms']:.2f} |")
+    lines += [""] + failed if failed else []
     if "speculative" in results:
         lines += [""] + speculative_costs_table(results["speculative"])
     return "\n".join(lines)
 
 
-def plots(results, img_dir):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: plots skipped (pip install matplotlib)"
-    os.makedirs(img_dir, exist_ok=True)
-    written = []
-    if results["models"]:
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
-        for size, r in results["models"].items():
-            d = [x for x in r["decode"] if x["cache"]]
-            a1.plot([x["batch"] for x in d], [x["end_to_end_tok_s"] for x in d], "o-", label=f"{size} (this project)")
-            if r.get("transformers"):
-                a1.plot([t["batch"] for t in r["transformers"]], [t["tok_s"] for t in r["transformers"]], "x--",
-                        label=f"{size} (transformers)")
-            a2.plot([c["context"] for c in r["context"]], [c["cached_ms"] for c in r["context"]], "o-",
-                    label=f"{size} cache")
-            a2.plot([c["context"] for c in r["context"]], [c["uncached_ms"] for c in r["context"]], "x--",
-                    label=f"{size} no cache")
-        a1.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens/s, prefill included",
-               title="Throughput vs batch")
-        a2.set(yscale="log", xlabel="context length", ylabel="ms per token", title="KV cache vs recomputation")
-        a1.legend(fontsize=7)
-        a2.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(img_dir, "decode.png"), dpi=120)
-        written.append("decode.png")
-    if "speculative" in results:
-        s = results["speculative"]
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
-        for vocab in dict.fromkeys(e["draft_vocab"] for e in s["end_to_end"][1:]):
-            rows = [e for e in s["end_to_end"][1:] if e["draft_vocab"] == vocab and e["K"] == s["K"]]
-            label = "full draft head" if not vocab else f"draft head over {vocab} tokens"
-            a1.plot([e["a"] for e in rows], [e["speedup"] for e in rows], "o-", label=f"measured, {label}")
-            a1.plot([e["a"] for e in rows], [e["predicted"] for e in rows], "x--",
-                    label=f"predicted by the table, {label}")
-            a1.plot([e["a"] for e in rows], [e["predicted_beside"] for e in rows], "s:", markersize=3,
-                    label=f"predicted beside each run, {label}")
-        a1.axhline(1, color="grey", lw=0.5)
-        a1.set(xlabel="acceptance rate a", ylabel="speedup over plain decoding",
-               title=f"{s['draft']} -> {s['target']}, K={s['K']}, on this CPU")
-        a1.legend(fontsize=7)
-        Ks = [k["K"] for k in s["by_K"]]
-        a2.bar([str(k) for k in Ks], [k["verify_over_step"] for k in s["by_K"]])
-        a2.axhline(1, color="grey", lw=0.5)
-        a2.set(xlabel="K", ylabel="verify(K+1) / one decode step", title="Cost of verifying K+1 tokens")
-        fig.tight_layout()
-        fig.savefig(os.path.join(img_dir, "speculative.png"), dpi=120)
-        written.append("speculative.png")
-    if "serving" in results:
-        serving_plot(results["serving"], plt, img_dir)
-        written.append("serving.png")
-    plt.close("all")
-    return f"plots written to {img_dir}/: {', '.join(written)}" if written else "no plots for these parts"
-
-
-def serving_plot(rows, plt, img_dir):
-    """Rows in flight over time, static vs continuous (all requests at once, the first
-    max_batch measured), and p95 TTFT vs throughput for every run."""
-    rows = [r for r in rows if r["policy"] in ("static", "continuous")]  # not the fallback's comparison run
-    at_once = [r for r in rows if r["arrivals"] == "all at once" and r["max_batch"] == rows[0]["max_batch"]
-               and r["size"] == rows[0]["size"]]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))
-    for ax, r in zip(axes[:2], at_once):
-        events = sorted([(m["joined_at_s"], 1) for m in r["timeline"]]
-                        + [(m["finished_at_s"], -1) for m in r["timeline"]])
-        t, busy, level = [0.0], [0], 0
-        for time_s, change in events:
-            t += [time_s, time_s]
-            busy += [level, level + change]
-            level += change
-        ax.fill_between(t, busy, step=None, alpha=0.6)
-        ax.set(xlabel="seconds", ylabel="rows decoding", ylim=(0, r["max_batch"] + 0.5),
-               title=f"{r['policy']} batching: {r['tokens_per_s']:.0f} tok/s, done in {r['seconds']:.0f} s")
-    for r in rows:
-        marker = "o" if r["policy"] == "continuous" else "x"
-        axes[2].plot(r["tokens_per_s"], r["ttft_s_p95"], marker, label=f"{r['size']} {r['policy']} "
-                     f"{r['max_batch']}, {'at once' if r['arrivals'] == 'all at once' else 'stream'}")
-    axes[2].set(yscale="log", xlabel="tokens/s", ylabel="p95 time to first token, s", title="Latency vs throughput")
-    axes[2].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(os.path.join(img_dir, "serving.png"), dpi=120)
-
-
 if __name__ == "__main__":
+    from bench import plots
     with open(sys.argv[1]) as f:
         results = json.load(f)
     print(markdown(results) if "machine" in results else gpu_markdown(results))
-    print(plots(results, sys.argv[2] if len(sys.argv) > 2 else "img"))
+    print(plots.plots(results, sys.argv[2] if len(sys.argv) > 2 else "img"))

@@ -20,8 +20,8 @@ the kernels run at batch 8 (one input, or one pair or quad of inputs, per step):
 Per multiply instruction vpmaddwd does 16 multiply-adds where an FMA does 8, and
 vpmaddubsw 32 (then a vpmaddwd widens its sums); but a tile step is more than its
 multiplies (loads, broadcasts, the vpaddd), so what each loop reaches here, not the
-instruction's width, bounds int8 over float32 at batch 8. Only the benchmark imports
-this file (`python benchmark.py --only ceiling`).
+instruction's width, bounds int8 over float32 at batch 8. `bench_ceiling` is the section
+`python benchmark.py --only ceiling` runs; only the benchmark imports this file (numba).
 """
 import platform
 import time
@@ -33,6 +33,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from bench.common import in_format, measure_bandwidth
 from kernels import rowwise
 from kernels.int8_kernel import I16x16, I32x8, int16x16, int32x8, izero, load16, madd, pair
 from kernels.row_kernel import _address, fma8, load8, store8, zero8
@@ -166,3 +167,24 @@ def kernels_pass(params, rows):
     seconds = time.perf_counter() - start
     stored = sum(array.nbytes for layer in layers for key, array in layer.items() if key in ("w", "scale"))
     return rows * sum(x.shape[1] * n for x, n in zip(inputs, n_out)), stored, seconds
+
+
+def bench_ceiling(loaded, args, probe):
+    """Each kernel's inner loop with its operands in L1 (the most it can do here), then
+    float32 and int8 kernels over each model's matrices at each batch in --format_batches,
+    in turns: multiply-adds/s, and the bytes of weights a second."""
+    result = {"ceilings": ceilings(args.reps), "kernels": [], "bandwidth_GBs": measure_bandwidth(probe)}
+    for size in args.sizes:
+        models = {dtype: in_format(loaded[size], dtype)[0][0] for dtype in ("float32", "int8")}
+        for B in args.format_batches:
+            seconds, stored = {dtype: [] for dtype in models}, {}
+            for _ in range(args.reps + 1):  # the first warms up
+                for dtype, params in models.items():
+                    multiply_adds, stored[dtype], s = kernels_pass(params, B)
+                    seconds[dtype].append(s)
+            for dtype in models:
+                best = min(seconds[dtype][1:])
+                result["kernels"].append({"size": size, "batch": B, "dtype": dtype, "ms": 1e3 * best,
+                                          "multiply_adds_per_s": multiply_adds / best,
+                                          "weights_GBs": stored[dtype] / best / 1e9})
+    return result

@@ -1,0 +1,56 @@
+"""`--backend cupy`: the benchmark on an NVIDIA GPU.
+
+Decode speed at each size and batch next to transformers on the same GPU (in a process
+of its own, peers.py), what one CuPy call costs the host, the GPU's bandwidth, and the
+speculative costs. Every model has random weights of its real shape.
+"""
+import numpy as np
+
+from bench.common import greedy, matmul_weight_bytes, prompt_ids, random_params, timed
+from bench.speculation import bench_speculative_costs
+from bench.transformers_peer import transformers_apart
+from kernels import layout
+
+
+def gpu_benchmark(args, command):
+    """--backend cupy: decode speed at each size and batch next to transformers on the
+    same GPU, what one CuPy call costs the host, and the speculative costs."""
+    layout.to_backend({}, "cupy")  # CuPy and a GPU are there, or one clear line says what is missing
+    import cupy
+    x = cupy.ones(1024, np.float32)
+
+    def thousand_ops():
+        for _ in range(1000):
+            y = x + 1.0
+        float(y[0])
+    launch_s = timed(thousand_ops, args.reps)[0] / 1000
+    probe = cupy.ones((16384, 16384), np.float32)  # 1 GiB: long enough to hide the launch
+    row = cupy.ones((1, probe.shape[0]), np.float32)
+    bandwidth = probe.nbytes / timed(lambda: float((row @ probe)[0, 0]), args.reps)[0] / 1e9
+    results = {"command": command, "backend": "cupy", "dtype": args.dtype, "prompt_len": args.prompt_len,
+               "n_tokens": args.n_tokens, "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+               "cupy": cupy.__version__, "launch_us": launch_s * 1e6, "bandwidth_GBs": bandwidth, "models": {}}
+    print(f"{results['gpu']}: one-row matmul {bandwidth:.0f} GB/s, one CuPy op {launch_s * 1e6:.1f} us of host time",
+          flush=True)
+    loaded = {}
+    for size in dict.fromkeys(args.sizes + ([] if args.no_speculative else [args.draft, args.target])):
+        params, hparams = random_params(size, seed=len(loaded))
+        loaded[size] = (layout.to_backend(params, "cupy", args.dtype), hparams)
+        if size not in args.sizes:
+            continue
+        rows = []
+        for B in args.batch_sizes:
+            prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]
+            runs = []
+            timed(lambda: runs.append(greedy(prompts, loaded[size], args.n_tokens)[1]), args.reps)
+            rows.append({"batch": B, "end_to_end_tok_s": float(np.median([r.tokens_per_s for r in runs[1:]])),
+                         "decode_tok_s": float(np.median([r.decode_tokens_per_s for r in runs[1:]])),
+                         "itl_ms_p50": float(np.median([r.itl_ms(50) for r in runs[1:]]))})
+        hbm_ms = 1e3 * matmul_weight_bytes(loaded[size][0]) / (bandwidth * 1e9)
+        results["models"][size] = {"decode": rows, "weights_at_bandwidth_ms": hbm_ms,
+                                   "transformers": transformers_apart(size, args, device="cuda")}
+        print(f"  GPT-2 {size}: batch-1 {rows[0]['end_to_end_tok_s']:.0f} tok/s, a step {rows[0]['itl_ms_p50']:.2f} ms "
+              f"(its weights at full bandwidth: {hbm_ms:.2f} ms)", flush=True)
+    if not args.no_speculative:
+        results["speculative"] = bench_speculative_costs(loaded[args.draft], loaded[args.target], args)
+    return results

@@ -1,0 +1,111 @@
+"""`--only rows` and `--only kernels`: the numba row kernel against the NumPy fallback.
+
+rows: a whole cached pass over n tokens (a verification of n - 1 drafts) three ways,
+by the number of rows. kernels: greedy decoding with the kernel against the fallback and
+against the kernel with NumPy's layer norm and attention; and what importing the kernels
+costs a fresh Python, compiled and from numba's cache.
+"""
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+from bench.common import ROOT, greedy, prompt_ids, settle
+from cli.timing import pass_seconds
+from kernels import layout, rowwise
+
+ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
+
+
+def kernel_layouts(model):
+    """The same weights in each row kernel's layout (layout.decode_layout): "numba" (the
+    blocks of row_kernel.py), where numba runs, and "numpy" (column-major: the fallback,
+    which is also what decoding ran before the kernel)."""
+    params, hparams = model
+    plain = layout.plain_layout(params)
+    kernels = [k for k in rowwise.KERNELS if k == "numpy" or rowwise.KERNEL == "numba"]
+    return {k: (layout.decode_layout(plain, k), hparams) for k in kernels}
+
+
+def bench_rows(model, args):
+    """rowwise.py's measurement: a whole cached pass over n tokens of one request (a
+    verification of n - 1 drafts), in ms, three ways in turns: the numba kernel over
+    blocks ("kernel"), every row its own gemv block by block ("gemv", the NumPy fallback),
+    and one OpenBLAS product (sgemm) per weight matrix ("product", not batch invariant)."""
+    layouts = kernel_layouts(model)
+    ways = {"gemv": (layouts["numpy"], "rows"), "product": (layouts["numpy"], "product")}
+    if "numba" in layouts:
+        ways = {"kernel": (layouts["numba"], "rows"), **ways}
+    ms = {}
+    for _ in range(args.reps):
+        for n in ROW_COUNTS:
+            for way, (laid_out, strategy) in ways.items():
+                settle()
+                with rowwise.strategy(strategy):
+                    ms.setdefault((n, way), []).append(1e3 * pass_seconds(laid_out, args.prompt_len, n, reps=1))
+    rows = []
+    for n in ROW_COUNTS:
+        row = {"n": n, **{way: float(np.median(ms[(n, way)])) for way in ways}}
+        row["best"] = min(ways, key=lambda way: row[way])
+        rows.append(row)
+    return rows
+
+
+def kernel_start_s():
+    """Seconds to import the numba kernels (row_kernel, int8_kernel, row_ops) in a fresh
+    Python: first with an empty numba cache (the kernels are compiled), then with the
+    cache that run left (they are loaded); each includes Python's and numba's own start."""
+    with tempfile.TemporaryDirectory() as cache_dir:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
+        code = ("import time; t = time.perf_counter(); from kernels import row_kernel, int8_kernel, row_ops; "
+                "print(time.perf_counter() - t)")
+        runs = [float(subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                                     check=True).stdout) for _ in range(2)]
+    return {"compile_s": runs[0], "cached_s": runs[1]}
+
+
+def bench_kernels(model, args, size):
+    """Plain greedy decoding with the numba kernel against the NumPy fallback (the same
+    code and layout decoding used before the kernel), and against the kernel with gpt2.py's
+    NumPy layer norm and attention in place of row_ops.py's, at each batch size, in turns:
+    decode tokens/s and their ratios (the kernel's over each other's), median of reps."""
+    layouts = kernel_layouts(model)
+    if "numba" not in layouts:
+        return []
+    ways = {**layouts, "numpy_ops": layouts["numba"]}
+    rows = []
+    for B in args.batch_sizes:
+        prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]
+        tps, ttft = {k: [] for k in ways}, {k: [] for k in ways}
+        for rep in range(args.reps + 1):  # the first round warms every way up
+            for k, laid_out in ways.items():
+                settle()
+                with numpy_small_ops(k == "numpy_ops"):
+                    stats = greedy(prompts, laid_out, args.n_tokens)[1]
+                if rep:
+                    tps[k].append(stats.decode_tokens_per_s)
+                    ttft[k].append(1e3 * stats.ttft_s)
+        ratios = np.divide(tps["numba"], tps["numpy"])
+        ops_ratios = np.divide(tps["numba"], tps["numpy_ops"])
+        rows.append({"size": size, "batch": B, **{f"{k}_tok_s": float(np.median(v)) for k, v in tps.items()},
+                     **{f"{k}_ttft_ms": float(np.median(v)) for k, v in ttft.items()},
+                     "ratio": float(np.median(ratios)), "ratio_min": float(ratios.min()),
+                     "ratio_max": float(ratios.max()), "row_ops_ratio": float(np.median(ops_ratios)),
+                     "row_ops_ratio_min": float(ops_ratios.min()), "row_ops_ratio_max": float(ops_ratios.max())})
+    return rows
+
+
+@contextlib.contextmanager
+def numpy_small_ops(on):
+    """Inside the with block (if on), passes in the kernel's layout keep gpt2.py's NumPy
+    layer norm and attention instead of row_ops.py's: the code before row_ops."""
+    fuses = rowwise.fuses
+    if on:
+        rowwise.fuses = lambda model: False
+    try:
+        yield
+    finally:
+        rowwise.fuses = fuses
