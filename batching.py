@@ -10,7 +10,7 @@ Each row draws its random numbers from its own generator, in an order that
 depends on that row alone. So a request's text depends only on its prompt,
 settings and seed: never on which requests share the batch, or when they joined
 it. That is what lets rows leave as they finish and new requests take their
-place (continuous batching, scheduler.py) without changing anyone's text.
+place (continuous batching, serving/scheduler.py) without changing anyone's text.
 
 Rows stay packed at the front of the caches: when a row finishes, the last row
 moves into its place (one row's cache is copied), so every pass reads rows

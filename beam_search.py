@@ -18,7 +18,7 @@ tests/fixtures/make_beam_fixtures.py).
 
 On the KV cache, the beams of a prompt are rows of one cache: the prompt is prefilled once,
 its row is copied to its N beams, each step runs one pass over all B * N rows (a multi-row
-pass: rowwise.py), and keeping beams is a gather of cache rows, never a recomputation.
+pass: kernels/rowwise.py), and keeping beams is a gather of cache rows, never a recomputation.
 """
 from dataclasses import dataclass
 

@@ -9,10 +9,10 @@ decode steps, K draft tokens (c each) plus one target pass over K+1 tokens, veri
 
 (the first draft token after a fully accepted step covers two tokens, `catch_up`). On a
 GPU verify(K+1) stays near 1 up to K ~ 7, so a large K pays; on a 2-core CPU a pass over
-K+1 tokens costs 1.1-1.7 steps with the row kernel (row_kernel.py, CPU_VERIFY), so K stays
+K+1 tokens costs 1.1-1.7 steps with the row kernel (kernels/row_kernel.py, CPU_VERIFY), so K stays
 moderate. `best_K` picks the K with the largest speedup; adaptive K (speculative.py) asks it
 before every step with each row's own alpha. The costs are fixed numbers, never this run's
-clock, so the same seed gives the same text; `cli/timing.measure_costs` times them on the
+clock, so the same seed gives the same text; `cli.timing.measure_costs` times them on the
 machine at hand to advise (main.py prints the K it recommends). This file is the math only.
 """
 from dataclasses import dataclass
@@ -83,7 +83,7 @@ def speedup(alpha, K, costs):
 
 def weight_bytes(model):
     """Bytes one weight of a model's matrices takes as stored: 4 (float32), 2 (bfloat16,
-    float16), 1 (int8; weight_formats.py)."""
+    float16), 1 (int8; kernels/weight_formats.py)."""
     return model[0]["blocks"][0]["mlp"]["c_fc"]["w"].itemsize
 
 

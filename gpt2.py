@@ -50,8 +50,8 @@ def layer_norm(x, g, b, eps=1e-5):
 
 def linear(x, w, b, shared=False, scale=None):
     """x @ w + b over the last axis, the rows of the batch flattened together. w: a matrix
-    [n_in, n_out] or the row kernel's blocks of it (rowwise.py; b says n_out), in float32,
-    bfloat16 or int8 with its column scales (weight_formats.py). shared: the pass serves
+    [n_in, n_out] or the row kernel's blocks of it (kernels/rowwise.py; b says n_out), in float32,
+    bfloat16 or int8 with its column scales (kernels/weight_formats.py). shared: the pass serves
     several requests, so each row must come out as it would alone."""
     rows = x.reshape(-1, x.shape[-1])  # [n, n_in]
     n_out = b.shape[-1]
@@ -88,7 +88,7 @@ def ffn(x, c_fc, c_proj, shared=False):
 def attention(q, k, v, mask, shared=False):
     """softmax(q k^T / sqrt(d_head) + mask) v, with mask 0 (see) or -inf (hide).
     shared: one matrix-vector product per query, so that no query's sums depend on how
-    many queries share the pass (rowwise.py says why); else one product per head."""
+    many queries share the pass (kernels/rowwise.py says why); else one product per head."""
     scale = 1.0 / float(np.sqrt(q.shape[-1]))
     # the mask is float32, so a float16 model's scores (and its softmax) become float32 here
     if not shared:
@@ -160,7 +160,7 @@ def next_logits(model, cache, texts, n_logits=1, head=None):
     has not seen; without, the whole window again. Returns logits [B, n, n_vocab] at
     each row's last n_logits[b] tokens (n = the largest n_logits), through head(x)
     if given (a draft's vocabulary subset), else the full tied head. With a cache the
-    pass is shared: every row comes out bitwise as it would alone (rowwise.py)."""
+    pass is shared: every row comes out bitwise as it would alone (kernels/rowwise.py)."""
     params, hparams = model
     with rowwise.kernel_pass(params):
         if cache is not None:

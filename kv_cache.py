@@ -208,7 +208,7 @@ def clear_row(cache, b):
 
 def save_row(cache, b):
     """A copy of row b as it stands (the keys and values of its cached tokens only), for
-    a request that gives up its row for a while (scheduler.py pauses it) and comes back."""
+    a request that gives up its row for a while (serving/scheduler.py pauses it) and comes back."""
     n = int(cache["lengths"][b])
     return {"layers": [{name: layer[name][b, :, :n].copy() for name in ("k", "v")} for layer in cache["layers"]],
             "length": n, "start": int(cache["starts"][b])}  # [n_head, n, d_head] per layer and name

@@ -4,8 +4,8 @@
 atomic: a file gets its final name only when complete), builds GPT-2's byte-level
 BPE with tiktoken from the downloaded files, and reads the weights through
 checkpoint.py (which parses the formats). The weight matrices are then copied
-once, into the layout that the row kernel reads fastest (`decode_layout`), and
-`to_backend` moves the params to a GPU (CuPy) when asked.
+once, into the layout that the kernels read fastest (kernels/layout.py: `decode_layout`;
+its `to_backend` moves the params to a GPU with CuPy when asked).
 """
 import hashlib
 import json
@@ -176,7 +176,7 @@ def load_encoder_hparams_and_params(model_size, models_dir="models", source="ope
 
 def load_model_dir(model_dir, verify_crc=False, dtype="float32"):
     """(encoder, hparams, params) from a directory that already holds a model, its
-    matrices in the format dtype (weight_formats.py), converted from the checkpoint's
+    matrices in the format dtype (kernels/weight_formats.py), converted from the checkpoint's
     float32 as they are laid out."""
     try:
         hparams = load_hparams(model_dir)

@@ -7,6 +7,8 @@ same thing in each; serving imports this, never main.py.
 import argparse
 import time
 
+import gpt2
+import kv_cache
 import utils
 from kernels import layout, rowwise, weight_formats
 
@@ -108,7 +110,18 @@ def load(size, args, dtype, log=print):
         size, args.models_dir, args.source, args.base_url, dtype=dtype if args.backend == "numpy" else "float32")
     params = layout.to_backend(params, args.backend, dtype)
     log(f"loaded GPT-2 {size} as {dtype} in {time.perf_counter() - start:.1f}s")
+    warm_up((params, hparams))
     return encoder, (params, hparams)
+
+
+def warm_up(model):
+    """A pass over two tokens, then one over one, as every decoder runs them: the kernels
+    this model's format needs are compiled (or loaded from numba's cache) while loading,
+    before the first token is promised (kernels/row_kernel.py says so if it takes long)."""
+    params, hparams = model
+    cache = kv_cache.init_cache(hparams, 1, 3, like=params["wte"])
+    gpt2.next_logits(model, cache, [[0, 1]])
+    gpt2.next_logits(model, cache, [[0, 1, 2]])
 
 
 def load_models(args, log=print):

@@ -46,7 +46,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from kernels.row_kernel import AHEAD, AHEAD_ROWS, VECTOR, W, _address, float32x8, fma8, load8, prefetch, store8, zero8
+from kernels.row_kernel import (AHEAD, AHEAD_ROWS, VECTOR, W, _address, float32x8, fma8, load8, prefetch, store8,
+                                when_first_called, zero8)
 
 C = 64  # inputs per activation block (fewer where a matrix has fewer: the test models)
 X16_MAX = 32767
@@ -215,7 +216,8 @@ def to_int16(x, c):
     return x16, sx
 
 
-@njit("void(int16[::1], float32[::1], int8[:, :, :, ::1], float32[::1])", parallel=True, cache=True, nogil=True)
+@when_first_called({"int8": "void(int16[::1], float32[::1], int8[:, :, :, ::1], float32[::1])"},
+                   key=lambda x16, sx, qb, out: qb.dtype.name, parallel=True)
 def row_times_pairs(x16, sx, qb, out):
     """out [n_blocks * W] = one row x16 [n_in] (in blocks scaled by sx) @ q: per block of
     weights, 64 columns' integer sums in 8 registers, added to out a block of inputs at a
@@ -298,8 +300,8 @@ def two_rows(x16, sx, i, qb, b, kc, c, acc, ahead):
                 store8(acc, (i + r, j + 8 * v), fma8(before, s, to_float(a)))
 
 
-@njit("void(int16[:, ::1], float32[:, ::1], int8[:, :, :, ::1], float32[:, ::1])", parallel=True, cache=True,
-      nogil=True)
+@when_first_called({"int8": "void(int16[:, ::1], float32[:, ::1], int8[:, :, :, ::1], float32[:, ::1])"},
+                   key=lambda x16, sx, qb, out: qb.dtype.name, parallel=True)
 def rows_times_pairs(x16, sx, qb, out):
     """out [R, n_blocks * W] = x16 [R, n_in] (blocks scaled by sx) @ q, R >= 2: per block
     of weights and block of inputs, the rows in as few tiles as hold them (at most 6 a

@@ -54,6 +54,10 @@ float32's high half), so the sums and their order are the float32 kernel's and b
 is batch invariant the same way. int8 weights have kernels of their own, in integers
 (int8_kernel.py), which reuse this file's vector type and operations.
 """
+import functools
+import sys
+import threading
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -72,6 +76,45 @@ AHEAD_ROWS = 12288  # the same for a register tile, whose arithmetic takes longe
 # overlaps the two worse (its pass costs more than a 4-row tile's). bfloat16 arrives 2x
 # faster: its passes are arithmetic, so it takes tiles of its own size, with no zero rows.
 FLOAT32_MIN_TILE = 4
+
+
+# A kernel not in numba's cache compiles at its first call; a run that waits longer than
+# this for one says so once (the kernels a float32 run needs: `python benchmark.py --only kernels`)
+NOTICE_AFTER_S = 0.5
+_noticed = threading.Event()
+
+
+def when_first_called(signatures, key, **options):
+    """@njit(signature, cache=True, nogil=True, **options), one signature of `signatures`
+    {key: signature} at a time: the one key(*args) names is compiled (or loaded from numba's
+    cache) the first time a call needs it, not at import, so that a float32 run never waits
+    for bfloat16's or int8's kernels. Any other key, and any argument the signature does not
+    match (a float64 array), is refused with a TypeError: there is no silent slow path."""
+    def decorate(py_func):
+        @functools.cache
+        def compiled(k):
+            notice = threading.Timer(NOTICE_AFTER_S, say_compiling)
+            notice.start()
+            try:
+                return njit(signatures[k], cache=True, nogil=True, **options)(py_func)
+            finally:
+                notice.cancel()
+
+        @functools.wraps(py_func)
+        def call(*args):
+            k = key(*args)
+            if k not in signatures:
+                raise TypeError(f"{py_func.__name__} is compiled for {', '.join(map(str, signatures))}, not {k}")
+            return compiled(k)(*args)
+        return call
+    return decorate
+
+
+def say_compiling():
+    if not _noticed.is_set():
+        _noticed.set()
+        print("compiling the CPU kernels this run uses (numba, once: later runs load them from its cache in "
+              "under a second)...", file=sys.stderr, flush=True)
 
 
 def blocked(w):
@@ -208,8 +251,8 @@ def prefetch(typingctx, a, index):
 FORMATS = ("float32", "uint16")  # float32 and bfloat16's bits (weight_formats.py)
 
 
-@njit([f"void(float32[::1], {t}[:, :, ::1], float32[::1])" for t in FORMATS], parallel=True, cache=True,
-      nogil=True)
+@when_first_called({t: f"void(float32[::1], {t}[:, :, ::1], float32[::1])" for t in FORMATS},
+                   key=lambda x, wb, out: wb.dtype.name, parallel=True)
 def row_times_blocks(x, wb, out):
     """out [n_blocks * W] = x [n_in] @ the matrix whose blocks are wb [n_blocks, n_in, W]:
     per block, 64 sums in 8 registers, one multiply-add per weight."""
@@ -318,8 +361,8 @@ def two_rows(x, i, wb, b, k0, acc, ahead):
             store8(acc, (i + n, j + 24), v3)
 
 
-@njit([f"void(float32[:, ::1], {t}[:, :, ::1], float32[:, ::1])" for t in FORMATS], parallel=True, cache=True,
-      nogil=True)
+@when_first_called({t: f"void(float32[:, ::1], {t}[:, :, ::1], float32[:, ::1])" for t in FORMATS},
+                   key=lambda x, wb, out: wb.dtype.name, parallel=True)
 def rows_times_blocks(x, wb, out):
     """out [R, n_blocks * W] = x [R, n_in] @ the blocks wb, R >= 2: per block, CHUNK
     k-steps at a time, the rows in as few tiles as hold them (at most 6 rows a tile), of

@@ -20,10 +20,10 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import prange, types
 from numba.extending import intrinsic
 
-from kernels.row_kernel import V, float32x8, fma8, load8, store8, zero8
+from kernels.row_kernel import V, float32x8, fma8, load8, store8, when_first_called, zero8
 
 
 @intrinsic
@@ -40,8 +40,8 @@ def hsum8(typingctx, a):
 PARAM = types.Array(types.float32, 1, "C", readonly=True)  # g and b, often read-only memmaps of the checkpoint
 
 
-@njit([types.void(types.float32[:, ::1], PARAM, PARAM, types.float32, types.float32[:, ::1])], cache=True,
-      nogil=True)
+@when_first_called({"float32": types.void(types.float32[:, ::1], PARAM, PARAM, types.float32, types.float32[:, ::1])},
+                   key=lambda x, g, b, eps, out: x.dtype.name)
 def layer_norm_rows(x, g, b, eps, out):
     """out [R, n] = g * (x - mean) / sqrt(variance + eps) + b, row by row (n a multiple of 8)."""
     R, n = x.shape
@@ -73,7 +73,8 @@ def layer_norm(x, g, b, eps=1e-5):
 QKV = "float32[:, :, :, :]"  # views of the pass's q and the cache's k, v: any strides, rows of d_head contiguous
 
 
-@njit([f"void({QKV}, {QKV}, {QKV}, int64[:, ::1], float32, {QKV})"], parallel=True, cache=True, nogil=True)
+@when_first_called({"float32": f"void({QKV}, {QKV}, {QKV}, int64[:, ::1], float32, {QKV})"},
+                   key=lambda q, k, v, positions, scale, out: q.dtype.name, parallel=True)
 def attend(q, k, v, positions, scale, out):
     """out[b, h, t] = softmax(q[b, h, t] . k[b, h, s] * scale over s = 0..p) @ v[b, h, 0..p],
     p = positions[b, t]: each query over its own row's keys up to itself. Rows and heads

@@ -36,7 +36,8 @@ EVENTS_PER_ROW, HARD_EVENTS_PER_ROW = 1024, 4096
 PAUSE_RULE = ("a stream whose client lags keeps its rows while no request waits for one; it is paused "
               f"(its rows freed, its text kept) when one does or when {EVENTS_PER_ROW} of its events per row "
               "wait unsent, and resumes where it stood once the client has caught up; a client that takes "
-              "none of its response for --write_timeout_s is cut off")
+              "none of its response for --write_timeout_s is cut off (and, while max_batch streams are paused "
+              f"already, a stream with {HARD_EVENTS_PER_ROW} events per row unsent is cancelled)")
 # A stream's client lags while any of its response waits in the kernel unsent (its receive
 # window is full); a lagging stream is looked at again every LAG_CHECK_S seconds
 LAG_CHECK_S = 0.05

@@ -66,8 +66,8 @@ def parse_args(argv=None):
     ap.add_argument("--read_timeout_s", type=float, default=10.0,
                     help="a request's headers and body must arrive within this, or the connection is closed")
     ap.add_argument("--write_timeout_s", type=float, default=10.0,
-                    help="a client that takes none of its response for this long is cut off, its rows freed; "
-                         "until then it loses nothing: " + engines.PAUSE_RULE.replace("%", "%%"))
+                    help="how long a client may take none of its response; until then it loses nothing: "
+                         + engines.PAUSE_RULE.replace("%", "%%"))
     ap.add_argument("--drain_s", type=float, default=10.0,
                     help="on SIGTERM or Ctrl-C, how long requests in flight get to take their last event")
     flags.add_model_flags(ap)

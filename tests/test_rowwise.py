@@ -160,11 +160,20 @@ def test_a_kernel_row_is_bitwise_the_same_for_any_row_count_and_place(n_in, n_ou
 
 @needs_numba
 def test_the_kernel_takes_float32_only():
-    """No silent float64 path: the kernel is compiled for float32 and refuses anything else."""
-    from kernels import row_kernel
+    """No silent float64 path: the kernels are compiled for float32 activations and float32 or
+    bfloat16 weights (int8: int16 activations), and refuse anything else, compiled or not."""
+    from kernels import int8_kernel, row_kernel, row_ops
     wb = row_kernel.blocked(np.ones((8, 64), np.float32))
+    for kernel in (row_kernel.rows_times_blocks, row_kernel.row_times_blocks):
+        with pytest.raises(TypeError):
+            kernel(np.ones((1, 8)), wb, np.empty((1, 64), np.float32))
+        with pytest.raises(TypeError):
+            kernel(np.ones((1, 8), np.float32), wb.astype(np.float64), np.empty((1, 64), np.float32))
     with pytest.raises(TypeError):
-        row_kernel.rows_times_blocks(np.ones((1, 8)), wb, np.empty((1, 64), np.float32))
+        int8_kernel.rows_times_pairs(np.ones((2, 8), np.int16), np.ones((2, 1), np.float32),
+                                     np.ones((1, 4, 64, 2), np.float64), np.empty((2, 64), np.float32))
+    with pytest.raises(TypeError):
+        row_ops.layer_norm(np.ones((2, 8)), np.ones(8, np.float32), np.zeros(8, np.float32))
 
 
 @needs_numba

@@ -133,22 +133,19 @@ def test_max_connections_n_serves_n_and_refuses_the_next_with_openais_envelope(m
     answered the second with uvicorn's plain-text 503."""
     httpd, engine = start(models_dir, "--max_connections", "2", "--max_batch", "2")
     try:
-        first = connect(httpd)
-        first.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert first.recv(4096).startswith(b"HTTP/1.1 200")  # open, idle, kept alive
-        second = connect(httpd)
-        second.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert second.recv(4096).startswith(b"HTTP/1.1 200")
+        first, second = (http.client.HTTPConnection("127.0.0.1", httpd.address[1], timeout=30) for _ in range(2))
+        for conn in (first, second):  # both open, idle, kept alive
+            conn.request("GET", "/health")
+            response = conn.getresponse()
+            assert response.status == 200 and json.loads(response.read()) == {"status": "ok"}
         status, got = exchange(httpd, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert status == 503 and error_of(got)["type"] == "server_busy"
-        first.sendall(request({"prompt": "x", "max_tokens": 10 ** 5, "ignore_eos": True, "stream": True},
-                              headers=""))  # busy with a stream
+        first.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 10 ** 5, "ignore_eos": True,
+                                                             "stream": True}))  # busy with a stream
         assert wait_until(lambda: engine["running"], 10)
-        second.sendall(request({"prompt": "y", "max_tokens": 3}, headers="").replace(b"Connection: close\r\n", b""))
-        got = b""
-        while not got.endswith(b"}"):
-            got += second.recv(65536)
-        assert got.startswith(b"HTTP/1.1 200") and json.loads(got.split(b"\r\n\r\n", 1)[1])["choices"]
+        second.request("POST", "/v1/completions", json.dumps({"prompt": "y", "max_tokens": 3}))
+        response = second.getresponse()
+        assert response.status == 200 and json.loads(response.read())["choices"]
         status, got = exchange(httpd, request({"prompt": "z", "max_tokens": 3}, headers=""))
         assert status == 503 and error_of(got)["type"] == "server_busy"
         first.close()
