@@ -38,9 +38,9 @@ def gelu(x):
     return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
 
 
-# At batch 1 each small op costs microseconds of Python and NumPy overhead, hundreds
-# of them per step; the array methods x.sum / x.max skip the np.mean wrapper.
 def layer_norm(x, g, b, eps=1e-5):
+    """g * (x - mean) / sqrt(variance + eps) + b over the last axis. (x.sum skips np.mean's
+    wrapper: at batch 1 each of a step's hundreds of small ops costs microseconds of overhead.)"""
     n = x.shape[-1]
     h = x.astype(np.float32, copy=False)  # float16 activations: statistics in float32 (float32: no copy)
     h = h - h.sum(axis=-1, keepdims=True) / n  # x - mean
@@ -81,6 +81,7 @@ def embed(inputs, wte, lm_head=None):
 
 
 def ffn(x, c_fc, c_proj, shared=False):
+    """The MLP: gelu(x @ c_fc) @ c_proj, 4 * n_embd wide inside."""
     h = gelu(linear(x, **c_fc, shared=shared))  # [B, T, 4*n_embd]
     return linear(h, **c_proj, shared=shared)  # [B, T, n_embd]
 

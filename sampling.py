@@ -49,6 +49,7 @@ class SamplingSettings:
     repetition_penalty: float = 1.0  # transformers, in [0.01, 100]: divide positive logits, multiply negative
     penalize_prompt: bool = False  # presence/frequency count the prompt's tokens too
     no_repeat_ngram_size: int = 0  # transformers: > 0 bans any token that would repeat an n-gram of the text
+    # (it needs the text: batching.distributions applies it, with banned_tokens below)
 
     def __post_init__(self):
         validate(self)

@@ -78,8 +78,8 @@ def matmul(rows, w, shared=True, n_out=None, scale=None):
     [n_blocks, n_in, 64] for the numba kernel (row_kernel.py; n_out then says how many
     outputs are real), float32, bfloat16 (uint16) or int8 with its scale. shared: the
     rows belong to a pass that several requests share, so each row must come out as it
-    would alone. The kernel gives that for every pass, and
-    beats OpenBLAS held to one thread (see kernel_pass) at every row count measured (1-256)."""
+    would alone. The kernel gives that for every pass, faster than OpenBLAS held to one
+    thread (see kernel_pass) at every row count (`python benchmark.py --only kernels`)."""
     if w.ndim == 4:  # int8 in pairs of inputs (int8_kernel.py)
         return int8_kernel.matmul(rows, w, n_out or w.shape[0] * row_kernel.W, scale)
     if w.ndim == 3:
