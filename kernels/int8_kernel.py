@@ -217,7 +217,7 @@ def to_int16(x, c):
 
 
 @when_first_called({"int8": "void(int16[::1], float32[::1], int8[:, :, :, ::1], float32[::1])"},
-                   key=lambda x16, sx, qb, out: qb.dtype.name, parallel=True)
+                   key=lambda x16, sx, qb, out: qb.dtype, parallel=True)
 def row_times_pairs(x16, sx, qb, out):
     """out [n_blocks * W] = one row x16 [n_in] (in blocks scaled by sx) @ q: per block of
     weights, 64 columns' integer sums in 8 registers, added to out a block of inputs at a
@@ -301,7 +301,7 @@ def two_rows(x16, sx, i, qb, b, kc, c, acc, ahead):
 
 
 @when_first_called({"int8": "void(int16[:, ::1], float32[:, ::1], int8[:, :, :, ::1], float32[:, ::1])"},
-                   key=lambda x16, sx, qb, out: qb.dtype.name, parallel=True)
+                   key=lambda x16, sx, qb, out: qb.dtype, parallel=True)
 def rows_times_pairs(x16, sx, qb, out):
     """out [R, n_blocks * W] = x16 [R, n_in] (blocks scaled by sx) @ q, R >= 2: per block
     of weights and block of inputs, the rows in as few tiles as hold them (at most 6 a

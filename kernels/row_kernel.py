@@ -86,26 +86,31 @@ _noticed = threading.Event()
 
 def when_first_called(signatures, key, **options):
     """@njit(signature, cache=True, nogil=True, **options), one signature of `signatures`
-    {key: signature} at a time: the one key(*args) names is compiled (or loaded from numba's
-    cache) the first time a call needs it, not at import, so that a float32 run never waits
-    for bfloat16's or int8's kernels. Any other key, and any argument the signature does not
-    match (a float64 array), is refused with a TypeError: there is no silent slow path."""
+    {dtype name: signature} at a time: the one for the dtype key(*args) gives is compiled (or
+    loaded from numba's cache) the first time a call needs it, not at import, so that a
+    float32 run never waits for bfloat16's or int8's kernels. Any other dtype, and any
+    argument the signature does not match (a float64 array), is refused with a TypeError:
+    there is no silent slow path."""
     def decorate(py_func):
-        @functools.cache
-        def compiled(k):
+        ready = {}  # dtype -> its compiled kernel: one dict lookup a call
+
+        def compile_for(dtype):
+            name = np.dtype(dtype).name
+            if name not in signatures:
+                raise TypeError(f"{py_func.__name__} is compiled for {', '.join(signatures)}, not {name}")
             notice = threading.Timer(NOTICE_AFTER_S, say_compiling)
             notice.start()
             try:
-                return njit(signatures[k], cache=True, nogil=True, **options)(py_func)
+                ready[dtype] = njit(signatures[name], cache=True, nogil=True, **options)(py_func)
             finally:
                 notice.cancel()
+            return ready[dtype]
 
         @functools.wraps(py_func)
         def call(*args):
-            k = key(*args)
-            if k not in signatures:
-                raise TypeError(f"{py_func.__name__} is compiled for {', '.join(map(str, signatures))}, not {k}")
-            return compiled(k)(*args)
+            dtype = key(*args)
+            kernel = ready.get(dtype) or compile_for(dtype)
+            return kernel(*args)
         return call
     return decorate
 
@@ -252,7 +257,7 @@ FORMATS = ("float32", "uint16")  # float32 and bfloat16's bits (weight_formats.p
 
 
 @when_first_called({t: f"void(float32[::1], {t}[:, :, ::1], float32[::1])" for t in FORMATS},
-                   key=lambda x, wb, out: wb.dtype.name, parallel=True)
+                   key=lambda x, wb, out: wb.dtype, parallel=True)
 def row_times_blocks(x, wb, out):
     """out [n_blocks * W] = x [n_in] @ the matrix whose blocks are wb [n_blocks, n_in, W]:
     per block, 64 sums in 8 registers, one multiply-add per weight."""
@@ -362,7 +367,7 @@ def two_rows(x, i, wb, b, k0, acc, ahead):
 
 
 @when_first_called({t: f"void(float32[:, ::1], {t}[:, :, ::1], float32[:, ::1])" for t in FORMATS},
-                   key=lambda x, wb, out: wb.dtype.name, parallel=True)
+                   key=lambda x, wb, out: wb.dtype, parallel=True)
 def rows_times_blocks(x, wb, out):
     """out [R, n_blocks * W] = x [R, n_in] @ the blocks wb, R >= 2: per block, CHUNK
     k-steps at a time, the rows in as few tiles as hold them (at most 6 rows a tile), of

@@ -41,7 +41,7 @@ PARAM = types.Array(types.float32, 1, "C", readonly=True)  # g and b, often read
 
 
 @when_first_called({"float32": types.void(types.float32[:, ::1], PARAM, PARAM, types.float32, types.float32[:, ::1])},
-                   key=lambda x, g, b, eps, out: x.dtype.name)
+                   key=lambda x, g, b, eps, out: x.dtype)
 def layer_norm_rows(x, g, b, eps, out):
     """out [R, n] = g * (x - mean) / sqrt(variance + eps) + b, row by row (n a multiple of 8)."""
     R, n = x.shape
@@ -74,7 +74,7 @@ QKV = "float32[:, :, :, :]"  # views of the pass's q and the cache's k, v: any s
 
 
 @when_first_called({"float32": f"void({QKV}, {QKV}, {QKV}, int64[:, ::1], float32, {QKV})"},
-                   key=lambda q, k, v, positions, scale, out: q.dtype.name, parallel=True)
+                   key=lambda q, k, v, positions, scale, out: q.dtype, parallel=True)
 def attend(q, k, v, positions, scale, out):
     """out[b, h, t] = softmax(q[b, h, t] . k[b, h, s] * scale over s = 0..p) @ v[b, h, 0..p],
     p = positions[b, t]: each query over its own row's keys up to itself. Rows and heads
