@@ -321,7 +321,9 @@ def markdown(results):
         lines += kernels_table(results["kernels"])
     if results.get("kernel_start"):
         k = results["kernel_start"]
-        lines += [f"Importing the numba kernels in a fresh Python: {k['compile_s']:.2f} s the first time (numba "
+        what = (f"Starting the numba kernels of a {' and '.join(k['formats'])} model" if "formats" in k
+                else "Importing the numba kernels")
+        lines += [f"{what} in a fresh Python: {k['compile_s']:.2f} s the first time (numba "
                   f"compiles them), {k['cached_s']:.2f} s from numba's cache.", ""]
     if "formats" in results:
         lines += formats_tables(results)

@@ -79,7 +79,7 @@ FLOAT32_MIN_TILE = 4
 
 
 # A kernel not in numba's cache compiles at its first call; a run that waits longer than
-# this for one says so once (the kernels a float32 run needs: `python benchmark.py --only kernels`)
+# this for one says so once (a float32 model's take ~10 s: `python benchmark.py --only kernels`)
 NOTICE_AFTER_S = 0.5
 _noticed = threading.Event()
 

@@ -36,7 +36,7 @@ import numpy as np
 
 try:
     from kernels import int8_kernel  # int8 weights times 16-bit activations
-    from kernels import row_kernel  # compiles the kernel, or loads it from numba's cache
+    from kernels import row_kernel  # its kernels compile (or load from numba's cache) when first used
     from kernels import row_ops  # layer norm and attention for the kernel's passes
 except ImportError:  # no numba: the NumPy fallback
     int8_kernel = row_kernel = row_ops = None
