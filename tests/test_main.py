@@ -393,7 +393,9 @@ def test_a_bad_row_kernel_setting_is_one_line(capsys, models_dir, monkeypatch):
 
 
 def kernels_forbidden(monkeypatch):
-    """Every function of the numba kernels raises if called."""
+    """Every function of the numba kernels raises if called (without numba there are none)."""
+    if rowwise.row_kernel is None:
+        return
     from kernels import int8_kernel, row_kernel, row_ops
     for module in (row_ops, row_kernel, int8_kernel):
         for name, value in vars(module).items():
