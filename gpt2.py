@@ -100,53 +100,53 @@ def attention(q, k, v, mask, shared=False):
     return np.matmul(p[..., None, :], v[:, :, None])[..., 0, :]  # [B, n_head, T, d_head]
 
 
-def mha(x, c_attn, c_proj, n_head, p, layer=None):
-    """Causal multi-head self-attention. p: the kv_cache.Pass (positions, mask, which rows
+def mha(x, c_attn, c_proj, n_head, state, layer=None):
+    """Causal multi-head self-attention. state: the kv_cache.Pass (positions, mask, which rows
     share a length); layer: this layer's cache, where these keys and values go (or None)."""
     B, T, n_embd = x.shape
-    qkv = linear(x, **c_attn, shared=p.shared)  # [B, T, 3*n_embd]
+    qkv = linear(x, **c_attn, shared=state.shared)  # [B, T, 3*n_embd]
     qkv = qkv.reshape(B, T, 3, n_head, n_embd // n_head).transpose(2, 0, 3, 1, 4)  # [3, B, n_head, T, d_head]
     q, k, v = qkv[0], qkv[1], qkv[2]  # [B, n_head, T, d_head]
     if layer is not None:  # cached: store these keys and values, attend over everything cached
-        k, v = kv_cache.append(p, layer, k, v)  # [B, n_head, S, d_head]
-    if p.fused:  # the kernels' loop: each query over its own row's keys up to itself
-        return linear(rowwise.attention(q, k, v, p.positions), **c_proj, shared=True)
+        k, v = kv_cache.append(state, layer, k, v)  # [B, n_head, S, d_head]
+    if state.fused:  # the kernels' loop: each query over its own row's keys up to itself
+        return linear(rowwise.attention(q, k, v, state.positions), **c_proj, shared=True)
     out = np.empty_like(q)  # [B, n_head, T, d_head]
-    for S, rows in p.groups:  # each row attends over its own S keys: a sum's length is the row's own
-        out[rows] = attention(q[rows], k[rows, :, :S], v[rows, :, :S], p.mask[rows, ..., :S], p.shared)
+    for S, rows in state.groups:  # each row attends over its own S keys: a sum's length is the row's own
+        out[rows] = attention(q[rows], k[rows, :, :S], v[rows, :, :S], state.mask[rows, ..., :S], state.shared)
     out = out.transpose(0, 2, 1, 3).reshape(B, T, n_embd)  # [B, T, n_embd]
-    return linear(out, **c_proj, shared=p.shared)
+    return linear(out, **c_proj, shared=state.shared)
 
 
-def transformer_block(x, mlp, attn, ln_1, ln_2, n_head, p, layer=None):
-    norm = rowwise.layer_norm if p.fused else layer_norm
-    x = x + mha(norm(x, **ln_1), **attn, n_head=n_head, p=p, layer=layer)
-    x = x + ffn(norm(x, **ln_2), **mlp, shared=p.shared)
+def transformer_block(x, mlp, attn, ln_1, ln_2, n_head, state, layer=None):
+    norm = rowwise.layer_norm if state.fused else layer_norm
+    x = x + mha(norm(x, **ln_1), **attn, n_head=n_head, state=state, layer=layer)
+    x = x + ffn(norm(x, **ln_2), **mlp, shared=state.shared)
     return x  # [B, T, n_embd]
 
 
-def final_hidden(inputs, wte, wpe, blocks, ln_f, n_head, p=None, lm_head=None):
+def final_hidden(inputs, wte, wpe, blocks, ln_f, n_head, state=None, lm_head=None):
     """The transformer without its head (lm_head gives only the embeddings): the final hidden
     states [B, n, n_embd] of a batch of token ids inputs [B, T], at every position
-    (without p) or where the kv_cache.Pass p says logits are needed: each row's last few
-    real tokens. p also gives the tokens' positions, the mask and the cache."""
+    (without state) or where the kv_cache.Pass state says logits are needed: each row's last few
+    real tokens. state also gives the tokens' positions, the mask and the cache."""
     B, T = inputs.shape
-    p = p or kv_cache.begin_pass(None, np.full(B, T), T, T, like=wte)
-    x = embed(inputs, wte, lm_head) + wpe[np.minimum(p.positions, wpe.shape[0] - 1)]  # [B, T, n_embd]
-    layers = p.cache["layers"] if p.cache is not None else [None] * len(blocks)
+    state = state or kv_cache.begin_pass(None, np.full(B, T), T, T, like=wte)
+    x = embed(inputs, wte, lm_head) + wpe[np.minimum(state.positions, wpe.shape[0] - 1)]  # [B, T, n_embd]
+    layers = state.cache["layers"] if state.cache is not None else [None] * len(blocks)
     for block, layer in zip(blocks, layers):
-        x = transformer_block(x, **block, n_head=n_head, p=p, layer=layer)
-    if p.cache is not None:
-        kv_cache.advance(p)
-    x = x[np.arange(B)[:, None], p.logits_at]  # [B, n, n_embd]: only where logits are needed
-    return (rowwise.layer_norm if p.fused else layer_norm)(x, **ln_f)
+        x = transformer_block(x, **block, n_head=n_head, state=state, layer=layer)
+    if state.cache is not None:
+        kv_cache.advance(state)
+    x = x[np.arange(B)[:, None], state.logits_at]  # [B, n, n_embd]: only where logits are needed
+    return (rowwise.layer_norm if state.fused else layer_norm)(x, **ln_f)
 
 
-def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, p=None, lm_head=None):
+def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, state=None, lm_head=None):
     """Logits [B, T, n_vocab] at every position, as picoGPT (or [B, n, n_vocab] where the Pass
-    p says). The 50257-wide head is the largest matmul of a step, so it runs only where
+    state says). The 50257-wide head is the largest matmul of a step, so it runs only where
     logits are needed."""
-    x = final_hidden(inputs, wte, wpe, blocks, ln_f, n_head, p, lm_head)  # [B, n, n_embd]
+    x = final_hidden(inputs, wte, wpe, blocks, ln_f, n_head, state, lm_head)  # [B, n, n_embd]
     return head_logits(x, wte, lm_head)  # [B, n, n_vocab]
 
 
@@ -167,12 +167,12 @@ def next_logits(model, cache, texts, n_logits=1, head=None):
         if cache is not None:
             prefill_alone(model, cache, texts, n_logits)
         inputs, n_new = kv_cache.pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
-        p = kv_cache.begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wte"],
+        state = kv_cache.begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wte"],
                                 shared=cache is not None, fused=cache is not None and rowwise.fuses(model))
-        x = final_hidden(inputs, **params, n_head=hparams["n_head"], p=p)  # [B, n, n_embd]
+        x = final_hidden(inputs, **params, n_head=hparams["n_head"], state=state)  # [B, n, n_embd]
         if head:
             return head(x)
-        return head_logits(x, params["wte"], params.get("lm_head"), shared=p.shared)  # [B, n, n_vocab]
+        return head_logits(x, params["wte"], params.get("lm_head"), shared=state.shared)  # [B, n, n_vocab]
 
 
 def prefill_alone(model, cache, texts, n_logits):
@@ -182,8 +182,8 @@ def prefill_alone(model, cache, texts, n_logits):
     inputs, n_new = kv_cache.pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
     m = n_new - np.broadcast_to(n_logits, n_new.shape)  # [B]: tokens before the first that needs logits
     for b in np.nonzero(m > ALONE_ABOVE)[0]:
-        p = kv_cache.begin_pass(kv_cache.rows(cache, b, b + 1), m[b:b + 1], int(m[b]), 1, like=params["wte"])
-        final_hidden(inputs[b:b + 1, :m[b]], **params, n_head=hparams["n_head"], p=p)  # [1, m, ...]: fills the cache
+        state = kv_cache.begin_pass(kv_cache.rows(cache, b, b + 1), m[b:b + 1], int(m[b]), 1, like=params["wte"])
+        final_hidden(inputs[b:b + 1, :m[b]], **params, n_head=hparams["n_head"], state=state)  # fills the cache
 
 
 def autoregressive_step(batch, model):

@@ -152,10 +152,10 @@ def write_slots(lengths, n_new, T):
     return b_idx, t_idx, lengths[b_idx] + t_idx
 
 
-def append(p, layer, k, v):
-    """Store the Pass p's k, v [B, n_head, T, d_head] in one layer's cache and return every
+def append(state, layer, k, v):
+    """Store the Pass state's k, v [B, n_head, T, d_head] in one layer's cache and return every
     row's keys and values [B, n_head, S, d_head]; the mask hides slots past a row's length."""
-    where, S = p.where, p.S
+    where, S = state.where, state.S
     if isinstance(where, slice):
         layer["k"][:, :, where] = k
         layer["v"][:, :, where] = v
@@ -167,9 +167,9 @@ def append(p, layer, k, v):
     return layer["k"][:, :, :S], layer["v"][:, :, :S]  # [B, n_head, S, d_head]
 
 
-def advance(p):
-    """After the Pass p: each row now holds its n_new more tokens."""
-    p.cache["lengths"] += p.n_new
+def advance(state):
+    """After the Pass state: each row now holds its n_new more tokens."""
+    state.cache["lengths"] += state.n_new
 
 
 def rollback(cache, n_valid):
