@@ -423,3 +423,10 @@ def test_kernel_numpy_runs_gpt2s_own_numpy_and_its_greedy_text_is_transformers(m
         assert rowwise.KERNEL == "numpy"
         for decoder in ("autoregressive", "speculative"):
             assert r[decoder]["tokens"][0] == reference["greedy_ids"].tolist()
+
+
+def test_kernel_numba_without_numba_is_one_line(capsys, models_dir, monkeypatch):
+    monkeypatch.setattr(rowwise, "row_kernel", None)  # as where numba cannot be imported
+    monkeypatch.setattr(rowwise, "KERNEL", rowwise.KERNEL)
+    rc, out, err = run_main(capsys, "--models_dir", models_dir, "--kernel", "numba")
+    assert rc == 2 and err.count("\n") == 1 and "--kernel numba needs numba" in err
