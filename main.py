@@ -28,6 +28,7 @@ import sampling
 import speculative
 import utils
 from cli import flags, timing
+from kernels import rowwise
 from serving import scheduler
 
 DEFAULT_PROMPT = "Alan Turing theorized that computers would one day become"
@@ -147,6 +148,7 @@ def decode(title, generate, encoder, prompts, args):
     show, finish = streamer(encoder, sys.stdout.isatty()) if args.stream else (None, None)
     if show:
         print(prompts[0], end="")
+    compiled_before = rowwise.seconds_compiling()
     out, stats = generate(show)
     texts = [encoder.decode(o) for o in out]
     if show:
@@ -157,6 +159,7 @@ def decode(title, generate, encoder, prompts, args):
             print(f"{p}{t}" if len(prompts) == 1 else f"--- {p!r}\n{p}{t}")
     print(f"{stats.n_tokens} tokens in {stats.seconds:.2f}s = {stats.tokens_per_s:.1f} tokens/s "
           f"(first token after {stats.ttft_s * 1e3:.0f} ms; KV cache {stats.kv_cache_bytes / 2**20:.1f} MiB)")
+    say_compile_time(compiled_before)
     if stats.target_passes:
         print(f"acceptance rate {stats.acceptance_rate:.1%} (by draft position: {stats.acceptance_by_position}), "
               f"{stats.tokens_per_target_pass:.2f} tokens per target pass, "
@@ -164,9 +167,18 @@ def decode(title, generate, encoder, prompts, args):
     return {"texts": texts, "tokens": out, "tokens_per_s": stats.tokens_per_s, "stats": stats}
 
 
+def say_compile_time(compiled_before):
+    """The times above include a kernel's first compile where this run was the first to use a tile size."""
+    seconds = rowwise.seconds_compiling() - compiled_before
+    if seconds > 0.5:
+        print(f"(of that, {seconds:.1f}s compiling the kernels' loops this run used first: once a machine, later runs "
+              "load them from numba's cache)")
+
+
 def serve(title, decoder, reqs, encoder, args):
     """Serve the requests with continuous batching, printing each one as it finishes."""
     print(f"\n=== {title}, continuous batching of up to {args.max_batch} ===")
+    compiled_before = rowwise.seconds_compiling()
     out, finished, errors = [None] * len(reqs), [], []
     with tqdm(total=len(reqs), unit="request", leave=False) as bar:
         for e in scheduler.serve(reqs, decoder, args.max_batch):
@@ -189,6 +201,7 @@ def serve(title, decoder, reqs, encoder, args):
         print(f"{s['requests']} requests, {s['tokens']} tokens in {s['seconds']:.2f}s = {s['tokens_per_s']:.1f} "
               f"tokens/s; first token p50 {s['ttft_s_p50']:.2f}s / p95 {s['ttft_s_p95']:.2f}s, "
               f"request done p50 {s['e2e_s_p50']:.2f}s / p95 {s['e2e_s_p95']:.2f}s")
+    say_compile_time(compiled_before)
     if errors:
         raise ValueError(f"{len(errors)} of {len(reqs)} requests were refused; the first: {errors[0]}")
     return {"texts": [encoder.decode(o) if o is not None else None for o in out], "tokens": out,
@@ -238,6 +251,7 @@ def run_beams(args, beams, prompts):
     encoder, target, _ = flags.load_models(args)
     ids = tokenize(encoder, prompts, target[1]["n_ctx"])
     beam_search.check_window(target[1]["n_ctx"], ids, args.n_tokens_to_generate)
+    flags.warm_up(target, flags.EVERY_TILE)  # beams are rows of every count
     print(f"\n=== beam search: GPT-2 {named(args.target_model_size, args.dtype)}, {beams.num_beams} beams ===")
     start = time.perf_counter()
     results = beam_search.beam_search(ids, target, args.n_tokens_to_generate, beams,
@@ -255,6 +269,26 @@ def named(size, dtype):
     return size if dtype == "float32" else f"{size} {dtype}"
 
 
+def warm_up(args, config, target, drafter, ids):
+    """Compile the kernels' loops for the passes this run will make, before any is timed: a
+    lone prompt makes a pass over its tokens (over all but the last, then the last, past
+    gpt2.ALONE_ABOVE), then one token a step; a draft adds its two-token catch-up;
+    verification (and the advice's timings) K + 1 tokens for every K after a context of
+    timing.CONTEXT tokens; a batch, any count."""
+    rows = {1}
+    for i in ids:
+        rows |= {len(i) - 1, 1} if len(i) - 1 > gpt2.ALONE_ABOVE else {len(i)}
+    if len(ids) > 1 or args.max_batch:
+        rows = set(flags.EVERY_TILE)
+    if args.mode != "autoregressive":
+        rows |= {timing.CONTEXT, timing.CONTEXT - 1}
+        flags.warm_up(target, rows | set(range(2, max(config.K, config.K_max or 7) + 2)))
+        if isinstance(drafter, tuple) and drafter is not target:
+            flags.warm_up(drafter, rows | {2})
+    else:
+        flags.warm_up(target, rows)
+
+
 def run(args):
     settings, config, prompts = check_args(args)
     if args.num_beams != 1:
@@ -263,7 +297,9 @@ def run(args):
     encoder, target, drafter = flags.load_models(args)
     n_ctx = target[1]["n_ctx"]
     eos = None if args.ignore_eos else encoder.eot_token
-    reqs = batching.requests(tokenize(encoder, prompts, n_ctx), args.n_tokens_to_generate, settings, args.seed, eos)
+    ids = tokenize(encoder, prompts, n_ctx)
+    warm_up(args, config, target, drafter, ids)
+    reqs = batching.requests(ids, args.n_tokens_to_generate, settings, args.seed, eos)
     use_cache = not args.no_kv_cache
     runs = {}  # decoder: (title, generate(callback), the decoder as the scheduler runs it)
     if args.mode in ("autoregressive", "both"):

@@ -70,8 +70,10 @@ def parse_args(argv=None):
     ap.add_argument("--dtypes", nargs="+", choices=weight_formats.DTYPES, default=list(weight_formats.DTYPES),
                     help="formats: the weight formats measured against float32")
     ap.add_argument("--format_batches", nargs="+", type=int, default=[1, 8], help="formats: batch sizes")
-    ap.add_argument("--draft_dtype", choices=weight_formats.DTYPES, default="float32",
-                    help="speculative: the --draft model's weight format")
+    ap.add_argument("--draft_dtype", nargs="+", choices=weight_formats.DTYPES,
+                    help="speculative: the --draft model's weight formats, each measured in turn, the first in the "
+                         "main table (default: int8, as main.py drafts, then float32 beside it; float32 alone "
+                         "without the numba kernel)")
     ap.add_argument("--self_draft", choices=weight_formats.DTYPES[1:] + ("none",), default="int8",
                     help="speculative: also the target's own copy in this format as its draft")
     ap.add_argument("--self_draft_alphas", nargs="+", type=float, default=[0.8, 0.9, 0.95])
@@ -86,8 +88,11 @@ def parse_args(argv=None):
             setattr(args, name, value)
     if args.dtype != "float32" and not gpu:
         ap.error(f"--dtype {args.dtype} needs --backend cupy")
-    if args.draft_dtype != "float32" and (gpu or rowwise.KERNEL != "numba"):
-        ap.error(f"--draft_dtype {args.draft_dtype} needs the numba row kernel on the CPU")
+    if args.draft_dtype is None:
+        args.draft_dtype = ["int8", "float32"] if rowwise.KERNEL == "numba" and not gpu else ["float32"]
+    narrow = [t for t in args.draft_dtype if t != "float32"]
+    if narrow and (gpu or rowwise.KERNEL != "numba"):
+        ap.error(f"--draft_dtype {narrow[0]} needs the numba row kernel on the CPU")
     if args.quick:
         args.sizes, args.draft, args.target, args.serve_sizes = ["tiny"], "tiny", "tiny", ["tiny"]
         args.batch_sizes, args.n_tokens, args.prompt_len, args.contexts, args.reps = [1, 2], 4, 8, [16], 1
@@ -175,13 +180,16 @@ def run_sections(results, loaded, weights, args, probe):
         if rowwise.KERNEL == "numba":
             results["kernel_start"] = kernel_start_s()
     if "speculative" in args.only:
-        draft, target = in_format(loaded[args.draft], args.draft_dtype)[0], loaded[args.target]
-        costs = bench_speculative_costs(draft, target, args)
-        results["speculative"] = dict(costs, end_to_end=bench_speculative_end_to_end(draft, target, costs, args),
-                                      coverage=subset_coverage(args.draft_vocabs), K=args.K,
-                                      draft_vocab=args.draft_vocab)
-        if args.draft_dtype != "float32":
-            results["speculative"]["draft"] += f" {args.draft_dtype}"
+        target = loaded[args.target]
+        runs = []
+        for dtype in args.draft_dtype:
+            draft = in_format(loaded[args.draft], dtype)[0]
+            costs = bench_speculative_costs(draft, target, args)
+            runs.append(dict(costs, end_to_end=bench_speculative_end_to_end(draft, target, costs, args),
+                             coverage=subset_coverage(args.draft_vocabs) if not runs else None, K=args.K,
+                             draft_vocab=args.draft_vocab, draft_dtype=dtype))
+            runs[-1]["draft"] += f" {dtype}" if dtype != "float32" else ""
+        results["speculative"], results["speculative_beside"] = runs[0], runs[1:]
         if args.self_draft != "none" and rowwise.KERNEL == "numba":
             results["self_draft"] = bench_self_draft(target, args, weights[args.target])
     if "breakdown" in args.only:

@@ -331,6 +331,8 @@ def markdown(results):
         lines += ceiling_tables(results["ceiling"])
     if "speculative" in results:
         lines += speculative_costs_table(results["speculative"]) + end_to_end_table(results["speculative"])
+    for s in results.get("speculative_beside", []):  # the same command with another draft format
+        lines += [""] + speculative_costs_table(s) + end_to_end_table(s)
     if "self_draft" in results:
         lines += self_draft_tables(results["self_draft"])
     if "breakdown" in results:

@@ -105,23 +105,28 @@ def load(size, args, dtype, log=print):
     converts them as it lays them out; a GPU copies float32 over and converts there."""
     if rowwise.KERNEL_ERROR:
         raise utils.LoadError(rowwise.KERNEL_ERROR)
+    log(f"loading GPT-2 {size} as {dtype}...")  # a newcomer's first run reads (or downloads) for a while
     start = time.perf_counter()
     encoder, hparams, params = utils.load_encoder_hparams_and_params(
         size, args.models_dir, args.source, args.base_url, dtype=dtype if args.backend == "numpy" else "float32")
     params = layout.to_backend(params, args.backend, dtype)
     log(f"loaded GPT-2 {size} as {dtype} in {time.perf_counter() - start:.1f}s")
-    warm_up((params, hparams))
     return encoder, (params, hparams)
 
 
-def warm_up(model):
-    """A pass over two tokens, then one over one, as every decoder runs them: the kernels
-    this model's format needs are compiled (or loaded from numba's cache) while loading,
-    before the first token is promised (kernels/row_kernel.py says so if it takes long)."""
+EVERY_TILE = range(1, 8)  # passes over 1-7 tokens reach every loop of the kernels (rowwise.warm_passes)
+
+
+def warm_up(model, row_counts):
+    """Passes like those over row_counts tokens, before anything is timed: the kernels' loops
+    they use are compiled (or loaded from numba's cache) now, where kernels/row_kernel.py
+    says so if it takes long. A run warms the passes it will make (main.py); the server
+    warms every loop before it listens, so that no request waits for a compile."""
     params, hparams = model
-    cache = kv_cache.init_cache(hparams, 1, 3, like=params["wte"])
-    gpt2.next_logits(model, cache, [[0, 1]])
-    gpt2.next_logits(model, cache, [[0, 1, 2]])
+    dtype = params["blocks"][0]["mlp"]["c_fc"]["w"].dtype
+    for n in rowwise.warm_passes(row_counts, dtype):
+        cache = kv_cache.init_cache(hparams, 1, n, like=params["wte"])
+        gpt2.next_logits(model, cache, [[0] * n])
 
 
 def load_models(args, log=print):
@@ -130,7 +135,8 @@ def load_models(args, log=print):
     format (the self-draft), a second copy of the same checkpoint in that format. log
     takes a line per model loaded (the server's go to stderr, with its other logs)."""
     encoder, target = load(args.target_model_size, args, args.dtype, log)
-    rowwise.gemv_is_exact()  # its one-time probe (about a second) belongs to loading, not to the first token
+    if rowwise.KERNEL == "numpy":
+        rowwise.gemv_is_exact()  # the fallback's one-time probe (under a second) belongs to loading
     drafter = args.drafter
     if args.mode != "autoregressive" and args.drafter == "model":
         dtype = draft_dtype(args)

@@ -29,7 +29,10 @@ def pass_seconds(model, context, T=1, head=None, reps=3, n_logits=None):
     return min(times[1:])
 
 
-def measure_costs(target, draft, K_max, draft_vocab=0, context=32):
+CONTEXT = 32  # cached tokens before each timed pass of the advice
+
+
+def measure_costs(target, draft, K_max, draft_vocab=0, context=CONTEXT):
     """Costs measured on this machine: a draft token and verify(K+1) for K = 0..K_max, in
     target decode steps. A few passes of each model; used to advise, never to decide
     (a decision on the clock would change the text from run to run)."""

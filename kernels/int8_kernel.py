@@ -47,7 +47,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 from kernels.row_kernel import (AHEAD, AHEAD_ROWS, VECTOR, W, _address, float32x8, fma8, load8, prefetch, store8,
-                                when_first_called, zero8)
+                                tile_plan, when_first_called, zero8)
 
 C = 64  # inputs per activation block (fewer where a matrix has fewer: the test models)
 X16_MAX = 32767
@@ -301,34 +301,36 @@ def two_rows(x16, sx, i, qb, b, kc, c, acc, ahead):
 
 
 @when_first_called({"int8": "void(int16[:, ::1], float32[:, ::1], int8[:, :, :, ::1], float32[:, ::1])"},
-                   key=lambda x16, sx, qb, out: qb.dtype, parallel=True)
-def rows_times_pairs(x16, sx, qb, out):
-    """out [R, n_blocks * W] = x16 [R, n_in] (blocks scaled by sx) @ q, R >= 2: per block
-    of weights and block of inputs, the rows in as few tiles as hold them (at most 6 a
-    tile, sizes as even as can be), as row_kernel.rows_times_blocks."""
-    n_blocks, half, _, _ = qb.shape
-    R = x16.shape[0]
-    c = 2 * half // sx.shape[1]
-    ahead = AHEAD_ROWS // (2 * W)
-    n_tiles = -(-R // 6)
-    for b in prange(n_blocks):
-        acc = np.empty((R, W), np.float32)  # [R, W]: this block's sums, between blocks of inputs
-        for kc in range(0, 2 * half, c):
-            i = 0
-            for t in range(n_tiles):
-                n = (R - i) // (n_tiles - t)
-                if n == 6:
-                    tile(x16, sx, i, 6, qb, b, kc, c, acc, ahead)
-                elif n == 5:
-                    tile(x16, sx, i, 5, qb, b, kc, c, acc, ahead)
-                elif n == 4:
-                    tile(x16, sx, i, 4, qb, b, kc, c, acc, ahead)
-                elif n == 3:
-                    tile(x16, sx, i, 3, qb, b, kc, c, acc, ahead)
-                else:
-                    two_rows(x16, sx, i, qb, b, kc, c, acc, ahead)
-                i += n
-        out[:, b * W:(b + 1) * W] = acc
+                   key=lambda x16, sx, qb, out: qb.dtype, plan=lambda x16, sx, qb, out: tile_plan(x16.shape[0]),
+                   parallel=True)
+def rows_times_pairs(n):
+    """The loop out [R, n_blocks * W] = x16 [R, n_in] (blocks scaled by sx) @ q, for R >= 2
+    rows in tiles of n or n + 1 rows (row_kernel.tile_plan): per block of weights and block
+    of inputs, tile by tile, as row_kernel.rows_times_blocks."""
+    def kernel(x16, sx, qb, out):
+        n_blocks, half, _, _ = qb.shape
+        R = x16.shape[0]
+        c = 2 * half // sx.shape[1]
+        ahead = AHEAD_ROWS // (2 * W)
+        n_tiles = -(-R // 6)
+        for b in prange(n_blocks):
+            acc = np.empty((R, W), np.float32)  # [R, W]: this block's sums, between blocks of inputs
+            for kc in range(0, 2 * half, c):
+                i = 0
+                for t in range(n_tiles):
+                    size = (R - i) // (n_tiles - t)  # n or n + 1
+                    if n == 2:  # n is a constant: numba compiles only the branch it takes
+                        if size == 2:
+                            two_rows(x16, sx, i, qb, b, kc, c, acc, ahead)
+                        else:
+                            tile(x16, sx, i, 3, qb, b, kc, c, acc, ahead)
+                    elif size == n:
+                        tile(x16, sx, i, n, qb, b, kc, c, acc, ahead)
+                    else:
+                        tile(x16, sx, i, n + 1, qb, b, kc, c, acc, ahead)
+                    i += size
+            out[:, b * W:(b + 1) * W] = acc
+    return kernel
 
 
 def matmul(rows, qb, n_out, scale):

@@ -57,6 +57,7 @@ is batch invariant the same way. int8 weights have kernels of their own, in inte
 import functools
 import sys
 import threading
+import time
 
 import numpy as np
 from llvmlite import ir
@@ -78,38 +79,48 @@ AHEAD_ROWS = 12288  # the same for a register tile, whose arithmetic takes longe
 FLOAT32_MIN_TILE = 4
 
 
-# A kernel not in numba's cache compiles at its first call; a run that waits longer than
-# this for one says so once (a float32 model's take ~10 s: `python benchmark.py --only kernels`)
+# A kernel not in numba's cache compiles at its first call, one format and tile plan at a
+# time (a few seconds each: `python benchmark.py --only kernels`); a run that waits longer
+# than this for one says so once
 NOTICE_AFTER_S = 0.5
 _noticed = threading.Event()
+seconds_compiling = 0.0  # this process's time in numba, compiling kernels or loading them from its cache
+first_uses = []  # (kernel, dtype, plan) as this process first needed each loop
 
 
-def when_first_called(signatures, key, **options):
+def when_first_called(signatures, key, plan=None, **options):
     """@njit(signature, cache=True, nogil=True, **options), one signature of `signatures`
     {dtype name: signature} at a time: the one for the dtype key(*args) gives is compiled (or
     loaded from numba's cache) the first time a call needs it, not at import, so that a
     float32 run never waits for bfloat16's or int8's kernels. Any other dtype, and any
     argument the signature does not match (a float64 array), is refused with a TypeError:
-    there is no silent slow path."""
-    def decorate(py_func):
-        ready = {}  # dtype -> its compiled kernel: one dict lookup a call
+    there is no silent slow path. With `plan`, the decorated function makes the kernel:
+    make(plan(*args)) gives the loop to compile for that constant, also when first needed
+    (a rows kernel for tiles of 4 or 5 rows never waits for the code of 2-row tiles)."""
+    def decorate(make):
+        ready = {}  # (dtype, plan) -> its compiled kernel: one dict lookup a call
 
-        def compile_for(dtype):
+        def compile_for(dtype, constant):
+            global seconds_compiling
             name = np.dtype(dtype).name
+            first_uses.append((make.__name__, name, constant))
             if name not in signatures:
-                raise TypeError(f"{py_func.__name__} is compiled for {', '.join(signatures)}, not {name}")
+                raise TypeError(f"{make.__name__} is compiled for {', '.join(signatures)}, not {name}")
             notice = threading.Timer(NOTICE_AFTER_S, say_compiling)
             notice.start()
+            start = time.perf_counter()
             try:
-                ready[dtype] = njit(signatures[name], cache=True, nogil=True, **options)(py_func)
+                py_func = make if plan is None else make(constant)
+                ready[dtype, constant] = njit(signatures[name], cache=True, nogil=True, **options)(py_func)
             finally:
                 notice.cancel()
-            return ready[dtype]
+                seconds_compiling += time.perf_counter() - start
+            return ready[dtype, constant]
 
-        @functools.wraps(py_func)
+        @functools.wraps(make)
         def call(*args):
-            dtype = key(*args)
-            kernel = ready.get(dtype) or compile_for(dtype)
+            k = key(*args), plan and plan(*args)
+            kernel = ready.get(k) or compile_for(*k)
             return kernel(*args)
         return call
     return decorate
@@ -366,34 +377,50 @@ def two_rows(x, i, wb, b, k0, acc, ahead):
             store8(acc, (i + n, j + 24), v3)
 
 
+def loop_for(R, dtype):
+    """Which compiled loop a pass over R rows of weights in `dtype` runs: 0 for one row,
+    else the tile plan of its rows (float32 pads 2 or 3 rows to FLOAT32_MIN_TILE, as `matmul`)."""
+    if R == 1:
+        return 0
+    return tile_plan(max(R, FLOAT32_MIN_TILE) if dtype == np.float32 else R)
+
+
+def tile_plan(R):
+    """The rows of a pass go in as few tiles as hold them (at most 6 rows a tile), of sizes
+    as even as can be (7 rows: 3 + 4; 8: 4 + 4; 16: 5 + 5 + 6): tiles of n or n + 1 rows.
+    This n (2..5; 5 also serves tiles all of 6) names the loop that runs them, so a run
+    compiles the tile sizes it uses (a prompt of 100 tokens: 5 and 6), not all five."""
+    return min(R // -(-R // 6), 5)
+
+
 @when_first_called({t: f"void(float32[:, ::1], {t}[:, :, ::1], float32[:, ::1])" for t in FORMATS},
-                   key=lambda x, wb, out: wb.dtype, parallel=True)
-def rows_times_blocks(x, wb, out):
-    """out [R, n_blocks * W] = x [R, n_in] @ the blocks wb, R >= 2: per block, CHUNK
-    k-steps at a time, the rows in as few tiles as hold them (at most 6 rows a tile), of
-    sizes as even as can be (7 rows: 3 + 4; 8: 4 + 4; 16: 5 + 5 + 6)."""
-    n_blocks, n_in, _ = wb.shape
-    R = x.shape[0]
-    ahead = AHEAD_ROWS // (W * wb.itemsize)  # k-steps
-    n_tiles = -(-R // 6)
-    for b in prange(n_blocks):
-        acc = np.empty((R, W), np.float32)  # [R, W]: this block's sums, between chunks
-        for k0 in range(0, n_in, CHUNK):
-            i = 0
-            for t in range(n_tiles):
-                n = (R - i) // (n_tiles - t)  # rows in this tile
-                if n == 6:  # one call per size, each with its n a constant (see `tile`)
-                    tile(x, i, 6, wb, b, k0, acc, ahead)
-                elif n == 5:
-                    tile(x, i, 5, wb, b, k0, acc, ahead)
-                elif n == 4:
-                    tile(x, i, 4, wb, b, k0, acc, ahead)
-                elif n == 3:
-                    tile(x, i, 3, wb, b, k0, acc, ahead)
-                else:
-                    two_rows(x, i, wb, b, k0, acc, ahead)
-                i += n
-        out[:, b * W:(b + 1) * W] = acc
+                   key=lambda x, wb, out: wb.dtype, plan=lambda x, wb, out: tile_plan(x.shape[0]), parallel=True)
+def rows_times_blocks(n):
+    """The loop out [R, n_blocks * W] = x [R, n_in] @ the blocks wb, for R >= 2 rows in
+    tiles of n or n + 1 rows (`tile_plan`): per block, CHUNK k-steps at a time, tile by tile."""
+    def kernel(x, wb, out):
+        n_blocks, n_in, _ = wb.shape
+        R = x.shape[0]
+        ahead = AHEAD_ROWS // (W * wb.itemsize)  # k-steps
+        n_tiles = -(-R // 6)
+        for b in prange(n_blocks):
+            acc = np.empty((R, W), np.float32)  # [R, W]: this block's sums, between chunks
+            for k0 in range(0, n_in, CHUNK):
+                i = 0
+                for t in range(n_tiles):
+                    size = (R - i) // (n_tiles - t)  # n or n + 1, each a constant in its call (see `tile`)
+                    if n == 2:  # n is a constant: numba compiles only the branch it takes
+                        if size == 2:
+                            two_rows(x, i, wb, b, k0, acc, ahead)
+                        else:
+                            tile(x, i, 3, wb, b, k0, acc, ahead)
+                    elif size == n:
+                        tile(x, i, n, wb, b, k0, acc, ahead)
+                    else:
+                        tile(x, i, n + 1, wb, b, k0, acc, ahead)
+                    i += size
+            out[:, b * W:(b + 1) * W] = acc
+    return kernel
 
 
 def matmul(rows, wb, n_out):

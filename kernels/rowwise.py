@@ -109,6 +109,23 @@ def fuses(model):
     return "lm_head" in params and hparams["n_embd"] // hparams["n_head"] % row_kernel.V == 0
 
 
+def warm_passes(row_counts, dtype):
+    """The fewest tokens a pass over which runs the loops that passes over row_counts tokens
+    run, in weights of `dtype`: the kernels compile one loop per format and tile plan, and
+    the first 7 row counts reach every one, so a warm-up over these compiles what a run
+    will use at little cost. Without the kernels: one token (nothing to compile)."""
+    if KERNEL != "numba":
+        return [1]
+    loops = {row_kernel.loop_for(R, dtype) for R in row_counts}
+    return sorted({min(r for r in range(1, 8) if row_kernel.loop_for(r, dtype) == loop) for loop in loops})
+
+
+def seconds_compiling():
+    """Seconds this process has spent compiling kernels (or loading them from numba's cache):
+    a run's first use of a format or a tile size compiles its loops, once a machine."""
+    return row_kernel.seconds_compiling if row_kernel else 0.0
+
+
 def columns(lm_head, tokens):
     """The embeddings [n, n_embd] of tokens, read from the head's blocks (gpt2.embed)."""
     return row_kernel.columns(lm_head["w"], tokens, lm_head.get("scale"))

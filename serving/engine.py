@@ -54,11 +54,17 @@ def new_engine(args):
             "model": MODEL_NAMES[args.target_model_size]}
 
 
+def log_to_stderr(line):
+    print(line, file=sys.stderr)
+
+
 def load(engine, loaded=None):
     """Load the models (downloading what is missing) and build the decoder the engine runs.
     loaded: (encoder, target, drafter) already in memory (the benchmark's random models)."""
     args = engine["args"]
-    encoder, target, drafter = loaded or flags.load_models(args, lambda line: print(line, file=sys.stderr))
+    encoder, target, drafter = loaded or flags.load_models(args, log_to_stderr)
+    for model in (target, drafter) if isinstance(drafter, tuple) else (target,):
+        flags.warm_up(model, flags.EVERY_TILE)  # no request waits for a compile
     if args.mode == "speculative":
         config = speculative.SpeculativeConfig(K=args.K, adaptive=args.adaptive_K, K_max=args.K_max,
                                                draft_vocab=args.draft_vocab)

@@ -110,14 +110,18 @@ def test_ceiling_counts_every_multiply_add(tmp_path):
 
 
 @pytest.mark.skipif(rowwise.KERNEL != "numba", reason="narrow weights need the numba row kernel")
-def test_speculative_with_a_narrow_draft(tmp_path):
-    """--draft_dtype: the draft model's matrices in int8, named so in the results; the
-    controlled runs still reproduce the target's greedy text (controlled_run asserts it)."""
-    assert benchmark.main(["--quick", "--only", "speculative", "--draft_dtype", "int8", "--self_draft", "none",
+def test_speculative_drafts_as_main_does_and_in_float32_beside(tmp_path):
+    """By default the draft's matrices in int8 (as main.py runs the users' command), then
+    float32 beside it, each named so in the results; the controlled runs still reproduce
+    the target's greedy text (controlled_run asserts it)."""
+    assert benchmark.main(["--quick", "--only", "speculative", "--self_draft", "none",
                            "--out", str(tmp_path), "--models_dir", str(tmp_path / "none")]) == 0
-    s = json.load(open(tmp_path / "results.json"))["speculative"]
-    assert s["draft"] == "tiny int8" and s["end_to_end"][1]["speedup"] > 0
-    assert "draft tiny int8 -> target tiny" in open(tmp_path / "results.md").read()
+    r = json.load(open(tmp_path / "results.json"))
+    s, beside = r["speculative"], r["speculative_beside"]
+    assert s["draft"] == "tiny int8" and s["end_to_end"][1]["speedup"] > 0  # the default: as main.py drafts
+    assert [b["draft"] for b in beside] == ["tiny"] and beside[0]["end_to_end"][1]["speedup"] > 0
+    md = open(tmp_path / "results.md").read()
+    assert "draft tiny int8 -> target tiny" in md and "draft tiny -> target tiny" in md
 
 
 def test_decode_table_sets_decoding_beside_transformers_decoding():

@@ -65,6 +65,41 @@ def test_a_float32_draft_asked_for_is_advised_the_default(capsys, models_dir, mo
     assert ("advice: a draft in int8 (the default: leave out --draft_dtype)" in out) == advised
 
 
+NO_LOOP_FIRST_USED_WHILE_TIMED = """import json, sys
+import main
+from cli import timing
+from kernels import row_kernel
+timed = []
+def timing_no_compile(fn):
+    def wrapped(*args, **kwargs):
+        before = len(row_kernel.first_uses)
+        out = fn(*args, **kwargs)
+        timed.append(row_kernel.first_uses[before:])
+        return out
+    return wrapped
+main.decode = timing_no_compile(main.decode)
+timing.measure_costs = timing_no_compile(timing.measure_costs)
+assert main.main(sys.argv[1:]) == 0
+print(json.dumps({"timed": timed, "warmed": row_kernel.first_uses}))
+"""
+
+
+@pytest.mark.skipif(rowwise.KERNEL != "numba", reason="the numba kernels compile; the fallback does not")
+@pytest.mark.parametrize("argv", [["--mode", "autoregressive", "--prompt", "a" * 30],
+                                  ["--draft_model_size", "124M", "--K", "4"],
+                                  ["--draft_model_size", "124M", "--K", "2", "--prompt", "x"]])
+def test_no_kernel_loop_is_first_needed_while_a_decoder_is_timed(models_dir, argv):
+    """main.py warms every loop its run will use before it times anything (in a fresh
+    process, where no loop is loaded yet): the decoders' stats and the advice's costs never
+    include a compile."""
+    out = subprocess.run([sys.executable, "-c", NO_LOOP_FIRST_USED_WHILE_TIMED, "--models_dir", models_dir,
+                          "--target_model_size", "355M", "--n_tokens_to_generate", "12", *argv],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["warmed"] and got["timed"] and not any(got["timed"]), got
+
+
 def test_measured_costs_are_in_target_steps(tiny):
     """measure_costs times real passes: one entry per K, verify(1) is a step by definition."""
     _, hparams, params = tiny

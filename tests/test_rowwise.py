@@ -203,3 +203,25 @@ def test_blocks_refuse_an_input_width_the_kernels_would_read_past():
     from kernels import row_kernel
     with pytest.raises(ValueError, match="multiple of 8 inputs, got a 12 x 64 matrix"):
         row_kernel.blocked(np.ones((12, 64), np.float32))
+
+
+@needs_numba
+def test_each_pass_runs_one_tile_plan_and_the_server_warms_them_all():
+    """A pass over R rows splits them into tiles of n or n + 1 rows, n = tile_plan(R): the
+    loop compiled for n runs it. A warm-up over a few tokens compiles the loops of the passes
+    asked for (float32 pads 2 or 3 rows to 4); the server's reaches every loop, so that no
+    request waits for a compile."""
+    from cli import flags
+    from kernels import row_kernel
+    for R in range(2, 300):
+        n_tiles, n = -(-R // 6), row_kernel.tile_plan(R)
+        sizes, i = [], 0
+        for t in range(n_tiles):  # as rows_times_blocks splits them
+            sizes.append((R - i) // (n_tiles - t))
+            i += sizes[-1]
+        assert sum(sizes) == R and set(sizes) <= {n, n + 1} and max(sizes) <= 6 and 2 <= n <= 5, R
+    for dtype in (np.float32, np.uint16, np.int8):  # what a warm-up over EVERY_TILE compiles reaches every pass
+        loops = {row_kernel.loop_for(R, dtype) for R in range(1, 300)}
+        assert {row_kernel.loop_for(r, dtype) for r in rowwise.warm_passes(flags.EVERY_TILE, dtype)} == loops
+        assert {row_kernel.loop_for(r, dtype) for r in rowwise.warm_passes([1, 9, 100], dtype)} == {
+            row_kernel.loop_for(R, dtype) for R in (1, 9, 100)}
