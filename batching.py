@@ -75,6 +75,7 @@ class Sequence:
     accepted: int = 0  # speculative decoding: drafts accepted, and steps that rejected one
     rejected: int = 0
     finished: bool = False
+    cached_tokens: int = 0  # prompt tokens whose keys and values were copied, not computed (a shared prefix)
 
     @property
     def generated(self):

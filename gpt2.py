@@ -177,12 +177,16 @@ def next_logits(model, cache, texts, n_logits=1, head=None):
 
 def prefill_alone(model, cache, texts, n_logits):
     """Cache each row's tokens that need no logits in a pass of the row's own, where
-    there are more than ALONE_ABOVE of them; the shared pass then runs only the rest."""
+    there are more than ALONE_ABOVE of them; the shared pass then runs only the rest. With
+    the kernels it runs layer norm and attention as every cached pass does (per row, per
+    query), so a token's keys and values never depend on the pass that computed them
+    (what serving/prefix_cache.py relies on)."""
     params, hparams = model
     inputs, n_new = kv_cache.pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
     m = n_new - np.broadcast_to(n_logits, n_new.shape)  # [B]: tokens before the first that needs logits
     for b in np.nonzero(m > ALONE_ABOVE)[0]:
-        state = kv_cache.begin_pass(kv_cache.rows(cache, b, b + 1), m[b:b + 1], int(m[b]), 1, like=params["wte"])
+        state = kv_cache.begin_pass(kv_cache.rows(cache, b, b + 1), m[b:b + 1], int(m[b]), 1, like=params["wte"],
+                                    fused=rowwise.fuses(model))  # as every pass: its keys the same bits
         final_hidden(inputs[b:b + 1, :m[b]], **params, n_head=hparams["n_head"], state=state)  # fills the cache
 
 

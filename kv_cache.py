@@ -223,6 +223,15 @@ def restore_row(cache, b, saved):
     cache["lengths"][b], cache["starts"][b] = n, saved["start"]
 
 
+def copy_prefix(cache, src, dst, n):
+    """Row dst starts as the first n tokens of row src's text, which the two share: their
+    keys and values are copied, never recomputed (serving/scheduler.py shares prefixes)."""
+    for layer in cache["layers"]:
+        layer["k"][dst, :, :n] = layer["k"][src, :, :n]
+        layer["v"][dst, :, :n] = layer["v"][src, :, :n]
+    cache["lengths"][dst], cache["starts"][dst] = n, 0
+
+
 def move_row(cache, src, dst):
     """Copy row src into row dst (one row's keys and values), so the rows stay packed."""
     for layer in cache["layers"]:

@@ -29,7 +29,7 @@ import speculative
 import utils
 from cli import flags, timing
 from kernels import rowwise
-from serving import scheduler
+from serving import prefix_cache, scheduler
 
 DEFAULT_PROMPT = "Alan Turing theorized that computers would one day become"
 GREEN, RESET = "\033[32m", "\033[0m"
@@ -59,6 +59,7 @@ def parse_args(argv=None):
     ap.add_argument("--max_batch", type=int,
                     help="serve the prompts with continuous batching, at most this many at once, and print each "
                          "request with its timings as it finishes")
+    flags.add_prefix_cache_flag(ap)
     ap.add_argument("--num_beams", type=int, default=1, help="> 1: beam search with this many beams (deterministic)")
     ap.add_argument("--length_penalty", type=float, default=1.0,
                     help="beam search: a finished text scores sum(log p) / length ** this (> 0 favours long texts)")
@@ -95,6 +96,7 @@ def check_args(args):
         if args.stream or args.no_kv_cache:
             raise ValueError("--max_batch serves with the KV cache and prints whole requests: "
                              "leave out --stream and --no_kv_cache")
+        flags.check_prefix_cache(args)
     return settings, config, prompts
 
 
@@ -181,7 +183,8 @@ def serve(title, decoder, reqs, encoder, args):
     compiled_before = rowwise.seconds_compiling()
     out, finished, errors = [None] * len(reqs), [], []
     with tqdm(total=len(reqs), unit="request", leave=False) as bar:
-        for e in scheduler.serve(reqs, decoder, args.max_batch):
+        prefix = prefix_cache.new_prefix_cache(args.prefix_cache_mib << 20)
+        for e in scheduler.serve(reqs, decoder, args.max_batch, prefix=prefix):
             if e.kind == "token":
                 continue
             if e.kind == "error":
@@ -201,6 +204,9 @@ def serve(title, decoder, reqs, encoder, args):
         print(f"{s['requests']} requests, {s['tokens']} tokens in {s['seconds']:.2f}s = {s['tokens_per_s']:.1f} "
               f"tokens/s; first token p50 {s['ttft_s_p50']:.2f}s / p95 {s['ttft_s_p95']:.2f}s, "
               f"request done p50 {s['e2e_s_p50']:.2f}s / p95 {s['e2e_s_p95']:.2f}s")
+    if prefix["hits"]:
+        print(f"prefix cache: {prefix['hits']} of {prefix['queries']} prompt tokens "
+              f"({prefix['hits'] / prefix['queries']:.0%}) were computed already, and copied")
     say_compile_time(compiled_before)
     if errors:
         raise ValueError(f"{len(errors)} of {len(reqs)} requests were refused; the first: {errors[0]}")

@@ -30,6 +30,7 @@ from bench.decode import bench_context, bench_decode, bench_layout, time_memmap_
 from bench.formats import bench_formats, tiny_model_agreement
 from bench.gpu import gpu_benchmark
 from bench.rows import bench_kernels, bench_rows, kernel_start_s
+from bench.prefix import bench_prefix
 from bench.serve import bench_http, bench_serving
 from bench.speculation import (bench_breakdown, bench_self_draft, bench_speculative_costs,
                                bench_speculative_end_to_end, subset_coverage)
@@ -59,8 +60,8 @@ def parse_args(argv=None):
                     "only runs)")
     ap.add_argument("--only", nargs="+",
                     choices=["decode", "formats", "kernels", "rows", "speculative", "serving", "breakdown", "http",
-                             "beams", "ceiling"],
-                    help="run only these parts (default: all but breakdown and ceiling)")
+                             "beams", "ceiling", "prefix"],
+                    help="run only these parts (default: all but breakdown, ceiling and prefix)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--models_dir", default="models")
     ap.add_argument("--out", default="benchmark_results")
@@ -77,6 +78,12 @@ def parse_args(argv=None):
     ap.add_argument("--self_draft", choices=weight_formats.DTYPES[1:] + ("none",), default="int8",
                     help="speculative: also the target's own copy in this format as its draft")
     ap.add_argument("--self_draft_alphas", nargs="+", type=float, default=[0.8, 0.9, 0.95])
+    ap.add_argument("--prefix_sizes", nargs="+", choices=list(SHAPES), default=["124M", "355M"],
+                    help="prefix: the models")
+    ap.add_argument("--prefix_len", type=int, default=500, help="prefix: tokens of a template, or a prompt")
+    ap.add_argument("--question_len", type=int, default=30, help="prefix: tokens after a template")
+    ap.add_argument("--prefix_new_tokens", type=int, default=32, help="prefix: new tokens a request")
+    ap.add_argument("--prefix_max_batch", type=int, default=8, help="prefix: rows in flight")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few tokens: a smoke test")
     args = ap.parse_args(argv)
     gpu = args.backend == "cupy"
@@ -98,6 +105,7 @@ def parse_args(argv=None):
         args.batch_sizes, args.n_tokens, args.prompt_len, args.contexts, args.reps = [1, 2], 4, 8, [16], 1
         args.K, args.K_max, args.e2e_alphas, args.draft_vocabs, args.draft_vocab = 2, 2, [0.8], [1000], 1000
         args.n_requests, args.max_batches, args.format_batches, args.self_draft_alphas = 6, [2], [1, 2], [0.9]
+        args.prefix_sizes, args.prefix_len, args.question_len, args.prefix_new_tokens = ["tiny"], 40, 6, 3
     return args
 
 
@@ -137,6 +145,7 @@ def wanted_sizes(args):
     wanted += [args.target] if "rows" in args.only else []
     wanted += [args.target, args.draft] if {"speculative", "breakdown"} & set(args.only) else []
     wanted += args.serve_sizes if {"serving", "http", "beams"} & set(args.only) else []
+    wanted += args.prefix_sizes if "prefix" in args.only else []
     return list(dict.fromkeys(wanted))
 
 
@@ -200,6 +209,8 @@ def run_sections(results, loaded, weights, args, probe):
         results["http"] = bench_http(loaded[args.serve_sizes[0]], args, args.serve_sizes[0])
     if "beams" in args.only:
         results["beams"] = bench_beams(loaded[args.serve_sizes[0]], args, args.serve_sizes[0])
+    if "prefix" in args.only:
+        results["prefix"] = [row for size in args.prefix_sizes for row in bench_prefix(loaded[size], args, size)]
 
 
 def write_results(results, table, args):

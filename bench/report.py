@@ -257,6 +257,22 @@ def serving_table(rows):
     return lines
 
 
+def prefix_table(rows):
+    lines = ["", "### The prefix cache: on (--prefix_cache_mib default), off (0: only the choices of one prompt "
+             "share it), none (no sharing, as before the cache); max_batch 8, all requests at once", "",
+             "| model | workload | requests | way | prompt tokens copied | tok/s | over off | TTFT p50 / p95 s | "
+             "p50 off / this | all choices' first token s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        over = f"{r['tok_s_over_off']:.2f}x" if "tok_s_over_off" in r else "-"
+        faster = f"{r['ttft_p50_off_over']:.1f}x" if "ttft_p50_off_over" in r else "-"
+        first = f"{r['all_choices_first_s']:.2f}" + (f" ({r['all_first_none_over']:.1f}x faster than none)"
+                                                      if "all_first_none_over" in r else "")
+        lines.append(f"| {r['size']} | {r['workload']} | {r['requests']} | {r['way']} | {r['hit_rate']:.0%} | "
+                     f"{r['tokens_per_s']:.1f} | {over} | {r['ttft_s_p50']:.2f} / {r['ttft_s_p95']:.2f} | {faster} | "
+                     f"{first} |")
+    return lines
+
+
 def http_table(h):
     many = [r for r in h["runs"] if "one request" not in r["path"]]
     lone = [r for r in h["runs"] if "one request" in r["path"]]
@@ -339,6 +355,8 @@ def markdown(results):
         lines += breakdown_table(results["breakdown"])
     if "serving" in results:
         lines += serving_table(results["serving"])
+    if "prefix" in results:
+        lines += prefix_table(results["prefix"])
     if "http" in results:
         lines += http_table(results["http"])
     if "beams" in results:

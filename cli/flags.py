@@ -5,6 +5,7 @@ main.py, server.py and benchmark.py build their parsers from these, so a flag me
 same thing in each; serving imports this, never main.py.
 """
 import argparse
+import sys
 import time
 
 import gpt2
@@ -49,6 +50,25 @@ def add_decoder_flags(ap, modes, default):
                          "--dtype); the draft's precision never changes the text, only how often its guesses are "
                          "accepted. With --draft_model_size equal to --target_model_size, --draft_dtype int8 "
                          "drafts with the target's own int8 copy")
+
+
+PREFIX_CACHE_MIB = 1024  # the default budget: 5,000 tokens' keys and values of 355M, 14,000 of 124M
+
+
+def add_prefix_cache_flag(ap):
+    """--prefix_cache_mib (main.py's --max_batch and server.py: serving/prefix_cache.py)."""
+    ap.add_argument("--prefix_cache_mib", type=int, default=PREFIX_CACHE_MIB,
+                    help="memory for the keys and values of prompts already computed, reused by requests that "
+                         "begin the same way (0: keep none; requests in flight together still share theirs)")
+
+
+def check_prefix_cache(args):
+    if args.prefix_cache_mib < 0:
+        raise ValueError(f"--prefix_cache_mib must be >= 0 (0 keeps none), got {args.prefix_cache_mib}")
+    if rowwise.KERNEL != "numba" and args.prefix_cache_mib:
+        print("note: no prefix cache with the NumPy kernel: it computes a prompt in one product, whose rounding "
+              "depends on its length, so a copied prefix could change a bit (only the choices of one prompt "
+              "share it)", file=sys.stderr)
 
 
 def add_model_flags(ap):

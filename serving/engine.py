@@ -23,7 +23,7 @@ except ImportError:  # Windows
 import batching
 import speculative
 from cli import flags
-from serving import openai_api, scheduler
+from serving import openai_api, prefix_cache, scheduler
 from serving.openai_api import ApiError
 
 # the name each size is served under: the names its checkpoints carry on Hugging Face
@@ -50,6 +50,7 @@ def new_engine(args):
             "stats": batching.Stats(), "metrics": new_metrics(), "waiting": set(), "running": set(), "paused": set(),
             "logprobs": {},  # index -> how many top tokens its token events report (for logprobs)
             "lagging": {},  # index -> whether its events back up, of the requests whose clients lag
+            "prefix_cache": prefix_cache.new_prefix_cache(args.prefix_cache_mib << 20),
             "stopping": False, "decoder": None, "encoder": None, "hparams": None,
             "model": MODEL_NAMES[args.target_model_size]}
 
@@ -98,7 +99,8 @@ def run_engine(engine):
 
     n_ctx = engine["hparams"]["n_ctx"]
     last_token_at = {}
-    for e in scheduler.serving(intake, step, models, engine["args"].max_batch, n_ctx, stats=engine["stats"]):
+    for e in scheduler.serving(intake, step, models, engine["args"].max_batch, n_ctx, stats=engine["stats"],
+                               prefix=engine["prefix_cache"]):
         now, n_top = time.perf_counter(), None
         with engine["lock"]:
             box = engine["outboxes"].get(e.index)  # None once its handler has let it go
@@ -271,6 +273,8 @@ def prometheus(engine):
             lines += [f"# TYPE gpt2_num_requests_{name} gauge", f"gpt2_num_requests_{name} {len(engine[name])}"]
         counters = {name: m[name] for name in ("prompt_tokens_total", "generation_tokens_total",
                                                "num_preemptions_total")}
+        prefix = engine["prefix_cache"]  # in prompt tokens, as vLLM's
+        counters.update(prefix_cache_queries_total=prefix["queries"], prefix_cache_hits_total=prefix["hits"])
         if spec:
             counters.update(spec_decode_num_drafts_total=stats.row_passes,
                             spec_decode_num_draft_tokens_total=stats.drafted,

@@ -95,10 +95,15 @@ class Choice(BaseModel):
     finish_reason: Literal["stop", "length"] | None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose keys and values came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class Completion(BaseModel):
@@ -180,6 +185,7 @@ def to_requests(body, model, encoder, hparams, max_model_len, max_queue):
     return reqs, {"prompts": [prompts[k // body.n] for k in range(len(reqs))], "eos": eos,
                   "stop": [body.stop] if isinstance(body.stop, str) else body.stop or [],
                   "prompt_tokens": sum(len(p) for p in prompts),  # once per prompt, whatever n (as OpenAI)
+                  "prompt_ids": prompts,
                   "echo": body.echo, "logprobs": body.logprobs, "stream": body.stream,
                   "usage": bool(body.stream_options and body.stream_options.include_usage)}
 
@@ -212,6 +218,7 @@ def grow(choice, event, encoder, how, logprobs=None):
         return False  # tokens the engine made before it saw this choice's cancellation
     if event.kind == "token":
         choice["tokens"].append(event.token)
+        choice["cached_tokens"] = event.cached_tokens
         if event.token == eos:
             choice["finish_reason"] = "stop"
             return True

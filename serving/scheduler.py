@@ -36,8 +36,11 @@ import numpy as np
 
 import batching
 import gpt2
+import kv_cache
 import sampling
 import speculative
+from kernels import rowwise
+from serving import prefix_cache
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Event:
     metrics: dict = None
     error: str = None  # "error": why the request was refused (the others go on)
     logits: object = None  # "token": the target's logits [n_vocab] it was drawn after (a view of the step's)
+    cached_tokens: int = 0  # "token": prompt tokens its request copied from a shared prefix (share_prefix)
 
 
 def autoregressive(model):
@@ -66,11 +70,12 @@ def speculative_decoder(target, drafter, config=speculative.SpeculativeConfig())
     return (lambda batch: speculative.speculative_step(batch, target, drafter, config)), models
 
 
-def serve(requests, decoder, max_batch=8, max_len=None, static=False):
+def serve(requests, decoder, max_batch=8, max_len=None, static=False, prefix=None):
     """Answer requests (batching.Request, each with its arrival_s) as they arrive, with
     at most max_batch in flight; yields Events as tokens come and requests finish.
     max_len: the most tokens (prompt + new) a row holds; at the window (the default)
     every request fits, a longer text sliding its window as in every other path.
+    prefix: a prefix cache (prefix_cache.new_prefix_cache) to keep computed beginnings in.
     A request that cannot be served gets an "error" event at once; the others go on.
     max_batch and max_len are checked here, before the first event is asked for."""
     step, models = decoder
@@ -78,7 +83,8 @@ def serve(requests, decoder, max_batch=8, max_len=None, static=False):
     problems = [refusal(r, models["target"][1], max_len) for r in requests]
     errors = [Event("error", i, error=problem) for i, problem in enumerate(problems) if problem]
     good = sorted((i for i, problem in enumerate(problems) if not problem), key=lambda i: requests[i].arrival_s)
-    return itertools.chain(errors, serving(from_list(requests, good), step, models, max_batch, max_len, static))
+    return itertools.chain(errors, serving(from_list(requests, good), step, models, max_batch, max_len, static,
+                                           prefix=prefix))
 
 
 def check_limits(hparams, max_batch, max_len):
@@ -107,13 +113,15 @@ def from_list(requests, order):
     return intake
 
 
-def serving(intake, step, models, max_batch, max_len, static=False, stats=None):
+def serving(intake, step, models, max_batch, max_len, static=False, stats=None, prefix=None):
     """The loop: take in what has arrived, admit it into free rows, run one step, let finished
     rows leave. intake(now, idle) -> (arrivals [(index, request)], indices cancelled, whether
     no more will come, lagging {index: whether its tokens back up} of the requests whose
     clients lag); idle: nothing runs or can resume and nothing waits, so intake may block
     until something comes. Requests come checked (refusal).
-    stats: a batching.Stats to keep the run's counts in.
+    stats: a batching.Stats to keep the run's counts in. prefix: the prefix cache a joining
+    request's prompt is looked up in (share_prefix), and prompts and finished texts are kept in;
+    None: every request computes its whole prompt.
 
     Preemption: a row whose client lags (it is not taking its tokens: a server knows, a list
     never lags) gives its row to a waiting request, or gives it up anyway if its tokens back
@@ -124,9 +132,14 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None):
     events = []
     batch = batching.new_batch(models, max_batch, max_len, stats=stats,
                                callback=lambda seq, token, accepted, logits: events.append(
-                                   Event("token", seq.index, token, accepted, logits=logits)))
+                                   Event("token", seq.index, token, accepted, logits=logits,
+                                         cached_tokens=seq.cached_tokens)))
     start = batch.stats.start
     waiting, joined, paused, closed, lagging = collections.deque(), {}, {}, False, {}
+    sharing = prefix is not None and bool(batch.caches) and not static
+    # any common beginning, where every token's keys come out in the same bits whatever the pass
+    # (prefix_cache.py); else, and with no memory for a cache, only the same prompt
+    exact = sharing and prefix["budget"] > 0 and all(rowwise.fuses(model) for model in models.values())
     while True:
         ready = [i for i in paused if i not in lagging]
         arrived, cancelled, closed, lagging = intake(time.perf_counter() - start,
@@ -147,24 +160,75 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None):
                 batching.resume(batch, paused.pop(i))
                 yield Event("resumed", i)
             elif waiting:
+                if sharing and shares_with(waiting[0][1], batch.seqs[n_before:], exact):
+                    break  # it joins once they are prefilled, and copies what they share
                 i, request = waiting.popleft()
                 batching.join(batch, request, i)
                 joined[i] = time.perf_counter()
+                if sharing:
+                    share_prefix(batch, len(batch.seqs) - 1, prefix, exact)
             else:
                 break
         if len(batch.seqs) > n_before:
             step(batching.rows(batch, n_before, len(batch.seqs)))  # prefill: the new rows alone
+            for b in range(n_before, len(batch.seqs)) if sharing and exact else ():
+                prefix_cache.store(prefix, batch.seqs[b].tokens, batch.caches, b)
         elif batch.seqs and not any(seq.finished for seq in batch.seqs):
             step(batch)  # decode: every row one step
         elif closed and not waiting and not batch.seqs and not paused:
             return
         yield from events
         events.clear()
+        for b, seq in enumerate(batch.seqs) if sharing and exact else ():
+            if seq.finished:  # its whole text, for a conversation that sends it back with a new turn
+                prefix_cache.store(prefix, seq.tokens, batch.caches, b)
         batching.leave(batch)
         for seq in batch.done:  # a finished request takes its tokens and timings with it
             yield Event("finished", seq.index, tokens=seq.generated,
                         metrics=metrics(seq, start, joined.pop(seq.index)))
         batch.done.clear()
+
+
+def share_prefix(batch, b, prefix, exact):
+    """Row b, just joined, starts from the longest beginning of its prompt already computed:
+    in a row in flight (its text so far), or in the prefix cache; only the rest of its prompt
+    runs through the models. exact: a token's keys and values are the same bits whichever
+    pass computed them (prefix_cache.py says why). Otherwise (the NumPy fallback, or a cache
+    of 0 bytes) only a prompt identical to a row's own is copied, all but its last token:
+    its passes would have been that row's, bit for bit (the choices of one prompt)."""
+    seq, caches = batch.seqs[b], batch.caches
+    prompt = seq.request.prompt
+    n_ctx = min(kv["layers"][0]["k"].shape[2] for kv in caches.values())
+    prefix["queries"] += len(prompt)
+    if len(prompt) > n_ctx:
+        return  # its window starts past token 0 (kv_cache.window_start): no prefix of it is cached
+    best, source = 0, None
+    for r, other in enumerate(batch.seqs[:b]):
+        n = common_length(other.tokens, prompt) if exact else len(prompt) * (other.request.prompt == prompt)
+        n = min(n, len(prompt) - 1, *(int(kv["lengths"][r]) if not kv["starts"][r] else 0 for kv in caches.values()))
+        if n > best:
+            best, source = n, r
+    if exact and len(prefix_cache.longest_prefix(prefix, prompt)) * prefix_cache.BLOCK > best:
+        best = prefix_cache.reuse(prefix, prompt, caches, b)
+    elif source is not None:
+        for kv in caches.values():
+            kv_cache.copy_prefix(kv, source, b, best)
+    seq.cached_tokens = best
+    prefix["hits"] += best
+
+
+def shares_with(request, joining, exact):
+    """Whether a waiting request begins as one of the requests joining now (at least a
+    block; without the kernels, the same prompt): it waits until their prompts are computed."""
+    prompt = request.prompt
+    return any(common_length(seq.request.prompt, prompt) >= min(prefix_cache.BLOCK, len(prompt) - 1) > 0
+               if exact else seq.request.prompt == prompt for seq in joining)
+
+
+def common_length(a, b):
+    """How many tokens a and b share from their start."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def preempt(batch, paused, lagging, n_waiting, max_batch):
@@ -200,7 +264,8 @@ def metrics(seq, start, joined):
     return {"queue_s": joined - arrival, "ttft_s": seq.times[0] - arrival, "e2e_s": seq.times[-1] - arrival,
             "itl_ms_p50": float(np.percentile(gaps, 50)) if gaps.size else 0.0,
             "itl_ms_p95": float(np.percentile(gaps, 95)) if gaps.size else 0.0,
-            "n_tokens": len(seq.times), "joined_at_s": joined - start, "finished_at_s": seq.times[-1] - start}
+            "n_tokens": len(seq.times), "joined_at_s": joined - start, "finished_at_s": seq.times[-1] - start,
+            "cached_tokens": seq.cached_tokens}
 
 
 def summarize(finished):

@@ -54,6 +54,7 @@ def parse_args(argv=None):
     flags.add_decoder_flags(ap, modes=("autoregressive", "speculative"), default="autoregressive")
     ap.add_argument("--max_batch", type=int, default=8, help="requests decoded at once (continuous batching)")
     ap.add_argument("--max_queue", type=int, default=256, help="requests waiting for a row; more get 503")
+    flags.add_prefix_cache_flag(ap)
     ap.add_argument("--max_model_len", type=int,
                     help="prompt + max_tokens a request may ask for (default: the model's window, 1024); "
                          "more slides the window, as main.py does")
@@ -111,9 +112,13 @@ async def watch_for_hang_up(receive, box, connection):
 
 
 def usage(how, choices):
+    """OpenAI's usage; a prompt's cached tokens are those none of its choices computed."""
     completion_tokens = sum(len(c["tokens"]) for c in choices)
+    n = len(choices) // max(len(how["prompt_ids"]), 1)
+    cached = sum(min(c.get("cached_tokens", 0) for c in choices[k:k + n]) for k in range(0, len(choices), n))
     return openai_api.Usage(prompt_tokens=how["prompt_tokens"], completion_tokens=completion_tokens,
-                            total_tokens=how["prompt_tokens"] + completion_tokens)
+                            total_tokens=how["prompt_tokens"] + completion_tokens,
+                            prompt_tokens_details=openai_api.PromptTokensDetails(cached_tokens=cached))
 
 
 def choice_out(choice, text):
@@ -265,6 +270,7 @@ def check(args):
             raise ValueError(f"--{name} must be > 0, got {getattr(args, name)}")
     sockets.enough_files(args.max_connections)
     flags.check_dtypes(args)
+    flags.check_prefix_cache(args)
     speculative.check(speculative.SpeculativeConfig(K=args.K, adaptive=args.adaptive_K, K_max=args.K_max,
                                                     draft_vocab=args.draft_vocab))
 

@@ -279,6 +279,29 @@ def test_models_health_and_metrics(running):
         assert "gpt2_spec_decode_num_drafts_total" not in values
 
 
+def metric_values(url):
+    text = get(url, "/metrics")[1]
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+
+
+def test_prompt_tokens_from_the_prefix_cache_are_reported(running):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field) counts a prompt's tokens that
+    none of its choices computed; /metrics counts tokens looked up and found (as vLLM's)."""
+    mode, _, url = running
+    prompt = [int(t) for t in np.random.default_rng(len(mode)).integers(0, 50000, 40)]
+    before = metric_values(url)
+    first = client(url).completions.create(model="gpt2", prompt=prompt, max_tokens=3, temperature=0)
+    again = client(url).completions.create(model="gpt2", prompt=prompt + [5, 6], max_tokens=16, temperature=0, n=3,
+                                           extra_body={"ignore_eos": True})
+    after = metric_values(url)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 32  # its first 40 tokens' whole blocks
+    assert again.usage.prompt_tokens == 42 and len({c.text for c in again.choices}) == 1  # greedy: the same
+    assert after["gpt2_prefix_cache_queries_total"] - before["gpt2_prefix_cache_queries_total"] == 40 + 3 * 42
+    # the first choice of the second request finds 32 tokens in the cache; the other two copy its 41
+    assert after["gpt2_prefix_cache_hits_total"] - before["gpt2_prefix_cache_hits_total"] == 32 + 2 * 41
+
+
 def test_a_client_that_leaves_frees_its_rows(running):
     _, engine, url = running
     host, port = url.removeprefix("http://").split(":")

@@ -1,0 +1,115 @@
+"""A prefix cache: never compute the same beginning twice.
+
+Requests that share a beginning are the common case of serving: n samples of one prompt,
+a few-shot template with a new question at its end, a fixed instruction before each
+document, a conversation that sends its whole transcript again every turn. A token's keys
+and values depend only on the tokens up to it (attention looks backwards), so a prefix
+computed once can be copied into every later request that starts with it, and only the
+rest of its prompt runs through the model. vLLM's automatic prefix caching (blocks of
+tokens found by a hash of everything before them, https://docs.vllm.ai), SGLang's
+RadixAttention (a radix tree of cached prefixes, https://arxiv.org/abs/2312.07104) and
+llama.cpp's `cache_prompt` do this.
+
+Here it is exact to the bit: with the row kernel every row's numbers are independent of
+what shares its pass, and every pass (a prompt's too: gpt2.prefill_alone) runs layer norm
+and attention as the kernels' per-row loops, so a token's keys and values come out bitwise
+the same whichever request, pass or batch computed them. A request served from the cache
+gets the very logits, logprobs and text it would have computed itself. The NumPy fallback
+prefills a prompt as one BLAS product, whose rounding depends on its length: there the
+cache is off (`exact`), and only the choices of one prompt share it (their passes would
+be identical).
+
+Storage: a text's first BLOCK tokens, its next BLOCK, ... each block stored once, its keys
+and values copied out of a row of the batch's cache as [n_layer, 2, n_head, BLOCK, d_head]
+per model (a speculative decoder keeps its draft model's too). A block is found by its key,
+(the key's number of the block before it, its own tokens): a hash chain, as vLLM's, in which
+a key names every token before the block's end, and the stored tokens are compared, so no
+hash collision can ever hand a request another text's numbers. A lookup walks the chain
+from the first block and copies the longest run it finds into the request's row.
+
+Bounded: blocks are evicted least recently used once the cache holds more than its budget
+of bytes. A lookup touches a chain from its last block to its first, so a block is always
+less recent than the blocks before it, and eviction takes a chain's end before its start
+(a block whose predecessor is gone could never be found again).
+"""
+import collections
+
+import numpy as np
+
+BLOCK = 16  # tokens a block: a prefix is reused in whole blocks
+
+
+def new_prefix_cache(budget_bytes):
+    """An empty cache that holds at most budget_bytes of keys and values (0: none; the
+    scheduler still lets requests that run together share what they have in common)."""
+    return {"blocks": collections.OrderedDict(),  # key -> block, least recently used first
+            "budget": budget_bytes, "bytes": 0, "next_id": 1,
+            "queries": 0, "hits": 0}  # prompt tokens looked up, and found computed (vLLM's counters)
+
+
+def block_bytes(caches):
+    """The bytes of one block's keys and values, in every model's cache."""
+    return sum(2 * len(kv["layers"]) * BLOCK * kv["layers"][0]["k"][0, :, 0].nbytes for kv in caches.values())
+
+
+def longest_prefix(cache, prompt):
+    """The blocks of the longest cached prefix of prompt, in order, leaving at least its last
+    token to run (the pass that gives the first new token needs one)."""
+    chain, parent = [], 0
+    for start in range(0, len(prompt) - 1 - BLOCK + 1, BLOCK):
+        block = cache["blocks"].get((parent, tuple(prompt[start:start + BLOCK])))
+        if block is None:
+            break
+        chain.append(block)
+        parent = block["id"]
+    return chain
+
+
+def reuse(cache, prompt, caches, b):
+    """Copy the longest cached prefix of prompt into row b of every model's KV cache
+    (caches: name -> kv cache, row b empty); returns how many tokens it holds now."""
+    chain = longest_prefix(cache, prompt)
+    for i, block in enumerate(chain):
+        slots = slice(i * BLOCK, (i + 1) * BLOCK)
+        for name, kv in caches.items():
+            for layer, (k, v) in zip(kv["layers"], block["kv"][name]):  # [2, n_head, BLOCK, d_head] a layer
+                layer["k"][b, :, slots] = k
+                layer["v"][b, :, slots] = v
+    n = len(chain) * BLOCK
+    for kv in caches.values():
+        kv["lengths"][b], kv["starts"][b] = n, 0
+    touch(cache, chain)
+    return n
+
+
+def store(cache, tokens, caches, b):
+    """Keep the whole blocks of text `tokens` that row b of every model's cache holds (a
+    prompt just prefilled, or a finished request's text), within the budget."""
+    size = block_bytes(caches)
+    if cache["budget"] < size or any(kv["starts"][b] for kv in caches.values()):
+        return  # nothing fits; or a window restart moved the row's positions, and no prefix starts at 0
+    n = min(int(kv["lengths"][b]) for kv in caches.values()) // BLOCK * BLOCK
+    chain, parent = [], 0
+    for start in range(0, n, BLOCK):
+        key = (parent, tuple(tokens[start:start + BLOCK]))
+        block = cache["blocks"].get(key)
+        if block is None:
+            slots = slice(start, start + BLOCK)
+            block = {"key": key, "id": cache["next_id"], "kv": {
+                name: np.stack([np.stack([layer["k"][b, :, slots], layer["v"][b, :, slots]]) for layer in kv["layers"]])
+                for name, kv in caches.items()}}  # [n_layer, 2, n_head, BLOCK, d_head] per model
+            cache["next_id"] += 1
+            cache["blocks"][key] = block
+            cache["bytes"] += size
+        chain.append(block)
+        parent = block["id"]
+    touch(cache, chain)
+    while cache["bytes"] > cache["budget"]:
+        cache["blocks"].popitem(last=False)
+        cache["bytes"] -= size
+
+
+def touch(cache, chain):
+    """Mark a chain used now, its last block first: each block stays more recent than the blocks after it."""
+    for block in reversed(chain):
+        cache["blocks"].move_to_end(block["key"])
