@@ -29,6 +29,9 @@ the cached and uncached passes, plain and speculative decoding, and every row
 of a batch see exactly the same tokens: they agree at any length. Speculative
 decoding verifies drafts only up to the next restart (`room`), so one target
 pass never straddles two windows.
+
+Across requests: a prefix's keys and values are the same for every text that begins
+with it, so a server computes them once (serving/prefix_cache.py).
 """
 from dataclasses import dataclass
 

@@ -84,6 +84,8 @@ def parse_args(argv=None):
     ap.add_argument("--question_len", type=int, default=30, help="prefix: tokens after a template")
     ap.add_argument("--prefix_new_tokens", type=int, default=32, help="prefix: new tokens a request")
     ap.add_argument("--prefix_max_batch", type=int, default=8, help="prefix: rows in flight")
+    ap.add_argument("--prefix_workloads", nargs="+", choices=["templates", "choices", "unique"],
+                    default=["templates", "choices", "unique"], help="prefix: the workloads")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few tokens: a smoke test")
     args = ap.parse_args(argv)
     gpu = args.backend == "cupy"

@@ -58,6 +58,8 @@ def bench_prefix(model, args, size):
     and each way's ratios over "off" (and "none") paired within a rep."""
     rows = []
     for name, (reqs, ways) in workloads(args).items():
+        if name not in args.prefix_workloads:
+            continue
         runs = {way: [] for way in ways}
         for _ in range(args.reps):
             for way in ways:

@@ -59,15 +59,15 @@ def add_prefix_cache_flag(ap):
     """--prefix_cache_mib (main.py's --max_batch and server.py: serving/prefix_cache.py)."""
     ap.add_argument("--prefix_cache_mib", type=int, default=PREFIX_CACHE_MIB,
                     help="memory for the keys and values of prompts already computed, reused by requests that "
-                         "begin the same way (0: keep none; requests in flight together still share theirs)")
+                         "begin the same way (0: keep none; the choices of one prompt still compute it once)")
 
 
 def check_prefix_cache(args):
     if args.prefix_cache_mib < 0:
         raise ValueError(f"--prefix_cache_mib must be >= 0 (0 keeps none), got {args.prefix_cache_mib}")
-    if rowwise.KERNEL != "numba" and args.prefix_cache_mib:
-        print("note: no prefix cache with the NumPy kernel: it computes a prompt in one product, whose rounding "
-              "depends on its length, so a copied prefix could change a bit (only the choices of one prompt "
+    if (rowwise.KERNEL != "numba" or args.backend == "cupy") and args.prefix_cache_mib:
+        print("note: no prefix cache without the CPU's numba kernels: a prompt computed in one product is "
+              "rounded by its length, so a copied prefix could change a bit (only the choices of one prompt "
               "share it)", file=sys.stderr)
 
 

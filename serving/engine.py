@@ -271,9 +271,10 @@ def prometheus(engine):
         lines = []
         for name in ("running", "waiting", "paused"):
             lines += [f"# TYPE gpt2_num_requests_{name} gauge", f"gpt2_num_requests_{name} {len(engine[name])}"]
+        lines += ["# TYPE gpt2_prefix_cache_bytes gauge", f"gpt2_prefix_cache_bytes {engine['prefix_cache']['bytes']}"]
         counters = {name: m[name] for name in ("prompt_tokens_total", "generation_tokens_total",
                                                "num_preemptions_total")}
-        prefix = engine["prefix_cache"]  # in prompt tokens, as vLLM's
+        prefix = engine["prefix_cache"]  # prompt tokens looked up, and copied (from the cache or a row in flight)
         counters.update(prefix_cache_queries_total=prefix["queries"], prefix_cache_hits_total=prefix["hits"])
         if spec:
             counters.update(spec_decode_num_drafts_total=stats.row_passes,

@@ -96,7 +96,7 @@ class Choice(BaseModel):
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int  # prompt tokens whose keys and values came from the prefix cache
+    cached_tokens: int  # a prompt's tokens none of its choices computed: copied (serving/prefix_cache.py)
 
 
 class Usage(BaseModel):

@@ -22,10 +22,11 @@ be identical).
 Storage: a text's first BLOCK tokens, its next BLOCK, ... each block stored once, its keys
 and values copied out of a row of the batch's cache as [n_layer, 2, n_head, BLOCK, d_head]
 per model (a speculative decoder keeps its draft model's too). A block is found by its key,
-(the key's number of the block before it, its own tokens): a hash chain, as vLLM's, in which
-a key names every token before the block's end, and the stored tokens are compared, so no
-hash collision can ever hand a request another text's numbers. A lookup walks the chain
-from the first block and copies the longest run it finds into the request's row.
+(the id of the block before it, its own tokens): a hash chain, as vLLM's, in which a key
+names every token before the block's end, and the stored tokens are compared, so no hash
+collision can ever hand a request another text's numbers (ids are never reused). A lookup
+walks the chain from the first block and copies the longest run it finds into the
+request's row.
 
 Bounded: blocks are evicted least recently used once the cache holds more than its budget
 of bytes. A lookup touches a chain from its last block to its first, so a block is always
@@ -40,16 +41,31 @@ BLOCK = 16  # tokens a block: a prefix is reused in whole blocks
 
 
 def new_prefix_cache(budget_bytes):
-    """An empty cache that holds at most budget_bytes of keys and values (0: none; the
-    scheduler still lets requests that run together share what they have in common)."""
+    """An empty cache that holds at most budget_bytes of keys and values, for one decoder's
+    models. 0 keeps none: the scheduler then shares only among the choices of one prompt."""
     return {"blocks": collections.OrderedDict(),  # key -> block, least recently used first
             "budget": budget_bytes, "bytes": 0, "next_id": 1,
-            "queries": 0, "hits": 0}  # prompt tokens looked up, and found computed (vLLM's counters)
+            "pool": None, "free": [], "block_bytes": 0,  # the blocks' memory (`pool`), its free slots
+            "queries": 0, "hits": 0}  # prompt tokens looked up, and copied, not computed (from here or a row)
 
 
 def block_bytes(caches):
     """The bytes of one block's keys and values, in every model's cache."""
     return sum(2 * len(kv["layers"]) * BLOCK * kv["layers"][0]["k"][0, :, 0].nbytes for kv in caches.values())
+
+
+def pool(cache, caches):
+    """The cache's memory, made at its first block: per model, slots [n, n_layer, 2, n_head,
+    BLOCK, d_head] for the n blocks the budget holds. Allocated once and reused (vLLM's block
+    pool): a block evicted frees its slot for the next, so a busy cache neither allocates nor
+    frees, and the OS backs a slot's pages only once it is first written."""
+    if cache["pool"] is None:
+        n = cache["budget"] // block_bytes(caches)
+        cache["pool"] = {name: np.empty((n, len(kv["layers"]), 2, kv["layers"][0]["k"].shape[1], BLOCK,
+                                         kv["layers"][0]["k"].shape[3]), kv["layers"][0]["k"].dtype)
+                         for name, kv in caches.items()}
+        cache["free"], cache["block_bytes"] = list(range(n - 1, -1, -1)), block_bytes(caches)
+    return cache["pool"]
 
 
 def longest_prefix(cache, prompt):
@@ -72,7 +88,8 @@ def reuse(cache, prompt, caches, b):
     for i, block in enumerate(chain):
         slots = slice(i * BLOCK, (i + 1) * BLOCK)
         for name, kv in caches.items():
-            for layer, (k, v) in zip(kv["layers"], block["kv"][name]):  # [2, n_head, BLOCK, d_head] a layer
+            kept = cache["pool"][name][block["slot"]]  # [n_layer, 2, n_head, BLOCK, d_head]
+            for layer, (k, v) in zip(kv["layers"], kept):
                 layer["k"][b, :, slots] = k
                 layer["v"][b, :, slots] = v
     n = len(chain) * BLOCK
@@ -84,29 +101,39 @@ def reuse(cache, prompt, caches, b):
 
 def store(cache, tokens, caches, b):
     """Keep the whole blocks of text `tokens` that row b of every model's cache holds (a
-    prompt just prefilled, or a finished request's text), within the budget."""
-    size = block_bytes(caches)
-    if cache["budget"] < size or any(kv["starts"][b] for kv in caches.values()):
+    prompt just prefilled, or a finished request's text): each new block takes a free slot,
+    or the least recently used block's (never one of this text's own)."""
+    if cache["budget"] < block_bytes(caches) or any(kv["starts"][b] for kv in caches.values()):
         return  # nothing fits; or a window restart moved the row's positions, and no prefix starts at 0
+    slots_of = pool(cache, caches)
     n = min(int(kv["lengths"][b]) for kv in caches.values()) // BLOCK * BLOCK
     chain, parent = [], 0
     for start in range(0, n, BLOCK):
         key = (parent, tuple(tokens[start:start + BLOCK]))
         block = cache["blocks"].get(key)
         if block is None:
-            slots = slice(start, start + BLOCK)
-            block = {"key": key, "id": cache["next_id"], "kv": {
-                name: np.stack([np.stack([layer["k"][b, :, slots], layer["v"][b, :, slots]]) for layer in kv["layers"]])
-                for name, kv in caches.items()}}  # [n_layer, 2, n_head, BLOCK, d_head] per model
+            if not cache["free"]:
+                oldest = next(iter(cache["blocks"].values()))
+                if chain and oldest is chain[0]:  # the rest of the chain came after it
+                    break  # the text is longer than the whole cache: keep its beginning
+                evict(cache, oldest)
+            block = {"key": key, "id": cache["next_id"], "slot": cache["free"].pop()}
+            for name, kv in caches.items():
+                for kept, layer in zip(slots_of[name][block["slot"]], kv["layers"]):  # [2, n_head, BLOCK, d_head]
+                    kept[0] = layer["k"][b, :, start:start + BLOCK]
+                    kept[1] = layer["v"][b, :, start:start + BLOCK]
             cache["next_id"] += 1
             cache["blocks"][key] = block
-            cache["bytes"] += size
+        cache["blocks"].move_to_end(key)  # while the text is stored, its blocks are the last to go
         chain.append(block)
         parent = block["id"]
     touch(cache, chain)
-    while cache["bytes"] > cache["budget"]:
-        cache["blocks"].popitem(last=False)
-        cache["bytes"] -= size
+    cache["bytes"] = len(cache["blocks"]) * cache["block_bytes"]
+
+
+def evict(cache, block):
+    del cache["blocks"][block["key"]]
+    cache["free"].append(block["slot"])
 
 
 def touch(cache, chain):

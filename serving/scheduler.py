@@ -14,7 +14,9 @@ request leaves at once, and a waiting one takes its row at the next iteration.
   also gives each its first token;
 - decode: one step of the decoder for every row in flight.
 Then finished rows leave (the last rows move into their places). A joining row's
-cache starts empty; no other row's cache is touched.
+cache starts with the longest beginning of its prompt already computed, copied from
+a row in flight or the prefix cache (share_prefix, prefix_cache.py), or empty; no
+other row's cache is touched.
 
 A server adds preemption: a row whose client is not taking its tokens gives its row to
 a waiting request (or, when too many of its tokens wait unsent, gives it up anyway) and is
@@ -140,6 +142,8 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
     # any common beginning, where every token's keys come out in the same bits whatever the pass
     # (prefix_cache.py); else, and with no memory for a cache, only the same prompt
     exact = sharing and prefix["budget"] > 0 and all(rowwise.fuses(model) for model in models.values())
+    if sharing and prefix.setdefault("models", models) is not models:
+        raise ValueError("a prefix cache holds one decoder's keys and values: give each decoder its own")
     while True:
         ready = [i for i in paused if i not in lagging]
         arrived, cancelled, closed, lagging = intake(time.perf_counter() - start,
@@ -160,7 +164,7 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
                 batching.resume(batch, paused.pop(i))
                 yield Event("resumed", i)
             elif waiting:
-                if sharing and shares_with(waiting[0][1], batch.seqs[n_before:], exact):
+                if sharing and shares_with(waiting[0][1], batch, n_before, exact):
                     break  # it joins once they are prefilled, and copies what they share
                 i, request = waiting.popleft()
                 batching.join(batch, request, i)
@@ -198,13 +202,12 @@ def share_prefix(batch, b, prefix, exact):
     its passes would have been that row's, bit for bit (the choices of one prompt)."""
     seq, caches = batch.seqs[b], batch.caches
     prompt = seq.request.prompt
-    n_ctx = min(kv["layers"][0]["k"].shape[2] for kv in caches.values())
     prefix["queries"] += len(prompt)
-    if len(prompt) > n_ctx:
-        return  # its window starts past token 0 (kv_cache.window_start): no prefix of it is cached
+    if len(prompt) > min(kv["layers"][0]["k"].shape[2] for kv in caches.values()):
+        return  # longer than a row: its window starts past token 0 (kv_cache.window_start), as no cached text
     best, source = 0, None
     for r, other in enumerate(batch.seqs[:b]):
-        n = common_length(other.tokens, prompt) if exact else len(prompt) * (other.request.prompt == prompt)
+        n = common_length(other.tokens, prompt) if exact else len(prompt) * same_prompt(other.request.prompt, prompt)
         n = min(n, len(prompt) - 1, *(int(kv["lengths"][r]) if not kv["starts"][r] else 0 for kv in caches.values()))
         if n > best:
             best, source = n, r
@@ -217,12 +220,25 @@ def share_prefix(batch, b, prefix, exact):
     prefix["hits"] += best
 
 
-def shares_with(request, joining, exact):
-    """Whether a waiting request begins as one of the requests joining now (at least a
-    block; without the kernels, the same prompt): it waits until their prompts are computed."""
+def shares_with(request, batch, n_before, exact):
+    """Whether a waiting request begins as a row joining now (rows n_before on) goes on to
+    compute in this prefill (at least a block of it; without exact sharing, the same prompt):
+    it waits until that is computed, and copies it then."""
     prompt = request.prompt
-    return any(common_length(seq.request.prompt, prompt) >= min(prefix_cache.BLOCK, len(prompt) - 1) > 0
-               if exact else seq.request.prompt == prompt for seq in joining)
+    for b in range(n_before, len(batch.seqs)):
+        other = batch.seqs[b].request.prompt
+        held = min(int(kv["lengths"][b]) for kv in batch.caches.values())  # copied or restored already
+        if exact:
+            shared = min(common_length(other, prompt), len(prompt) - 1)
+            if shared - held >= min(prefix_cache.BLOCK, len(prompt) - 1) > 0:
+                return True
+        elif same_prompt(other, prompt) and held < len(prompt) - 1:
+            return True
+    return False
+
+
+def same_prompt(a, b):
+    return len(a) == len(b) == common_length(a, b)
 
 
 def common_length(a, b):

@@ -27,6 +27,11 @@ def tiny_kernel(tmp_path_factory):
     return layout.decode_layout(layout.plain_layout(params), rowwise.KERNEL), hparams
 
 
+def block_bytes(model):
+    """One block's keys and values of one model."""
+    return 2 * model[1]["n_layer"] * model[1]["n_embd"] * prefix_cache.BLOCK * 4
+
+
 def decoders(model):
     return {"autoregressive": scheduler.autoregressive(model),
             "speculative": scheduler.speculative_decoder(model, model)}  # the tiny model drafts for itself
@@ -72,7 +77,7 @@ def test_shared_prefixes_change_not_a_bit(tiny_kernel, decoder, temperature):
     reqs = shared_prefix_requests(60, seed=len(decoder) + int(temperature), temperature=temperature)
     dec = decoders(tiny_kernel)[decoder]
     alone = {i: served([r], dec, prefix_cache.new_prefix_cache(0))[0] for i, r in enumerate(reqs)}
-    block = 2 * tiny_kernel[1]["n_layer"] * tiny_kernel[1]["n_embd"] * prefix_cache.BLOCK * 4
+    block = block_bytes(tiny_kernel) * len(dec[1])  # the draft model's keys too
     for budget in (1 << 30, 3 * block, 0):
         prefix = prefix_cache.new_prefix_cache(budget)
         got = served(reqs, dec, prefix)
@@ -83,8 +88,8 @@ def test_shared_prefixes_change_not_a_bit(tiny_kernel, decoder, temperature):
             assert cached == 0 or len(reqs[i].prompt) <= tiny_kernel[1]["n_ctx"]  # never across a moved window
         assert prefix["hits"] == sum(c for _, _, c in got.values()) and (prefix["hits"] > 0 or budget == 0)
         assert prefix["queries"] == sum(len(r.prompt) for r in reqs)
-        assert prefix["bytes"] <= budget and prefix["bytes"] == sum(
-            a.nbytes for blk in prefix["blocks"].values() for a in blk["kv"].values())
+        assert prefix["bytes"] == len(prefix["blocks"]) * block <= budget
+        assert sum(a.nbytes for a in (prefix["pool"] or {}).values()) <= budget  # all the memory it ever holds
         if budget == 3 * block:
             assert len(prefix["blocks"]) <= 3
 
@@ -134,27 +139,35 @@ def test_the_choices_of_one_prompt_compute_it_once(tiny_kernel, monkeypatch, bud
     alone = [served([r], dec, prefix_cache.new_prefix_cache(0))[0][0] for r in reqs]
     computed = count_computed_tokens(monkeypatch)
     got = served(reqs, dec, prefix_cache.new_prefix_cache(budget))
-    assert sum(computed) == 40 + 3 * 1 + 4 * 2  # the prompt once, 3 last tokens, then 2 steps of 4 rows
+    # the prompt once (all but its last token alone, then that), the 3 other choices' last tokens
+    # together, then 2 steps of 4 rows
+    assert computed == [39, 1, 3, 4, 4]
     assert [got[i][0] for i in range(4)] == alone
     assert [got[i][2] for i in range(4)] == [0, 39, 39, 39]
 
 
+@needs_numba
 def test_the_cache_stays_within_its_budget_as_it_fills(tiny_kernel):
     """Many different prompts through a cache of 5 blocks: never above it at any point, the
-    least recently used chains' ends go first, and a block found again is still exact."""
+    least recently used chains' ends go first, and a chain found again is still exact."""
     dec = decoders(tiny_kernel)["autoregressive"]
-    h = tiny_kernel[1]
-    block = 2 * h["n_layer"] * h["n_embd"] * prefix_cache.BLOCK * 4
+    block = block_bytes(tiny_kernel)
     prefix = prefix_cache.new_prefix_cache(5 * block)
     rng = np.random.default_rng(7)
-    for i in range(12):
-        prompt = tuple(rng.integers(0, 1000, 40).tolist())
-        served([batching.Request(prompt, 2, sampling.SamplingSettings(temperature=0.0), seed=i)], dec, prefix)
+    reqs = [batching.Request(tuple(rng.integers(0, 1000, 40).tolist()), 2, sampling.SamplingSettings(temperature=0.0),
+                             seed=i) for i in range(12)]
+    for r in reqs:
+        served([r], dec, prefix)
         assert prefix["bytes"] <= 5 * block and len(prefix["blocks"]) <= 5
         ids = [blk["id"] for blk in prefix["blocks"].values()]
         for blk in prefix["blocks"].values():  # a kept block's predecessor is kept too, and more recent
             parent = blk["key"][0]
             assert parent == 0 or parent in ids[ids.index(blk["id"]):]
+    assert len(prefix["blocks"]) == 5  # 12 prompts of 2 blocks each went through: most were evicted
+    again = batching.Request(reqs[-1].prompt + (3,), 4, reqs[-1].settings, seed=99)
+    tokens, logits, cached = served([again], dec, prefix)[0]
+    alone = served([again], dec, prefix_cache.new_prefix_cache(0))[0]
+    assert cached == 32 and tokens == alone[0] and all(np.array_equal(a, b) for a, b in zip(logits, alone[1]))
 
 
 def test_no_cache_where_a_prefix_would_round_differently(tiny_kernel):
@@ -167,3 +180,6 @@ def test_no_cache_where_a_prefix_would_round_differently(tiny_kernel):
     prefix = prefix_cache.new_prefix_cache(1 << 30)
     got = served(reqs, dec, prefix)
     assert all(c == 0 for _, _, c in got.values()) and not prefix["blocks"]
+    for i, r in enumerate(reqs):
+        alone = served([r], dec, prefix_cache.new_prefix_cache(0))[0]
+        assert got[i][0] == alone[0] and all(np.array_equal(a, b) for a, b in zip(got[i][1], alone[1]))

@@ -20,6 +20,7 @@ import pytest
 import gpt2
 import main
 from conftest import ROOT
+from kernels import rowwise
 from serving import engine as engines, server
 
 PROMPTS = ["Alan Turing theorized that", "The quick brown fox", "In a shocking finding, scientists"]
@@ -288,6 +289,8 @@ def test_prompt_tokens_from_the_prefix_cache_are_reported(running):
     """usage.prompt_tokens_details.cached_tokens (OpenAI's field) counts a prompt's tokens that
     none of its choices computed; /metrics counts tokens looked up and found (as vLLM's)."""
     mode, _, url = running
+    if rowwise.KERNEL != "numba":
+        pytest.skip("the prefix cache needs the numba kernels (without them only one prompt's choices share it)")
     prompt = [int(t) for t in np.random.default_rng(len(mode)).integers(0, 50000, 40)]
     before = metric_values(url)
     first = client(url).completions.create(model="gpt2", prompt=prompt, max_tokens=3, temperature=0)
@@ -298,8 +301,10 @@ def test_prompt_tokens_from_the_prefix_cache_are_reported(running):
     assert again.usage.prompt_tokens_details.cached_tokens == 32  # its first 40 tokens' whole blocks
     assert again.usage.prompt_tokens == 42 and len({c.text for c in again.choices}) == 1  # greedy: the same
     assert after["gpt2_prefix_cache_queries_total"] - before["gpt2_prefix_cache_queries_total"] == 40 + 3 * 42
-    # the first choice of the second request finds 32 tokens in the cache; the other two copy its 41
-    assert after["gpt2_prefix_cache_hits_total"] - before["gpt2_prefix_cache_hits_total"] == 32 + 2 * 41
+    # each choice finds the first request's 32 tokens in the cache; the 9 more they share are less than a
+    # block, not worth a wait for the first choice to compute them (scheduler.shares_with)
+    assert after["gpt2_prefix_cache_hits_total"] - before["gpt2_prefix_cache_hits_total"] == 3 * 32
+    assert after["gpt2_prefix_cache_bytes"] > 0
 
 
 def test_a_client_that_leaves_frees_its_rows(running):
