@@ -34,6 +34,7 @@ less recent than the blocks before it, and eviction takes a chain's end before i
 (a block whose predecessor is gone could never be found again).
 """
 import collections
+import mmap
 
 import numpy as np
 
@@ -61,11 +62,23 @@ def pool(cache, caches):
     frees, and the OS backs a slot's pages only once it is first written."""
     if cache["pool"] is None:
         n = cache["budget"] // block_bytes(caches)
-        cache["pool"] = {name: np.empty((n, len(kv["layers"]), 2, kv["layers"][0]["k"].shape[1], BLOCK,
-                                         kv["layers"][0]["k"].shape[3]), kv["layers"][0]["k"].dtype)
+        cache["pool"] = {name: in_large_pages((n, len(kv["layers"]), 2, kv["layers"][0]["k"].shape[1], BLOCK,
+                                               kv["layers"][0]["k"].shape[3]), kv["layers"][0]["k"].dtype)
                          for name, kv in caches.items()}
         cache["free"], cache["block_bytes"] = list(range(n - 1, -1, -1)), block_bytes(caches)
     return cache["pool"]
+
+
+def in_large_pages(shape, dtype):
+    """np.empty(shape, dtype) in memory the OS may back with 2 MiB pages (Linux's madvise
+    MADV_HUGEPAGE): the first write of each 4 KiB page is a page fault, and a prefix cache
+    writes a gigabyte of new pages as it fills; large pages make that 4x cheaper
+    (`python benchmark.py --only prefix`, workload unique)."""
+    nbytes = max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1)
+    memory = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(memory, dtype, count=int(np.prod(shape))).reshape(shape)
 
 
 def longest_prefix(cache, prompt):

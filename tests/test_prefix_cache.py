@@ -15,7 +15,7 @@ from conftest import make_model_dir
 from kernels import layout, rowwise
 from serving import prefix_cache, scheduler
 
-needs_numba = pytest.mark.skipif(rowwise.pick_kernel("numba") != "numba", reason="numba is not installed")
+needs_numba = pytest.mark.skipif(rowwise.KERNEL != "numba", reason="exact sharing needs the numba kernels")
 
 
 @pytest.fixture(scope="module")
