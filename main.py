@@ -96,7 +96,7 @@ def check_args(args):
         if args.stream or args.no_kv_cache:
             raise ValueError("--max_batch serves with the KV cache and prints whole requests: "
                              "leave out --stream and --no_kv_cache")
-        flags.check_prefix_cache(args)
+    flags.check_prefix_cache(args, used=args.max_batch is not None)
     return settings, config, prompts
 
 

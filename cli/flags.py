@@ -62,10 +62,12 @@ def add_prefix_cache_flag(ap):
                          "begin the same way (0: keep none; the choices of one prompt still compute it once)")
 
 
-def check_prefix_cache(args):
+def check_prefix_cache(args, used=True):
+    """A one-line error for a negative budget; where the cache cannot be exact and a run
+    would use it, a note that it is off."""
     if args.prefix_cache_mib < 0:
         raise ValueError(f"--prefix_cache_mib must be >= 0 (0 keeps none), got {args.prefix_cache_mib}")
-    if (rowwise.KERNEL != "numba" or args.backend == "cupy") and args.prefix_cache_mib:
+    if used and (rowwise.KERNEL != "numba" or args.backend == "cupy") and args.prefix_cache_mib:
         print("note: no prefix cache without the CPU's numba kernels: a prompt computed in one product is "
               "rounded by its length, so a copied prefix could change a bit (only the choices of one prompt "
               "share it)", file=sys.stderr)

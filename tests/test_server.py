@@ -416,3 +416,9 @@ def test_sigint_and_sigterm_end_requests_in_flight_and_exit_0(models_dir, sig):
         assert whole[0][0] == 503 and "shutting down" in whole[0][1]["error"]["message"]
     finally:
         proc.kill()
+
+
+def test_a_negative_prefix_cache_is_one_line_before_anything_loads(capsys, tmp_path):
+    assert server.entry(["--prefix_cache_mib", "-1", "--models_dir", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == "error: --prefix_cache_mib must be >= 0 (0 keeps none), got -1" and not os.listdir(tmp_path)
