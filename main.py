@@ -96,7 +96,7 @@ def check_args(args):
         if args.stream or args.no_kv_cache:
             raise ValueError("--max_batch serves with the KV cache and prints whole requests: "
                              "leave out --stream and --no_kv_cache")
-    flags.check_prefix_cache(args, used=args.max_batch is not None)
+    flags.check_prefix_cache(args)
     return settings, config, prompts
 
 
@@ -180,6 +180,8 @@ def say_compile_time(compiled_before):
 def serve(title, decoder, reqs, encoder, args):
     """Serve the requests with continuous batching, printing each one as it finishes."""
     print(f"\n=== {title}, continuous batching of up to {args.max_batch} ===")
+    if flags.prefix_cache_note(args):
+        print(flags.prefix_cache_note(args))
     compiled_before = rowwise.seconds_compiling()
     out, finished, errors = [None] * len(reqs), [], []
     with tqdm(total=len(reqs), unit="request", leave=False) as bar:

@@ -5,7 +5,6 @@ main.py, server.py and benchmark.py build their parsers from these, so a flag me
 same thing in each; serving imports this, never main.py.
 """
 import argparse
-import sys
 import time
 
 import gpt2
@@ -62,15 +61,18 @@ def add_prefix_cache_flag(ap):
                          "begin the same way (0: keep none; the choices of one prompt still compute it once)")
 
 
-def check_prefix_cache(args, used=True):
-    """A one-line error for a negative budget; where the cache cannot be exact and a run
-    would use it, a note that it is off."""
+def check_prefix_cache(args):
     if args.prefix_cache_mib < 0:
         raise ValueError(f"--prefix_cache_mib must be >= 0 (0 keeps none), got {args.prefix_cache_mib}")
-    if used and (rowwise.KERNEL != "numba" or args.backend == "cupy") and args.prefix_cache_mib:
-        print("note: no prefix cache without the CPU's numba kernels: a prompt computed in one product is "
-              "rounded by its length, so a copied prefix could change a bit (only the choices of one prompt "
-              "share it)", file=sys.stderr)
+
+
+def prefix_cache_note(args):
+    """Why a run keeps no prefix cache where it cannot be exact (None where it can, or is off)."""
+    if (rowwise.KERNEL != "numba" or args.backend == "cupy") and args.prefix_cache_mib:
+        return ("note: no prefix cache without the CPU's numba kernels: a prompt computed in one product is "
+                "rounded by its length, so a copied prefix could change a bit (only the choices of one prompt "
+                "share it)")
+    return None
 
 
 def add_model_flags(ap):

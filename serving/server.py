@@ -284,6 +284,8 @@ def serve_until_stopped(argv=None):
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop_asked.set())
     print(f"serving {engine['model']} ({args.mode}) at http://{host}:{port}/v1 - Ctrl-C stops", flush=True)
+    if flags.prefix_cache_note(args):
+        print(flags.prefix_cache_note(args), file=sys.stderr)
     while not stop_asked.wait(1.0) and httpd.thread.is_alive():
         pass
     print("stopping", file=sys.stderr)
