@@ -205,7 +205,7 @@ def test_blocks_refuse_an_input_width_the_kernels_would_read_past():
         row_kernel.blocked(np.ones((12, 64), np.float32))
 
 
-@needs_numba
+@pytest.mark.skipif(rowwise.KERNEL != "numba", reason="only the numba kernels compile loops to warm")
 def test_each_pass_runs_one_tile_plan_and_the_server_warms_them_all():
     """A pass over R rows splits them into tiles of n or n + 1 rows, n = tile_plan(R): the
     loop compiled for n runs it. A warm-up over a few tokens compiles the loops of the passes
