@@ -159,11 +159,11 @@ def vocab_subset_head(params, texts, N):
     wte = params["wte"]
 
     def head(x):
-        logits = np.full((x.shape[0], 1, wte.shape[0]), -np.inf, dtype=np.float32, like=x)
+        logits = np.full_like(x, -np.inf, dtype=np.float32, shape=(x.shape[0], 1, wte.shape[0]))
         # [B, N]: reads the weights of the first N tokens only
         logits[:, 0, :N] = gpt2.head_logits(x[:, 0], wte, params.get("lm_head"), N, shared=True)
         for b, text in enumerate(texts):
-            extra = np.unique(np.asarray(text)[np.asarray(text) >= N])  # the text's rarer tokens
+            extra = np.asarray(np.unique(np.asarray(text)[np.asarray(text) >= N]), like=x)  # the text's rarer tokens
             if extra.size:
                 logits[b, 0, extra] = gpt2.embed(extra, wte, params.get("lm_head")) @ x[b, 0]
         return logits

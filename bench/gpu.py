@@ -15,8 +15,7 @@ from kernels import layout
 def gpu_benchmark(args, command):
     """--backend cupy: decode speed at each size and batch next to transformers on the
     same GPU, what one CuPy call costs the host, and the speculative costs."""
-    layout.to_backend({}, "cupy")  # CuPy and a GPU are there, or one clear line says what is missing
-    import cupy
+    cupy = layout.gpu_library()
     x = cupy.ones(1024, np.float32)
 
     def thousand_ops():
@@ -33,7 +32,7 @@ def gpu_benchmark(args, command):
     print(f"{results['gpu']}: one-row matmul {bandwidth:.0f} GB/s, one CuPy op {launch_s * 1e6:.1f} us of host time",
           flush=True)
     loaded = {}
-    for size in dict.fromkeys(args.sizes + ([] if args.no_speculative else [args.draft, args.target])):
+    for size in dict.fromkeys(args.sizes + ([args.draft, args.target] if "speculative" in args.only else [])):
         params, hparams = random_params(size, seed=len(loaded))
         loaded[size] = (layout.to_backend(params, "cupy", args.dtype), hparams)
         if size not in args.sizes:
@@ -51,6 +50,6 @@ def gpu_benchmark(args, command):
                                    "transformers": transformers_apart(size, args, device="cuda")}
         print(f"  GPT-2 {size}: batch-1 {rows[0]['end_to_end_tok_s']:.0f} tok/s, a step {rows[0]['itl_ms_p50']:.2f} ms "
               f"(its weights at full bandwidth: {hbm_ms:.2f} ms)", flush=True)
-    if not args.no_speculative:
+    if "speculative" in args.only:
         results["speculative"] = bench_speculative_costs(loaded[args.draft], loaded[args.target], args)
     return results

@@ -92,17 +92,23 @@ def to_backend(params, backend="numpy", dtype="float32"):
         if dtype == "float16":
             raise LoadError("--dtype float16 needs --backend cupy (NumPy has no fast float16 matmul)")
         return params  # bfloat16 and int8 were converted as they were laid out (decode_layout)
+    cupy = gpu_library()
+    try:
+        return tree_map(lambda w: cupy.asarray(w.astype(dtype, copy=False)), plain_layout(params))
+    except cupy.cuda.memory.OutOfMemoryError as e:
+        raise LoadError(f"the GPU has too little free memory for these weights ({e}): "
+                        "try --dtype float16, a smaller model, or --backend numpy")
+
+
+def gpu_library():
+    """CuPy, or one clear LoadError saying what is missing (CuPy, a driver, a GPU)."""
     try:
         import cupy
         cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # no CuPy, or no CUDA driver or GPU
         raise LoadError(f"--backend cupy needs CuPy and an NVIDIA GPU ({type(e).__name__}: {e}): "
                         "pip install cupy-cuda12x (or cupy-cuda13x), or use --backend numpy")
-    try:
-        return tree_map(lambda w: cupy.asarray(w.astype(dtype, copy=False)), plain_layout(params))
-    except cupy.cuda.memory.OutOfMemoryError as e:
-        raise LoadError(f"the GPU has too little free memory for these weights ({e}): "
-                        "try --dtype float16, a smaller model, or --backend numpy")
+    return cupy
 
 
 def tree_map(f, tree):

@@ -9,7 +9,7 @@ import benchmark
 import cost_model
 import gpt2
 import speculative
-from bench import common, llamacpp, report, rows, speculation
+from bench import common, gpu, llamacpp, report, rows, speculation
 from cli import timing
 from conftest import fixture_path
 from kernels import layout, rowwise
@@ -205,6 +205,31 @@ def test_gpu_benchmark_without_cupy_is_one_clear_line(tmp_path, capsys, monkeypa
     err = capsys.readouterr().err
     assert err.startswith("error: --backend cupy needs CuPy and an NVIDIA GPU") and err.count("\n") == 1
     assert not (tmp_path / "results.json").exists()
+
+
+def numpy_as_cupy():
+    """A stand-in for CuPy made of NumPy: the GPU benchmark's own code (bench/gpu.py, its
+    report) runs on a CPU, so it cannot rot between the sessions that are lent a GPU."""
+    import types
+    fake = types.ModuleType("cupy")
+    fake.__dict__.update({name: getattr(np, name) for name in ("ones", "asarray", "ndarray", "float32")})
+    fake.__version__, fake.asnumpy = "NumPy stand-in", np.asarray
+    fake.cuda = types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=lambda i: {"name": b"no GPU"}),
+        memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
+    return fake
+
+
+def test_gpu_benchmark_runs_end_to_end(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", numpy_as_cupy())
+    monkeypatch.setattr(gpu, "transformers_apart", lambda *a, **k: None)  # as where transformers is missing
+    assert benchmark.main(["--backend", "cupy", "--quick", "--out", str(tmp_path)]) == 0
+    r = json.load(open(tmp_path / "results.json"))
+    assert r["gpu"] == "no GPU" and r["bandwidth_GBs"] > 0 and r["launch_us"] > 0
+    assert [d["batch"] for d in r["models"]["tiny"]["decode"]] == [1, 2]
+    assert all(d["decode_tok_s"] > 0 for d in r["models"]["tiny"]["decode"])
+    assert [row["K"] for row in r["speculative"]["by_K"]] == [1, 2]
+    assert "Speculative decoding: draft tiny -> target tiny" in (tmp_path / "results.md").read_text()
 
 
 @pytest.mark.parametrize("peer_format", ["F32", "F16", "Q8_0"])

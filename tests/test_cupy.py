@@ -40,9 +40,10 @@ def generate(params, hparams, n, settings=GREEDY, seed=0, use_cache=True, eos_id
     return gpt2.generate(batching.requests(prompts, n, settings, seed, eos_id), (params, hparams), use_cache)
 
 
-def spec(params, hparams, n, K, settings=GREEDY, seed=0):
+def spec(params, hparams, n, K, settings=GREEDY, seed=0, draft_vocab=0):
     return speculative.speculative_generate(batching.requests(PROMPTS, n, settings, seed), (params, hparams),
-                                            layer_skip(params, hparams), speculative.SpeculativeConfig(K=K))
+                                            layer_skip(params, hparams),
+                                            speculative.SpeculativeConfig(K=K, draft_vocab=draft_vocab))
 
 
 def test_weights_live_on_the_gpu(both):
@@ -111,6 +112,13 @@ def test_speculative_greedy_equals_plain_greedy_on_the_gpu(both, K):
     want, _ = generate(gpu, hparams, 30)
     got, stats = spec(gpu, hparams, 30, K)
     assert got == want and 0 < stats.acceptance_rate < 1
+
+
+def test_a_draft_head_over_part_of_the_vocabulary_decides_as_numpy_does(both):
+    """--draft_vocab: the draft's head fills -inf logits past its N tokens on the GPU too."""
+    hparams, params, gpu = both
+    (want, s_cpu), (got, s_gpu) = (spec(p, hparams, 30, 4, SAMPLED, seed=5, draft_vocab=40) for p in (params, gpu))
+    assert got == want and s_gpu.accepted == s_cpu.accepted
 
 
 def test_speculative_sampling_decides_as_numpy_does(both):
