@@ -83,8 +83,12 @@ def speedup(alpha, K, costs):
 
 def weight_bytes(model):
     """Bytes one weight of a model's matrices takes as stored: 4 (float32), 2 (bfloat16,
-    float16), 1 (int8; kernels/weight_formats.py)."""
-    return model[0]["blocks"][0]["mlp"]["c_fc"]["w"].itemsize
+    float16), 1 (int8), 0.5625 (int4: half a byte and a 2-byte scale per 32;
+    kernels/weight_formats.py)."""
+    layer = model[0]["blocks"][0]["mlp"]["c_fc"]
+    if layer["w"].dtype.name == "uint8":
+        return (layer["w"].nbytes + layer["scale"].nbytes) / (2 * layer["w"].nbytes)
+    return layer["w"].itemsize
 
 
 def default_costs(target, draft, draft_vocab=0):

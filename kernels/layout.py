@@ -1,7 +1,7 @@
 """The weights as the kernels read them: laid out once at load, in the format asked for.
 
 A checkpoint stores each matrix [n_in, n_out] row-major. The numba kernels read blocks
-of 64 output columns (row_kernel.py), narrowed to bfloat16 or int8 (weight_formats.py);
+of 64 output columns (row_kernel.py), narrowed to bfloat16, int8 or int4 (weight_formats.py);
 the NumPy fallback reads column-major matrices (rowwise.gemv_rows); a GPU (CuPy) takes
 plain matrices. `decode_layout` makes the CPU's layout, `to_backend` moves the params to
 the array library that runs them.
@@ -19,7 +19,8 @@ def decode_layout(params, kernel=None, dtype="float32"):
 
     kernel "numba" (row_kernel.py): each matrix w [n_in, n_out] becomes its blocks of 64
     output columns, wb [n_blocks, n_in, 64], in the format dtype (weight_formats.py:
-    float32, bfloat16 or int8 with a scale per column), and the tied head wte.T gets blocks
+    float32, bfloat16, int8 with a scale per column or int4 with one per group of 32 inputs),
+    and the tied head wte.T gets blocks
     of its own, params["lm_head"] (the vocabulary padded to a multiple of 64, as nanoGPT
     pads it; the padding is cut off the logits). The embeddings are read from those blocks
     too (gpt2.embed); wte stays a memmap of the checkpoint that the decoder never reads.
@@ -43,12 +44,14 @@ def decode_layout(params, kernel=None, dtype="float32"):
 
 def kernel_blocks(w, dtype):
     """A matrix w [n_in, n_out] as the numba kernels read it: {"w": its blocks of 64
-    columns [n_blocks, n_in, 64] in the format dtype, "scale" for int8}, int8's blocks
-    with each column's weights in pairs of inputs [n_blocks, n_in / 2, 64, 2]
-    (int8_kernel.py)."""
+    columns [n_blocks, n_in, 64] in the format dtype, "scale" for int8 and int4}, int8's
+    blocks with each column's weights in pairs of inputs [n_blocks, n_in / 2, 64, 2]
+    (int8_kernel.py), int4's two a byte [n_blocks, n_in / 4, 4, 32] (int4_kernel.py)."""
     layer = weight_formats.stored(rowwise.row_kernel.blocked(w), dtype)
     if dtype == "int8":
         layer["w"] = rowwise.int8_kernel.paired(layer["w"])
+    if dtype == "int4":
+        layer["w"] = rowwise.int4_kernel.packed(layer["w"])
     return layer
 
 

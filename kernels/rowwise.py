@@ -7,9 +7,9 @@ should not depend on which other rows share its pass (else its sampled text woul
 on its batch). `matmul` is the one place where rows meet weights, with two kernels:
 
 - "numba" (the default, row_kernel.py): the weights stored as contiguous blocks of 64
-  output columns (in float32, bfloat16 or int8: weight_formats.py), and a kernel of our
+  output columns (in float32, bfloat16, int8 or int4: weight_formats.py), and a kernel of our
   own that reads each weight once for all rows and sums every output in the same order
-  whatever the rows (int8 in integers: int8_kernel.py). A pass over 2-6 rows costs
+  whatever the rows (int8 and int4 in integers: int8_kernel.py, int4_kernel.py). A pass over 2-6 rows costs
   little more than one (`python benchmark.py --only rows`).
 - "numpy" (the fallback, when numba is missing or GPT2_ROW_KERNEL=numpy): BLAS alone.
   Its matrix product (sgemm) repacks the weights first, which for 2-8 rows costs 2-3
@@ -35,11 +35,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 try:
+    from kernels import int4_kernel  # int4 weights, two a byte, times 8-bit activations
     from kernels import int8_kernel  # int8 weights times 16-bit activations
     from kernels import row_kernel  # its kernels compile (or load from numba's cache) when first used
     from kernels import row_ops  # layer norm and attention for the kernel's passes
 except ImportError:  # no numba: the NumPy fallback
-    int8_kernel = row_kernel = row_ops = None
+    int4_kernel = int8_kernel = row_kernel = row_ops = None
 
 KERNEL_ENV = "GPT2_ROW_KERNEL"
 KERNELS = ("numba", "numpy")
@@ -76,10 +77,12 @@ _second_thread = ThreadPoolExecutor(1)
 def matmul(rows, w, shared=True, n_out=None, scale=None):
     """rows [n, n_in] @ w -> [n, n_out]. w: a matrix [n_in, n_out], or its blocks
     [n_blocks, n_in, 64] for the numba kernel (row_kernel.py; n_out then says how many
-    outputs are real), float32, bfloat16 (uint16) or int8 with its scale. shared: the
+    outputs are real), float32, bfloat16 (uint16), int8 or int4 (uint8) with its scales. shared: the
     rows belong to a pass that several requests share, so each row must come out as it
     would alone. The kernel gives that for every pass, faster than OpenBLAS held to one
     thread (see kernel_pass) at every row count (`python benchmark.py --only kernels`)."""
+    if w.dtype == np.uint8:  # int4, two a byte (int4_kernel.py)
+        return int4_kernel.matmul(rows, w, n_out or w.shape[0] * row_kernel.W, scale)
     if w.ndim == 4:  # int8 in pairs of inputs (int8_kernel.py)
         return int8_kernel.matmul(rows, w, n_out or w.shape[0] * row_kernel.W, scale)
     if w.ndim == 3:
@@ -128,6 +131,8 @@ def seconds_compiling():
 
 def columns(lm_head, tokens):
     """The embeddings [n, n_embd] of tokens, read from the head's blocks (gpt2.embed)."""
+    if lm_head["w"].dtype == np.uint8:
+        return int4_kernel.columns(lm_head["w"], tokens, lm_head["scale"])
     return row_kernel.columns(lm_head["w"], tokens, lm_head.get("scale"))
 
 

@@ -1,4 +1,4 @@
-"""Fewer bytes per weight: bfloat16 and int8 copies of GPT-2's float32 matrices.
+"""Fewer bytes per weight: bfloat16, int8 and int4 copies of GPT-2's float32 matrices.
 
 Decoding one token reads every weight once and does two flops with each, so a CPU
 spends its time waiting for memory: the time of a step is the bytes of weights over
@@ -19,15 +19,25 @@ float32; only the stored matrices change (and int8's products, below).
   is per output, x @ w = (x @ q) * scale: the kernel sums x[k] * q[k, j] and scales
   each output once at the end. It sums in integers, the activations rounded to 16 bits
   per block of 64 (int8_kernel.py: an error a few hundred times below the weights').
+- int4, weight-only, symmetric, in groups of G = 32 inputs with a scale per group and
+  output column (as llama.cpp's Q4_0 and gpt-fast's groupwise int4): w[k, j] ~ q[k, j] *
+  sw[g, j] with q in [-7, 7] and sw[g, j] = max |w[k, j]| over group g / 7, stored as
+  bfloat16 (its 8 bits are far finer than the 4 of q). Two weights a byte plus a scale
+  for 32 of them: 4.5 bits a weight. With only 15 levels a group, a step is 1/7 of the
+  group's largest weight (int8's is 1/127 of a column's), so int4 moves the logits far
+  more than int8; a small group keeps an outlier's coarse step to its own 32 weights.
+  The kernel (int4_kernel.py) rounds the activations to 8 bits per group and sums in
+  integers.
 
-Both are approximations of the float32 model (plain decoding's text can differ); as a
+All are approximations of the float32 model (plain decoding's text can differ); as a
 speculative draft they cost nothing in exactness, since rejection sampling keeps the
 output the float32 target's (speculative.py). `python benchmark.py --only formats`
 measures how far the logits move.
 """
 import numpy as np
 
-DTYPES = ("float32", "bfloat16", "int8")
+DTYPES = ("float32", "bfloat16", "int8", "int4")
+INT4_GROUP = 32  # inputs per int4 scale (Q4_0's block)
 
 
 def to_bfloat16(w):
@@ -56,13 +66,43 @@ def from_int8(q, scale, axis=0):
     return q.astype(np.float32) * np.expand_dims(scale, axis)
 
 
+def int4_group(n_in):
+    """Inputs per int4 group: INT4_GROUP, or the largest power of two below it that divides
+    n_in (the test models)."""
+    return int(np.gcd(n_in, INT4_GROUP))
+
+
+def to_int4(w):
+    """float32 w [..., n_in, n_out] -> (q int8 in [-7, 7] of w's shape, sw [..., n_in / c,
+    n_out] bfloat16 bits): q * sw ~ w, a scale per group of c = int4_group(n_in) inputs and
+    column, rounded to bfloat16 before q is rounded against it. A group of zeros gets 0."""
+    *lead, n_in, n_out = w.shape
+    c = int4_group(n_in)
+    groups = w.reshape(*lead, n_in // c, c, n_out)  # [..., n_in / c, c, n_out]
+    sw = to_bfloat16(np.abs(groups).max(axis=-2) / np.float32(7))  # [..., n_in / c, n_out]
+    scale = from_bfloat16(sw)[..., None, :]  # [..., n_in / c, 1, n_out]
+    q = np.rint(np.divide(groups, scale, out=np.zeros(groups.shape, np.float32), where=scale > 0))
+    return np.clip(q, -7, 7).astype(np.int8).reshape(w.shape), sw  # bfloat16's rounding may put a 7.03
+
+
+def from_int4(q, sw):
+    """(q [..., n_in, n_out], sw [..., n_in / c, n_out]) -> float32 q * sw, the weights int4
+    decoding uses."""
+    c = q.shape[-2] // sw.shape[-2]
+    return q.astype(np.float32) * np.repeat(from_bfloat16(sw), c, axis=-2)
+
+
 def stored(wb, dtype):
     """Float32 blocks [n_blocks, n_in, W] (row_kernel.blocked) in the format `dtype`, as
     the params keep them: {"w": blocks} (uint16 for bfloat16), plus for int8 "scale"
-    [n_blocks * W], one per output column."""
+    [n_blocks * W], one per output column, for int4 (q in int8 until the kernel packs them,
+    kernels/layout.py) "scale" [n_blocks, n_in / c, W], one per group and column."""
     if dtype == "float32":
         return {"w": wb}
     if dtype == "bfloat16":
         return {"w": to_bfloat16(wb)}
+    if dtype == "int4":
+        q, sw = to_int4(wb)  # [n_blocks, n_in, W], [n_blocks, n_in / c, W]
+        return {"w": q, "scale": sw}
     q, scale = to_int8(wb, axis=1)  # [n_blocks, n_in, W], [n_blocks, W]
     return {"w": q, "scale": scale.reshape(-1)}

@@ -161,8 +161,8 @@ def test_a_kernel_row_is_bitwise_the_same_for_any_row_count_and_place(n_in, n_ou
 @needs_numba
 def test_the_kernel_takes_float32_only():
     """No silent float64 path: the kernels are compiled for float32 activations and float32 or
-    bfloat16 weights (int8: int16 activations), and refuse anything else, compiled or not."""
-    from kernels import int8_kernel, row_kernel, row_ops
+    bfloat16 weights (int8: int16 activations; int4: int8), and refuse anything else, compiled or not."""
+    from kernels import int4_kernel, int8_kernel, row_kernel, row_ops
     wb = row_kernel.blocked(np.ones((8, 64), np.float32))
     for kernel in (row_kernel.rows_times_blocks, row_kernel.row_times_blocks):
         with pytest.raises(TypeError):
@@ -173,11 +173,15 @@ def test_the_kernel_takes_float32_only():
         int8_kernel.rows_times_pairs(np.ones((2, 8), np.int16), np.ones((2, 1), np.float32),
                                      np.ones((1, 4, 64, 2), np.float64), np.empty((2, 64), np.float32))
     with pytest.raises(TypeError):
+        int4_kernel.rows_times_nibbles(np.ones((2, 8), np.int8), np.ones((2, 1), np.float64),
+                                       np.ones((2, 1), np.int32), np.ones((1, 2, 4, 32), np.uint8),
+                                       np.ones((1, 1, 64), np.uint16), np.empty((2, 64), np.float32), 15, 4)
+    with pytest.raises(TypeError):
         row_ops.layer_norm(np.ones((2, 8)), np.ones(8, np.float32), np.zeros(8, np.float32))
 
 
 @needs_numba
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
 def test_padded_head_columns_are_never_logits(tiny, dtype):
     """The head's blocks pad the vocabulary to a multiple of 64. Fill the padding with huge
     weights: if any padded column reached the logits it would win every argmax."""
@@ -185,7 +189,14 @@ def test_padded_head_columns_are_never_logits(tiny, dtype):
     head = params["lm_head"]
     assert head["w"].shape[0] * 64 > hparams["n_vocab"]
     poisoned = {name: a.copy() for name, a in head.items()}
-    poisoned["w"][-1, :, hparams["n_vocab"] % 64:] = {"float32": 1e6, "bfloat16": 0x4974, "int8": 127}[dtype]
+    if dtype == "int4":  # the padded columns' nibbles all 15 (q = 7), their scales 1e6 in bfloat16
+        from kernels import int4_kernel
+        q = int4_kernel.unpacked(poisoned["w"])
+        q[-1, :, hparams["n_vocab"] % 64:] = 7
+        poisoned["w"] = int4_kernel.packed(q)
+        poisoned["scale"][-1, :, hparams["n_vocab"] % 64:] = 0x4974
+    else:
+        poisoned["w"][-1, :, hparams["n_vocab"] % 64:] = {"float32": 1e6, "bfloat16": 0x4974, "int8": 127}[dtype]
     if dtype == "int8":
         poisoned["scale"][hparams["n_vocab"]:] = 1e6
     ids = np.array([[464, 2068, 7586, 21831]])
@@ -220,7 +231,7 @@ def test_each_pass_runs_one_tile_plan_and_the_server_warms_them_all():
             sizes.append((R - i) // (n_tiles - t))
             i += sizes[-1]
         assert sum(sizes) == R and set(sizes) <= {n, n + 1} and max(sizes) <= 6 and 2 <= n <= 5, R
-    for dtype in (np.float32, np.uint16, np.int8):  # what a warm-up over EVERY_TILE compiles reaches every pass
+    for dtype in (np.float32, np.uint16, np.int8, np.uint8):  # what a warm-up over EVERY_TILE compiles reaches every pass
         loops = {row_kernel.loop_for(R, dtype) for R in range(1, 300)}
         assert {row_kernel.loop_for(r, dtype) for r in rowwise.warm_passes(flags.EVERY_TILE, dtype)} == loops
         assert {row_kernel.loop_for(r, dtype) for r in rowwise.warm_passes([1, 9, 100], dtype)} == {

@@ -1,4 +1,4 @@
-"""bfloat16 and int8 weights (weight_formats.py, row_kernel.py): the conversions are what
+"""bfloat16, int8 and int4 weights (weight_formats.py, the kernels): the conversions are what
 they claim, the kernels multiply what is stored, every row comes out as it would alone,
 and a narrow draft leaves speculative decoding exact."""
 import os
@@ -19,7 +19,7 @@ from test_speculative import N_CTX, PROMPTS, chi_square_ok, first_tokens, plain,
 from kernels import layout
 
 needs_numba = pytest.mark.skipif(rowwise.pick_kernel("numba") != "numba", reason="numba is not installed")
-NARROW = ["bfloat16", "int8"]
+NARROW = ["bfloat16", "int8", "int4"]
 GREEDY = sampling.SamplingSettings(temperature=0.0)
 
 
@@ -57,15 +57,44 @@ def test_int8_is_symmetric_per_output_column_within_half_a_step():
     assert (np.abs(back - w) <= scale / 2 * (1 + 1e-5) + 1e-12).all()
 
 
+def test_int4_is_symmetric_per_group_of_32_and_column_within_half_a_step():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((320, 70)).astype(np.float32) * rng.uniform(0.01, 5, 70).astype(np.float32)
+    w[:, 3] = 0  # a column of zeros (the head's padding)
+    w[37, 5] = 100.0  # an outlier: only its own group's step grows
+    q, sw = weight_formats.to_int4(w)
+    assert q.dtype == np.int8 and sw.dtype == np.uint16 and sw.shape == (10, 70)
+    scale = weight_formats.from_bfloat16(sw)  # [10, 70]
+    assert (scale[:, 3] == 0).all() and not q[:, 3].any() and np.abs(q).max() == 7
+    np.testing.assert_array_equal(sw, weight_formats.to_bfloat16(np.abs(w).reshape(10, 32, 70).max(1) / 7))
+    back = weight_formats.from_int4(q, sw)
+    step = np.repeat(scale, 32, axis=0)
+    assert (np.abs(back - w) <= step / 2 * (1 + 1e-5) + 1e-12).all()  # half a step, each
+    assert scale[1, 5] > 10 * np.delete(scale[:, 5], 1).max()  # the outlier's group alone
+
+
+def test_int4_packs_two_weights_a_byte_where_the_kernel_reads_them():
+    from kernels import int4_kernel
+    q = np.random.default_rng(3).integers(-7, 8, (3, 16, 64)).astype(np.int8)
+    qb = int4_kernel.packed(q)
+    assert qb.shape == (3, 4, 4, 32) and qb.dtype == np.uint8 and qb.flags.c_contiguous
+    # quad 2 (inputs 8..11), set 1 (columns 16..31), column 16 + 5 (low nibble) and 16 + 8 + 5 (high)
+    assert [qb[1, 2, 1, 4 * 5 + i] & 15 for i in range(4)] == [q[1, 8 + i, 21] + 8 for i in range(4)]
+    assert [qb[1, 2, 1, 4 * 5 + i] >> 4 for i in range(4)] == [q[1, 8 + i, 29] + 8 for i in range(4)]
+    np.testing.assert_array_equal(int4_kernel.unpacked(qb), q)
+
+
 def narrow_blocks(w, dtype):
     return layout.kernel_blocks(w, dtype)
 
 
 def widened(stored, n_out):
     """The float32 matrix [n_in, n_out] that stored blocks hold."""
-    from kernels import int8_kernel
+    from kernels import int4_kernel, int8_kernel
     from kernels import row_kernel
     wb = stored["w"]
+    if wb.dtype == np.uint8:
+        return row_kernel.unblocked(weight_formats.from_int4(int4_kernel.unpacked(wb), stored["scale"]), n_out)
     if wb.ndim == 4:
         wb = int8_kernel.unpaired(wb)
     if wb.dtype == np.uint16:
@@ -84,8 +113,15 @@ def test_the_kernel_multiplies_the_stored_weights(dtype, n_in, n_out):
     rows = rng.standard_normal((5, n_in), dtype=np.float32)
     got = rowwise.matmul(rows, st["w"], n_out=n_out, scale=st.get("scale"))
     assert got.dtype == np.float32 and got.shape == (5, n_out)
-    want = rows.astype(np.float64) @ widened(st, n_out).astype(np.float64)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(n_in))
+    w = widened(st, n_out).astype(np.float64)  # [n_in, n_out]
+    want = rows.astype(np.float64) @ w
+    if dtype != "int4":
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.sqrt(n_in))
+        return
+    # int4's kernel rounds each activation to 8 bits per group: within half its group's step
+    c = weight_formats.int4_group(n_in)
+    half_step = np.repeat(np.abs(rows).reshape(5, -1, c).max(-1) / 127 / 2, c, axis=1)  # [5, n_in]
+    assert (np.abs(got - want) <= half_step @ np.abs(w) * (1 + 1e-3) + 1e-4).all()
 
 
 @needs_numba
@@ -153,8 +189,8 @@ def test_narrow_logits_stay_near_float32_and_keep_the_hot_path_float32(wide_form
     got = gpt2.gpt2(ids, **wide_formats[dtype][0], n_head=12)
     assert got.dtype == np.float32
     rel = np.abs(got - full).max() / np.abs(full).max()
-    assert 0 < rel < {"bfloat16": 0.02, "int8": 0.05}[dtype]
-    assert (got.argmax(-1) == full.argmax(-1)).mean() > 0.5
+    assert 0 < rel < {"bfloat16": 0.02, "int8": 0.05, "int4": 0.5}[dtype]
+    assert (got.argmax(-1) == full.argmax(-1)).mean() > {"bfloat16": 0.5, "int8": 0.5, "int4": 0.2}[dtype]
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +202,7 @@ def self_drafts(tiny):
 
 
 @needs_numba
-@pytest.mark.parametrize("dtype, share", [("bfloat16", 0.5), ("int8", 0.25)])
+@pytest.mark.parametrize("dtype, share", [("bfloat16", 0.5), ("int8", 0.25), ("int4", (0.5 + 2 / 16) / 4)])
 def test_a_narrow_self_drafts_estimated_cost_is_its_share_of_the_bytes(self_drafts, dtype, share):
     """Adaptive K's default costs: the same weights in fewer bytes are a cheaper draft (as
     parameters alone, c would be 1 and K would fall to 1)."""
@@ -261,7 +297,8 @@ def test_main_decodes_in_a_narrow_format(capsys, models_dir, dtype):
     (["--dtype", "int8", "--backend", "cupy"], "--dtype int8 runs on the CPU's row kernel"),
     (["--draft_dtype", "bfloat16", "--backend", "cupy"], "--draft_dtype bfloat16 runs on the CPU's row kernel"),
     (["--draft_dtype", "float16"], "--draft_dtype float16 needs --backend cupy"),
-    (["--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
+    (["--dtype", "int2"], "argument --dtype: invalid choice: 'int2'"),
+    (["--draft_dtype", "int4", "--backend", "cupy"], "--draft_dtype int4 runs on the CPU's row kernel"),
 ])
 def test_bad_format_combinations_are_one_line(capsys, tmp_path, argv, message):
     rc, out, err = run_main(capsys, "--models_dir", str(tmp_path), "--base_url", "http://127.0.0.1:9", *argv)
@@ -271,8 +308,9 @@ def test_bad_format_combinations_are_one_line(capsys, tmp_path, argv, message):
 
 def test_the_numpy_fallback_refuses_narrow_formats_in_one_line(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(rowwise, "KERNEL", "numpy")
-    rc, out, err = run_main(capsys, "--models_dir", str(tmp_path), "--dtype", "int8")
-    assert rc == 2 and err.count("\n") == 1 and "--dtype int8 needs the numba row kernel" in err, err
+    for dtype in ("int8", "int4"):
+        rc, out, err = run_main(capsys, "--models_dir", str(tmp_path), "--dtype", dtype)
+        assert rc == 2 and err.count("\n") == 1 and f"--dtype {dtype} needs the numba row kernel" in err, err
     with pytest.raises(utils.LoadError, match="--dtype bfloat16 needs the numba row kernel"):
         layout.decode_layout({"wte": np.zeros((64, 8), np.float32), "blocks": []}, "numpy", "bfloat16")
 

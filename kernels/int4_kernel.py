@@ -1,0 +1,296 @@
+"""int4 weights, two a byte, multiplied in integers: one instruction does 32 multiply-adds.
+
+Four bits a weight halve int8's bytes again, and batch-1 decoding is bound by the bytes
+it reads. But the arithmetic must keep up: at half the bytes a step has half the time
+for the same multiply-adds. int8_kernel.py's way (16-bit activations, vpmaddwd: 16
+multiply-adds an instruction) plus unpacking the nibbles would be about as slow as int8
+itself. So this kernel does what llama.cpp's Q4_0 does on AVX2: activations rounded to
+8 bits, and vpmaddubsw, which multiplies 32 unsigned bytes by 32 signed bytes and adds
+neighbouring products into 16 16-bit sums: 32 multiply-adds an instruction.
+
+The format (weight_formats.to_int4), in groups of 32 inputs (as Q4_0's blocks), each
+group and output column with a scale of its own (bfloat16: 8 bits of precision, far finer
+than 4-bit weights; stored as uint16, widened exactly in registers as row_kernel does):
+
+    w[k, j] ~ q[k, j] * sw[g, j]    for k in group g,  q in [-7, 7],
+    sw[g, j] = max |w[k, j]| over the group / 7,  the byte holds u = q + 8 in [1, 15].
+
+The activations, per group of the same inputs (as int8_kernel.py rounds them, to 8 bits):
+
+    x[k] ~ x8[k] * sx[g],  sx[g] = max |x[k]| over the group / 127,  |x8| <= 127,
+
+and the product, with xsum[g] = sum of x8 over the group (u = q + 8, so the 8s come off):
+
+    y[j] = sum_g  (sum_{k in g} x8[k] * u[k, j]  -  8 xsum[g]) * (sw[g, j] * sx[g]).
+
+Inside a group the sums are integers, exact in any order: vpmaddubsw's pairs are at most
+2 x 15 x 127 = 3810 and a group adds 8 of them into a 16-bit lane (30480 < 32767), so no
+sum saturates or wraps. Each group's sum becomes a float32 and is added to the output as
+acc = fma(float(sum), sw * sx, acc), group after group, in every kernel here: a row's
+output is bitwise the same alone or beside any others.
+
+Layout: the 64 columns of a block (row_kernel.W) in 4 sets of 16; for each quad of inputs
+4t..4t+3 and set, 32 bytes: byte 4m + i holds input 4t + i of column 16s + m in its low
+nibble and of column 16s + 8 + m in its high one. One 32-byte load, a mask and a shift
+give two vectors of 8 columns x 4 inputs; the row's 4 bytes x8[4t..4t+3], repeated in
+every 4-byte lane, meet both (two vpmaddubsw). qb [n_blocks, n_in / 4, 4, 32] uint8
+(`packed`), scales [n_blocks, n_in / 32, W] uint16.
+"""
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, models, register_model
+
+from kernels.int8_kernel import I16x16, I32x8, abs_max8, int16x16, int32x8, lanes_max, store_int16, to_float
+from kernels.row_kernel import (AHEAD_ROWS, W, _address, fma8, load8, prefetch, store8, tile_plan,
+                                when_first_called, zero8)
+from kernels.weight_formats import from_bfloat16, int4_group
+
+X8_MAX = 127
+I8x32 = ir.VectorType(ir.IntType(8), 32)
+
+
+class Int8x32(types.Type):
+    """32 int8 lanes (LLVM's <32 x i8>): 8 columns x 4 inputs of nibbles, or a row's 4 x8 x 8."""
+    def __init__(self):
+        super().__init__(name="int8x32")
+
+
+int8x32 = Int8x32()
+
+
+@register_model(Int8x32)
+class Int8x32Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, I8x32)
+
+
+def _splat(builder, value, vector_type):
+    """value (an integer argument) in every lane of vector_type."""
+    value = builder.trunc(value, vector_type.element)
+    lanes = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.IntType(32)(0))
+    return builder.shuffle_vector(lanes, ir.Constant(vector_type, ir.Undefined),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), vector_type.count), [0] * vector_type.count))
+
+
+def _nibbles(builder, address, mask, shift=None):
+    """The 32 bytes at address, shifted right by `shift` bits in 16-bit lanes, & mask. The
+    kernels pass mask = 15 and shift = 4 as arguments, not constants: seeing them, LLVM
+    would prove that maddubs's pairs can never saturate, drop the saturation, and with it
+    the very pattern it knows as vpmaddubsw (it multiplies with vpmullw instead, slower)."""
+    bytes32 = builder.load(builder.bitcast(address, I8x32.as_pointer()), align=1)
+    if shift is not None:
+        i16x16 = ir.VectorType(ir.IntType(16), 16)
+        bytes32 = builder.bitcast(builder.lshr(builder.bitcast(bytes32, i16x16), _splat(builder, shift, i16x16)), I8x32)
+    return builder.and_(bytes32, _splat(builder, mask, I8x32))
+
+
+@intrinsic
+def low_nibbles(typingctx, a, index, mask):
+    """The low 4 bits (mask = 15) of the 32 bytes from a[index] on: columns 16s..16s+7 x 4 inputs."""
+    def codegen(context, builder, signature, args):
+        return _nibbles(builder, _address(context, builder, signature.args[0], args[0], args[1]), args[2])
+    return (int8x32(a, index, mask), codegen) if a.dtype == types.uint8 else None
+
+
+@intrinsic
+def high_nibbles(typingctx, a, index, mask, shift):
+    """The high 4 bits (shift = 4) of the same 32 bytes: columns 16s+8..16s+15 x 4 inputs."""
+    def codegen(context, builder, signature, args):
+        return _nibbles(builder, _address(context, builder, signature.args[0], args[0], args[1]), args[2], args[3])
+    return (int8x32(a, index, mask, shift), codegen) if a.dtype == types.uint8 else None
+
+
+@intrinsic
+def quad(typingctx, a, index):
+    """a[index], ..., a[index] + 3 (four int8) in every 4-byte lane (vpbroadcastd)."""
+    def codegen(context, builder, signature, args):
+        address = _address(context, builder, signature.args[0], args[0], args[1])
+        four = builder.load(builder.bitcast(address, ir.IntType(32).as_pointer()), align=1)
+        lanes = builder.insert_element(ir.Constant(I32x8, ir.Undefined), four, ir.IntType(32)(0))
+        lanes = builder.shuffle_vector(lanes, ir.Constant(I32x8, ir.Undefined), ir.Constant(I32x8, [0] * 8))
+        return builder.bitcast(lanes, I8x32)
+    return (int8x32(a, index), codegen) if a.dtype == types.int8 else None
+
+
+@intrinsic
+def maddubs(typingctx, acc, u, x):
+    """acc + (u[0] x[0] + u[1] x[1], u[2] x[2] + u[3] x[3], ...), u unsigned and x signed
+    bytes, each pair's sum saturated to 16 bits: plain LLVM in the shape LLVM's x86 backend
+    turns into one vpmaddubsw (and a vpaddw); other CPUs get what their backend makes of it.
+    The saturation never acts here (a pair is at most 3810), it only lets LLVM match."""
+    def codegen(context, builder, signature, args):
+        i32x16 = ir.VectorType(ir.IntType(32), 16)
+        even, odd = (ir.Constant(i32x16, list(range(start, 32, 2))) for start in (0, 1))
+        u, x = args[1], args[2]
+
+        def products(lanes):
+            return builder.mul(builder.sext(builder.shuffle_vector(x, x, lanes), i32x16),
+                               builder.zext(builder.shuffle_vector(u, u, lanes), i32x16))
+        total = builder.add(products(even), products(odd))
+        high, low = ir.Constant(i32x16, [32767] * 16), ir.Constant(i32x16, [-32768] * 16)
+        total = builder.select(builder.icmp_signed(">", total, low), total, low)
+        total = builder.select(builder.icmp_signed("<", total, high), total, high)
+        return builder.add(args[0], builder.trunc(total, I16x16))
+    return int16x16(int16x16, int8x32, int8x32), codegen
+
+
+@intrinsic
+def zero16(typingctx):
+    """16 lanes of integer 0 (16-bit)."""
+    def codegen(context, builder, signature, args):
+        return ir.Constant(I16x16, [0] * 16)
+    return int16x16(), codegen
+
+
+@intrinsic
+def column_sums(typingctx, s, minus):
+    """The 16-bit pair sums s as 8 columns' 32-bit sums (neighbouring lanes added: vpmaddwd
+    by ones), less `minus` in every lane."""
+    def codegen(context, builder, signature, args):
+        i32x16 = ir.VectorType(ir.IntType(32), 16)
+        wide = builder.sext(args[0], i32x16)
+        even = builder.shuffle_vector(wide, wide, ir.Constant(I32x8, list(range(0, 16, 2))))
+        odd = builder.shuffle_vector(wide, wide, ir.Constant(I32x8, list(range(1, 16, 2))))
+        lanes = builder.insert_element(ir.Constant(I32x8, ir.Undefined), args[1], ir.IntType(32)(0))
+        lanes = builder.shuffle_vector(lanes, ir.Constant(I32x8, ir.Undefined), ir.Constant(I32x8, [0] * 8))
+        return builder.sub(builder.add(even, odd), lanes)
+    return int32x8(int16x16, types.int32), codegen
+
+
+@njit(cache=True, nogil=True)
+def to_int8(x, c):
+    """x [R, n_in] float32 -> x8 [R, n_in] int8, sx [R, n_in / c] float32 and xsum
+    [R, n_in / c] int32 (each group's sum of x8), groups of c inputs: x ~ x8 * sx with
+    sx = top / 127 and x8 = rint(x * (127 / top)), top the group's largest |x|."""
+    R, n_in = x.shape
+    x16 = np.empty((R, n_in), np.int16)  # [R, n_in]: rounded in 8 lanes at a time, then narrowed
+    sx = np.empty((R, n_in // c), np.float32)  # [R, n_in / c]
+    xsum = np.empty((R, n_in // c), np.int32)  # [R, n_in / c]
+    for r in range(R):
+        for g in range(n_in // c):
+            m = zero8()
+            for k in range(g * c, (g + 1) * c, 8):
+                m = abs_max8(m, load8(x, (r, k)))
+            top = lanes_max(m)
+            sx[r, g] = top / np.float32(X8_MAX)
+            inverse = np.float32(X8_MAX) / top if top > 0 else np.float32(0)
+            for k in range(g * c, (g + 1) * c, 8):
+                store_int16(x16, (r, k), fma8(zero8(), inverse, load8(x, (r, k))))  # 0 + inverse * x: a product
+            total = 0
+            for k in range(g * c, (g + 1) * c):
+                total += x16[r, k]
+            xsum[r, g] = total
+    return x16.astype(np.int8), sx, xsum
+
+
+@njit(inline="always")
+def tile(x8, sx, xsum, i, n, qb, sw, b, g, c, out, ahead, mask, shift):
+    """Rows i..i+n-1 (n = 1..6, a constant where called) times group g of block b's inputs:
+    per set of 16 columns, 2n registers of 16-bit sums over the group's quads (per quad one
+    load of weights serves 2n vpmaddubsw), then each row's sums added to out as
+    fma(float(sum - 8 xsum), sw * sx, out)."""
+    o = b * W
+    for s in range(4):
+        a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = zero16()
+        for t in range(g * c // 4, (g + 1) * c // 4):
+            prefetch(qb, (b, t + ahead, s, 0))
+            lo, hi = low_nibbles(qb, (b, t, s, 0), mask), high_nibbles(qb, (b, t, s, 0), mask, shift)
+            x0 = quad(x8, (i, 4 * t))
+            a00, a01 = maddubs(a00, lo, x0), maddubs(a01, hi, x0)
+            if n > 1:
+                x1 = quad(x8, (i + 1, 4 * t))
+                a10, a11 = maddubs(a10, lo, x1), maddubs(a11, hi, x1)
+            if n > 2:
+                x2 = quad(x8, (i + 2, 4 * t))
+                a20, a21 = maddubs(a20, lo, x2), maddubs(a21, hi, x2)
+            if n > 3:
+                x3 = quad(x8, (i + 3, 4 * t))
+                a30, a31 = maddubs(a30, lo, x3), maddubs(a31, hi, x3)
+            if n > 4:
+                x4 = quad(x8, (i + 4, 4 * t))
+                a40, a41 = maddubs(a40, lo, x4), maddubs(a41, hi, x4)
+            if n > 5:
+                x5 = quad(x8, (i + 5, 4 * t))
+                a50, a51 = maddubs(a50, lo, x5), maddubs(a51, hi, x5)
+        for r, (first, second) in enumerate(((a00, a01), (a10, a11), (a20, a21), (a30, a31), (a40, a41), (a50, a51))):
+            if r < n:
+                minus = 8 * xsum[i + r, g]
+                for half, sums in enumerate((first, second)):
+                    j = 16 * s + 8 * half
+                    scale = fma8(zero8(), sx[i + r, g], load8(sw, (b, g, j)))  # sw * sx, one rounding
+                    before = zero8() if g == 0 else load8(out, (i + r, o + j))
+                    store8(out, (i + r, o + j), fma8(before, to_float(column_sums(sums, minus)), scale))
+
+
+@when_first_called({"uint8": "void(int8[:, ::1], float32[:, ::1], int32[:, ::1], uint8[:, :, :, ::1], "
+                            "uint16[:, :, ::1], float32[:, ::1], int32, int32)"},
+                   key=lambda x8, sx, xsum, qb, sw, out, mask, shift: qb.dtype, parallel=True,
+                   plan=lambda x8, sx, xsum, qb, sw, out, mask, shift: tile_plan(x8.shape[0]))
+def rows_times_nibbles(n):
+    """The loop out [R, n_blocks * W] = x8 [R, n_in] (groups scaled by sx) @ the int4
+    weights, for R rows in tiles of n or n + 1 rows (row_kernel.tile_plan): per block of
+    weights and group of inputs, tile by tile, so a group's 1 KiB of weights is read from
+    memory once for all rows."""
+    def kernel(x8, sx, xsum, qb, sw, out, mask, shift):
+        n_blocks, quads, _, _ = qb.shape
+        R = x8.shape[0]
+        c = 4 * quads // sx.shape[1]
+        ahead = AHEAD_ROWS // (4 * 32)  # quads
+        n_tiles = -(-R // 6)
+        for b in prange(n_blocks):
+            for g in range(4 * quads // c):
+                i = 0
+                for t in range(n_tiles):
+                    size = (R - i) // (n_tiles - t)  # n or n + 1
+                    if size == n:
+                        tile(x8, sx, xsum, i, n, qb, sw, b, g, c, out, ahead, mask, shift)
+                    else:
+                        tile(x8, sx, xsum, i, n + 1, qb, sw, b, g, c, out, ahead, mask, shift)
+                    i += size
+    return kernel
+
+
+def packed(q):
+    """Signed 4-bit blocks q [n_blocks, n_in, W] (values -7..7) -> qb [n_blocks, n_in / 4,
+    4, 32] uint8 as the module docstring lays them out."""
+    n_blocks, n_in, w = q.shape
+    u = (q.astype(np.int16) + 8).astype(np.uint8)  # [n_blocks, n_in, W]: 1..15
+    u = u.reshape(n_blocks, n_in // 4, 4, 4, 2, 8)  # [n_blocks, quad, i, set, half, m]
+    u = u.transpose(0, 1, 3, 5, 2, 4)  # [n_blocks, quad, set, m, i, half]
+    return np.ascontiguousarray(u[..., 0] | (u[..., 1] << 4)).reshape(n_blocks, n_in // 4, 4, 32)
+
+
+def unpacked(qb):
+    """The inverse of `packed`: qb [n_blocks, n_in / 4, 4, 32] -> q [n_blocks, n_in, W] int8."""
+    n_blocks, quads, _, _ = qb.shape
+    u = qb.reshape(n_blocks, quads, 4, 8, 4)  # [n_blocks, quad, set, m, i]
+    both = np.stack([u & 15, u >> 4], axis=-1)  # [n_blocks, quad, set, m, i, half]
+    q = both.transpose(0, 1, 4, 2, 5, 3).reshape(n_blocks, 4 * quads, W)  # [n_blocks, n_in, W]
+    return q.astype(np.int8) - 8
+
+
+def matmul(rows, qb, n_out, sw):
+    """rows [n, n_in] @ w -> [n, n_out] float32, w stored as int4 qb [n_blocks, n_in / 4, 4,
+    32] with its group scales sw [n_blocks, n_in / 32, W] (bfloat16 bits); only the blocks
+    that hold the first n_out outputs are read."""
+    n_blocks = -(-n_out // W)
+    qb, sw = qb[:n_blocks], sw[:n_blocks]
+    x = np.ascontiguousarray(rows, dtype=np.float32)  # [n, n_in]
+    x8, sx, xsum = to_int8(x, int4_group(x.shape[1]))  # [n, n_in], [n, n_in / c], [n, n_in / c]
+    out = np.empty((len(x), n_blocks * W), np.float32)  # [n, n_blocks * W]
+    rows_times_nibbles(x8, sx, xsum, qb, sw, out, 15, 4)  # mask and shift: see _nibbles
+    return out[:, :n_out]  # [n, n_out]
+
+
+def columns(qb, tokens, sw):
+    """Columns `tokens` of the int4 matrix (qb, sw) as float32 rows [n, n_in]: the tied
+    head's columns are the tokens' embeddings, in the very weights the head multiplies by."""
+    tokens = np.asarray(tokens)
+    b, m = tokens // W, tokens % W
+    s, half, m = m // 16, m % 16 // 8, m % 8
+    quads = qb[b, :, s].reshape(len(tokens), -1, 8, 4)[np.arange(len(tokens)), :, m]  # [n, n_in / 4, 4]
+    u = np.where(half[:, None, None] == 1, quads >> 4, quads & 15).reshape(len(tokens), -1)  # [n, n_in]
+    c = u.shape[1] // sw.shape[1]
+    scale = from_bfloat16(sw[b, :, tokens % W])  # [n, n_in / c]
+    return (u.astype(np.int8) - 8).astype(np.float32) * np.repeat(scale, c, axis=1)  # [n, n_in]
