@@ -51,7 +51,7 @@ def layer_norm(x, g, b, eps=1e-5):
 def linear(x, w, b, shared=False, scale=None):
     """x @ w + b over the last axis, the rows of the batch flattened together. w: a matrix
     [n_in, n_out] or the row kernel's blocks of it (kernels/rowwise.py; b says n_out), in float32,
-    bfloat16 or int8 with its column scales (kernels/weight_formats.py). shared: the pass serves
+    bfloat16, int8 or int4 with its scales (kernels/weight_formats.py). shared: the pass serves
     several requests, so each row must come out as it would alone."""
     rows = x.reshape(-1, x.shape[-1])  # [n, n_in]
     n_out = b.shape[-1]
@@ -61,7 +61,7 @@ def linear(x, w, b, shared=False, scale=None):
 def head_logits(x, wte, lm_head=None, n_vocab=None, shared=False):
     """x @ wte.T: the head is the token embedding again (tied weights), for the first
     n_vocab tokens (default: all). lm_head, where the params have it, is the same matrix
-    wte.T stored as the row kernel's blocks, {"w"} (and "scale" for int8; kernels/layout.py)."""
+    wte.T stored as the row kernel's blocks, {"w"} (and "scale" for int8 and int4; kernels/layout.py)."""
     n_vocab = n_vocab or wte.shape[0]
     rows = x.reshape(-1, x.shape[-1])  # [n, n_embd]
     if lm_head is None:
@@ -73,7 +73,7 @@ def head_logits(x, wte, lm_head=None, n_vocab=None, shared=False):
 def embed(inputs, wte, lm_head=None):
     """Token embeddings [B, T, n_embd] of inputs [B, T]: rows of wte, or, with the row
     kernel's layout, the same numbers read from the head's blocks (wte.T), in the head's
-    format: a bfloat16 or int8 model keeps one copy of its embedding, the narrow one."""
+    format: a narrow model (bfloat16, int8, int4) keeps one copy of its embedding, the narrow one."""
     if lm_head is None:
         return wte[inputs]  # [B, T, n_embd]
     rows = rowwise.columns(lm_head, inputs.reshape(-1))  # [B*T, n_embd]

@@ -5,7 +5,7 @@ written by `cli.write_results`, the tables made by report.py, the plots by plots
 file per section of `--only`, each measuring one thing:
 
 - decode.py: decode (tokens/s beside the roofline, context, layout, load)
-- formats.py: formats (bfloat16 and int8 against float32), with llama.cpp beside them (llamacpp.py)
+- formats.py: formats (bfloat16, int8 and int4 against float32), with llama.cpp beside them (llamacpp.py)
 - rows.py: rows and kernels (the numba kernel against the NumPy fallback); ceiling.py: ceiling
 - speculation.py: speculative and breakdown (a controlled drafter, the cost model's predictions)
 - serve.py: serving and http; beams.py: beams

@@ -12,10 +12,12 @@ the kernels run at batch 8 (one input, or one pair or quad of inputs, per step):
   adds each): 64 multiply-adds.
 - int8 x int16 (int8_kernel.py): 2 loads of weights widened to int16, 4 broadcasts of a
   pair of x16, 8 vpmaddwd (16 multiply-adds each) and 8 vpaddd: 128 multiply-adds.
-- int8 x 7 bits (not used here): AVX2's vpmaddubsw multiplies 32 unsigned by signed
-  bytes and adds pairs into int16 with saturation, so one side must keep to 7 bits for
-  the pairs not to clip: fbgemm's and ONNX Runtime's `reduce_range` on CPUs without VNNI.
-  8 vpmaddubsw, 8 vpmaddwd with ones (to int32) and 8 vpaddd: 256 multiply-adds.
+- int8 x 7 bits: AVX2's vpmaddubsw multiplies 32 unsigned by signed bytes and adds
+  pairs into int16 with saturation, so one side must keep to 7 bits for the pairs not
+  to clip (fbgemm's and ONNX Runtime's `reduce_range` on CPUs without VNNI); 4-bit
+  weights are far inside that, so int4_kernel.py multiplies with it (and adds a group's
+  pairs in int16 before widening). 8 vpmaddubsw, 8 vpmaddwd with ones (to int32) and
+  8 vpaddd: 256 multiply-adds.
 
 Per multiply instruction vpmaddwd does 16 multiply-adds where an FMA does 8, and
 vpmaddubsw 32 (then a vpmaddwd widens its sums); but a tile step is more than its

@@ -1,7 +1,7 @@
 """The llama.cpp peer of `benchmark.py --only formats`: the same GPT-2 weights decoded by
 llama.cpp, the C/C++ engine most people run on a CPU, in its formats beside ours:
-F32 / F16 / Q8_0 (blocks of 32 int8 weights sharing a float16 scale) against our
-float32 / bfloat16 / int8.
+F32 / F16 / Q8_0 (blocks of 32 int8 weights sharing a float16 scale) / Q4_0 (blocks of
+32 4-bit weights sharing one) against our float32 / bfloat16 / int8 / int4.
 
 The weights are written as GGUF, llama.cpp's file format, with the `gguf` package
 (as llama.cpp's own convert_hf_to_gguf.py writes GPT-2: its matrices transposed to
@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 HELD = {}  # in a peer's process: GGUF path -> its llama.cpp model
 
 # our format -> llama.cpp's format of the same width
-PEER_FORMATS = {"float32": "F32", "bfloat16": "F16", "int8": "Q8_0"}
+PEER_FORMATS = {"float32": "F32", "bfloat16": "F16", "int8": "Q8_0", "int4": "Q4_0"}
 
 
 def version():
@@ -61,8 +61,8 @@ def gguf_tensors(params):
 
 
 def write_gguf(path, params, hparams, encoder_dir, peer_format):
-    """One GGUF file of the model in peer_format (F32, F16 or Q8_0 for the matrices and
-    the embedding; everything else float32), with GPT-2's tokenizer."""
+    """One GGUF file of the model in peer_format (F32, F16, Q8_0 or Q4_0 for the matrices
+    and the embedding; everything else float32), with GPT-2's tokenizer."""
     import gguf
     writer = gguf.GGUFWriter(path, "gpt2")
     writer.add_block_count(hparams["n_layer"])
@@ -72,7 +72,7 @@ def write_gguf(path, params, hparams, encoder_dir, peer_format):
     writer.add_head_count(hparams["n_head"])
     writer.add_layer_norm_eps(1e-5)
     writer.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
-                          "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[peer_format])
+                          "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[peer_format])
     with open(os.path.join(encoder_dir, "encoder.json"), encoding="utf-8") as f:
         encoder = json.load(f)
     with open(os.path.join(encoder_dir, "vocab.bpe"), encoding="utf-8") as f:
@@ -90,11 +90,11 @@ def write_gguf(path, params, hparams, encoder_dir, peer_format):
         a = np.asarray(a, dtype=np.float32)
         if a.ndim < 2 or name == "position_embd.weight" or peer_format == "F32":
             writer.add_tensor(name, a)
-        elif peer_format == "F16" or a.shape[-1] % 32:  # Q8_0 needs rows of whole blocks; else F16, as convert does
+        elif peer_format == "F16" or a.shape[-1] % 32:  # Q8_0 / Q4_0 need rows of whole blocks; else F16, as convert does
             writer.add_tensor(name, a.astype(np.float16))
         else:
-            writer.add_tensor(name, gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            qtype = getattr(gguf.GGMLQuantizationType, peer_format)
+            writer.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

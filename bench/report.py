@@ -80,7 +80,7 @@ def kernels_table(rows):
 def ceiling_tables(c):
     ceilings, f32 = c["ceilings"], c["ceilings"]["float32"]
     names = {"float32": "float32 FMAs (row_kernel.py)", "int8 x int16": "int8 x int16, vpmaddwd (int8_kernel.py)",
-             "int8 x 7 bits": "int8 x 7 bits, vpmaddubsw (not used: rounds one side to 7 bits)"}
+             "int8 x 7 bits": "int8 x 7 bits, vpmaddubsw (int4_kernel.py's multiply)"}
     lines = ["### Ceiling: multiply-adds a second (benchmark_ceiling.py)", "",
              "Each kernel's inner loop (a tile of 4 rows x 16 columns) with its weights in L1, on every thread:", "",
              "| loop | G multiply-adds/s | over float32 |", "|---|---|---|"]

@@ -48,7 +48,7 @@ def add_decoder_flags(ap, modes, default):
                     help="the draft's weights (default: int8 for a smaller draft model on the CPU's kernel, else "
                          "--dtype); the draft's precision never changes the text, only how often its guesses are "
                          "accepted. With --draft_model_size equal to --target_model_size, --draft_dtype int8 "
-                         "drafts with the target's own int8 copy")
+                         "(or int4) drafts with the target's own int8 (int4) copy")
 
 
 PREFIX_CACHE_MIB = 1024  # the default budget: 5,000 tokens' keys and values of 355M, 14,000 of 124M
@@ -80,8 +80,9 @@ def add_model_flags(ap):
     ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy",
                     help="cupy: the same code on an NVIDIA GPU (pip install cupy-cuda12x)")
     ap.add_argument("--dtype", choices=DTYPES, default="float32",
-                    help="the weights as stored: bfloat16 / int8 read 2x / 4x fewer bytes per token (the CPU's "
-                         "numba kernel; an approximation of float32, see README); float16: --backend cupy only")
+                    help="the weights as stored: bfloat16 / int8 / int4 read 2x / 4x / 7x fewer bytes per token "
+                         "(the CPU's numba kernel; an approximation of float32, see README); float16: --backend "
+                         "cupy only")
     ap.add_argument("--models_dir", default="models", help="where the checkpoints are (or are downloaded to)")
     ap.add_argument("--source", choices=list(utils.SOURCES), default="openai",
                     help="openai: OpenAI's TensorFlow checkpoints; hf: the Hugging Face safetensors")
@@ -93,7 +94,7 @@ def add_model_flags(ap):
 
 def check_dtypes(args):
     """The kernel --kernel asks for, and each weight format where a kernel for it exists:
-    bfloat16 and int8 on the CPU's numba kernel, float16 on a GPU (CuPy); float32 everywhere."""
+    bfloat16, int8 and int4 on the CPU's numba kernel, float16 on a GPU (CuPy); float32 everywhere."""
     if getattr(args, "kernel", None):
         rowwise.use(args.kernel)
     for flag in ("dtype", "draft_dtype"):
@@ -105,7 +106,7 @@ def check_dtypes(args):
                              "float32 or float16")
         if args.backend == "numpy" and dtype == "float16":
             raise ValueError(f"--{flag} float16 needs --backend cupy (NumPy has no fast float16 matmul); "
-                             "on the CPU use bfloat16 or int8")
+                             "on the CPU use bfloat16, int8 or int4")
         if args.backend == "numpy" and rowwise.KERNEL != "numba":
             raise ValueError(f"--{flag} {dtype} needs the numba row kernel (pip install numba, and leave out "
                              f"--kernel numpy and {rowwise.KERNEL_ENV}); the NumPy reference runs float32")
