@@ -275,13 +275,25 @@ def run_main(capsys, *argv):
 
 
 @needs_numba
-def test_main_self_draft_prints_the_float32_greedy_text(capsys, models_dir):
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_main_self_draft_prints_the_float32_greedy_text(capsys, models_dir, dtype):
     rc, out, err = run_main(capsys, "--models_dir", models_dir, "--target_model_size", "124M",
-                            "--draft_model_size", "124M", "--draft_dtype", "int8", "--temperature", "0",
+                            "--draft_model_size", "124M", "--draft_dtype", dtype, "--temperature", "0",
                             "--n_tokens_to_generate", "20")
     assert rc == 0, err
-    assert "loaded GPT-2 124M as float32" in out and "loaded GPT-2 124M as int8" in out
-    assert "draft 124M int8" in out and "greedy texts identical: yes" in out
+    assert "loaded GPT-2 124M as float32" in out and f"loaded GPT-2 124M as {dtype}" in out
+    assert f"draft 124M {dtype}" in out and "greedy texts identical: yes" in out
+
+
+@needs_numba
+def test_main_with_an_int4_draft_model_prints_the_targets_greedy_text(capsys, models_dir):
+    """The users' command with --draft_dtype int4: the tiny models stand in for 124M (the
+    draft, in int4) and 355M (the target, float32)."""
+    rc, out, err = run_main(capsys, "--models_dir", models_dir, "--target_model_size", "355M",
+                            "--draft_model_size", "124M", "--draft_dtype", "int4", "--temperature", "0",
+                            "--n_tokens_to_generate", "20", "--K", "4")
+    assert rc == 0, err
+    assert "loaded GPT-2 124M as int4" in out and "draft 124M int4" in out and "greedy texts identical: yes" in out
 
 
 @needs_numba
