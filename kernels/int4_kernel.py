@@ -43,7 +43,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, models, register_model
 
-from kernels.int8_kernel import I16x16, I32x8, abs_max8, int16x16, int32x8, lanes_max, store_int16, to_float
+from kernels.int8_kernel import I16x16, I32x8, int16x16, int32x8, to_float, to_int16
 from kernels.row_kernel import (AHEAD_ROWS, W, _address, fma8, load8, prefetch, store8, tile_plan,
                                 when_first_called, zero8)
 from kernels.weight_formats import from_bfloat16, int4_group
@@ -163,25 +163,16 @@ def column_sums(typingctx, s, minus):
 @njit(cache=True, nogil=True)
 def to_int8(x, c):
     """x [R, n_in] float32 -> x8 [R, n_in] int8, sx [R, n_in / c] float32 and xsum
-    [R, n_in / c] int32 (each group's sum of x8), groups of c inputs: x ~ x8 * sx with
-    sx = top / 127 and x8 = rint(x * (127 / top)), top the group's largest |x|."""
+    [R, n_in / c] int32 (each group's sum of x8), groups of c inputs: int8_kernel's
+    rounding to 127 levels, x ~ x8 * sx with sx = top / 127, top the group's largest |x|."""
+    x16, sx = to_int16(x, c, X8_MAX)  # [R, n_in] within -127..127, [R, n_in / c]
     R, n_in = x.shape
-    x16 = np.empty((R, n_in), np.int16)  # [R, n_in]: rounded in 8 lanes at a time, then narrowed
-    sx = np.empty((R, n_in // c), np.float32)  # [R, n_in / c]
     xsum = np.empty((R, n_in // c), np.int32)  # [R, n_in / c]
     for r in range(R):
         for g in range(n_in // c):
-            m = zero8()
-            for k in range(g * c, (g + 1) * c, 8):
-                m = abs_max8(m, load8(x, (r, k)))
-            top = lanes_max(m)
-            sx[r, g] = top / np.float32(X8_MAX)
-            inverse = np.float32(X8_MAX) / top if top > 0 else np.float32(0)
-            for k in range(g * c, (g + 1) * c, 8):
-                store_int16(x16, (r, k), fma8(zero8(), inverse, load8(x, (r, k))))  # 0 + inverse * x: a product
-            total = 0
+            total = np.int32(0)
             for k in range(g * c, (g + 1) * c):
-                total += x16[r, k]
+                total += np.int32(x16[r, k])
             xsum[r, g] = total
     return x16.astype(np.int8), sx, xsum
 

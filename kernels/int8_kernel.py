@@ -196,10 +196,11 @@ def store_int16(typingctx, a, index, v):
 
 
 @njit(cache=True, nogil=True)
-def to_int16(x, c):
+def to_int16(x, c, most=X16_MAX):
     """x [R, n_in] float32 -> x16 [R, n_in] int16 and sx [R, n_in / c] float32, blocks of
-    c inputs (a multiple of 8), 8 lanes at a time: x ~ x16 * sx with sx = top / 32767 and
-    x16 = rint(x * (32767 / top)), top the block's largest |x| (a block of zeros: all 0)."""
+    c inputs (a multiple of 8), 8 lanes at a time: x ~ x16 * sx with sx = top / most and
+    x16 = rint(x * (most / top)), top the block's largest |x| (a block of zeros: all 0);
+    most = 32767 here, 127 for int4_kernel.py's 8-bit activations."""
     R, n_in = x.shape
     x16 = np.empty((R, n_in), np.int16)  # [R, n_in]
     sx = np.empty((R, n_in // c), np.float32)  # [R, n_in / c]
@@ -209,8 +210,8 @@ def to_int16(x, c):
             for k in range(b * c, (b + 1) * c, 8):
                 m = abs_max8(m, load8(x, (r, k)))
             top = lanes_max(m)
-            sx[r, b] = top / np.float32(X16_MAX)
-            inverse = np.float32(X16_MAX) / top if top > 0 else np.float32(0)
+            sx[r, b] = top / np.float32(most)
+            inverse = np.float32(most) / top if top > 0 else np.float32(0)
             for k in range(b * c, (b + 1) * c, 8):
                 store_int16(x16, (r, k), fma8(zero8(), inverse, load8(x, (r, k))))  # 0 + inverse * x: a product
     return x16, sx
