@@ -236,7 +236,7 @@ def test_gpu_benchmark_runs_end_to_end(tmp_path, capsys, monkeypatch):
     assert "Speculative decoding: draft tiny -> target tiny" in (tmp_path / "results.md").read_text()
 
 
-@pytest.mark.parametrize("peer_format", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("peer_format", ["F32", "F16", "Q8_0", "Q4_0"])
 def test_gguf_for_llama_cpp_holds_the_same_weights(tiny, tmp_path, peer_format):
     """The llama.cpp peer reads what we wrote: every matrix transposed to GGUF's [n_out, n_in],
     widened back within its format's rounding; norms, biases and positions exact."""
@@ -261,12 +261,14 @@ def test_gguf_for_llama_cpp_holds_the_same_weights(tiny, tmp_path, peer_format):
         elif t.tensor_type == gguf.GGMLQuantizationType.F16:  # also Q8_0's rows of fewer than 32
             assert peer_format == "F16" or want.shape[-1] % 32
             np.testing.assert_allclose(got, want, rtol=2 ** -11, atol=2 ** -24)
-        else:  # blocks of 32 along a row, one step max/127 each: half a step off, plus the step's float16 rounding
-            assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+        else:  # blocks of 32 along a row, a step max/127 (Q8_0) or max/8 each: half a step off, plus the
+            # step's float16 rounding; Q4_0 puts the largest |w| at -8, so the other sign's +8 clips to +7: a step
+            assert t.tensor_type == getattr(gguf.GGMLQuantizationType, peer_format)
             quantized.append(name)
+            levels, off = {"Q8_0": (127, 0.5), "Q4_0": (8, 1.0)}[peer_format]
             blocks = np.abs(want).reshape(-1, 32).max(axis=1, keepdims=True)
-            assert np.all(np.abs(got - want).reshape(-1, 32) <= blocks / 127 * (0.5 + 127 * 2 ** -11))
-    assert bool(quantized) == (peer_format == "Q8_0")  # the tiny model's c_proj rows are 64 wide
+            assert np.all(np.abs(got - want).reshape(-1, 32) <= blocks / levels * (off + levels * 2 ** -11))
+    assert bool(quantized) == (peer_format in ("Q8_0", "Q4_0"))  # the tiny model's c_proj rows are 64 wide
     model = dict((f.name, f) for f in reader.fields.values())
     assert bytes(model["general.architecture"].parts[-1]).decode() == "gpt2"
     assert int(model["gpt2.block_count"].parts[-1][0]) == hparams["n_layer"]
