@@ -25,7 +25,7 @@ def stand_in_open(path, n_ctx, n_threads, ids, want):
 
 
 def stand_in_decode(path, prompt, n_tokens):
-    """F32 decodes at 100 tok/s, F16 refuses, Q8_0 dies in its decode."""
+    """F32 and Q4_0 decode at 100 tok/s, F16 refuses, Q8_0 dies in its decode."""
     if "Q8_0" in path:
         segfault()
     if "F16" in path:
@@ -67,10 +67,10 @@ def test_a_segfaulting_llama_cpp_leaves_the_other_results_written(models_dir, tm
     assert benchmark.main(argv) == 0
     f = json.load(open(tmp_path / "results.json"))["formats"][0]
     assert [(d["dtype"], d["decode_tok_s"] > 0) for d in f["decode"]] == [("float32", True), ("bfloat16", True),
-                                                                          ("int8", True)]
-    assert [x["weights"] for x in f["formats"]] == ["real"] * 3  # the test model, loaded in each format
+                                                                          ("int8", True), ("int4", True)]
+    assert [x["weights"] for x in f["formats"]] == ["real"] * 4  # the test model, loaded in each format
     peer = f["llama_cpp"]
-    assert [(d["format"], d["decode_tok_s"]) for d in peer["decode"]] == [("F32", 100.0)]
+    assert [(d["format"], d["decode_tok_s"]) for d in peer["decode"]] == [("F32", 100.0), ("Q4_0", 100.0)]
     assert [(x["format"], x["while"], x["why"]) for x in peer["failed"]] == [
         ("F16", "decoding", "refused (RuntimeError: no F16 here)"), ("Q8_0", "decoding", "crashed (SIGSEGV)")]
     md = open(tmp_path / "results.md").read()
