@@ -73,6 +73,7 @@ def test_int4_is_symmetric_per_group_of_32_and_column_within_half_a_step():
     assert scale[1, 5] > 10 * np.delete(scale[:, 5], 1).max()  # the outlier's group alone
 
 
+@needs_numba
 def test_int4_packs_two_weights_a_byte_where_the_kernel_reads_them():
     from kernels import int4_kernel
     q = np.random.default_rng(3).integers(-7, 8, (3, 16, 64)).astype(np.int8)
