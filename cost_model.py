@@ -83,7 +83,7 @@ def speedup(alpha, K, costs):
 
 def weight_bytes(model):
     """Bytes one weight of a model's matrices takes as stored: 4 (float32), 2 (bfloat16,
-    float16), 1 (int8), 0.5625 (int4: half a byte and a 2-byte scale per 32;
+    float16), 1 (int8), 0.5 + 2 / 32 (int4: half a byte, and a 2-byte scale per group of 32;
     kernels/weight_formats.py)."""
     layer = model[0]["blocks"][0]["mlp"]["c_fc"]
     if layer["w"].dtype.name == "uint8":

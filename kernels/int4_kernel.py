@@ -4,8 +4,8 @@ Four bits a weight halve int8's bytes again, and batch-1 decoding is bound by th
 it reads. But the arithmetic must keep up: at half the bytes a step has half the time
 for the same multiply-adds. int8_kernel.py's way (16-bit activations, vpmaddwd: 16
 multiply-adds an instruction) plus unpacking the nibbles to 16 bits would take more
-instructions per multiply-add than int8 itself, by count. So this kernel does what
-llama.cpp's Q4_0 does on AVX2: activations rounded to 8 bits, and vpmaddubsw, which
+instructions per multiply-add than int8 itself, by count. So this kernel uses the
+instruction llama.cpp's Q4_0 kernel uses on AVX2: activations rounded to 8 bits, and vpmaddubsw, which
 multiplies 32 unsigned bytes by 32 signed bytes and adds neighbouring products into 16
 16-bit sums: 32 multiply-adds an instruction. A 355M step at batch 1 then takes 0.76 of
 int8's time, 0.24 of float32's (`python benchmark.py --only formats`).
@@ -28,15 +28,15 @@ and the product, with xsum[g] = sum of x8 over the group (u = q + 8, so the 8s c
 Inside a group the sums are integers, exact in any order: vpmaddubsw's pairs are at most
 2 x 15 x 127 = 3810 and a group adds 8 of them into a 16-bit lane (30480 < 32767), so no
 sum saturates or wraps. Each group's sum becomes a float32 and is added to the output as
-acc = fma(float(sum), sw * sx, acc), group after group, in every kernel here: a row's
-output is bitwise the same alone or beside any others.
+acc = fma(float(sum), sw * sx, acc), group after group, whatever the tile a row sits in:
+a row's output is bitwise the same alone or beside any others.
 
 Layout: the 64 columns of a block (row_kernel.W) in 4 sets of 16; for each quad of inputs
 4t..4t+3 and set, 32 bytes: byte 4m + i holds input 4t + i of column 16s + m in its low
 nibble and of column 16s + 8 + m in its high one. One 32-byte load, a mask and a shift
 give two vectors of 8 columns x 4 inputs; the row's 4 bytes x8[4t..4t+3], repeated in
 every 4-byte lane, meet both (two vpmaddubsw). qb [n_blocks, n_in / 4, 4, 32] uint8
-(`packed`), scales [n_blocks, n_in / 32, W] uint16.
+(`packed`), scales [n_blocks, n_in / c, W] uint16 (c = 32, fewer in the test models).
 """
 import numpy as np
 from llvmlite import ir
@@ -46,9 +46,11 @@ from numba.extending import intrinsic, models, register_model
 from kernels.int8_kernel import I16x16, I32x8, int16x16, int32x8, to_float, to_int16
 from kernels.row_kernel import (AHEAD_ROWS, W, _address, fma8, load8, prefetch, store8, tile_plan,
                                 when_first_called, zero8)
-from kernels.weight_formats import from_bfloat16, int4_group
+from kernels.weight_formats import INT4_GROUP, from_bfloat16, int4_group
 
-X8_MAX = 127
+X8_MAX = 127  # not 128: symmetric, and a vpmaddubsw pair stays within 2 x 15 x 127
+if INT4_GROUP // 4 * 2 * 15 * X8_MAX > 32767:  # a group's 16-bit sums would wrap (gpt-fast's 128 would)
+    raise ValueError(f"int4 groups of {INT4_GROUP} inputs overflow the kernel's 16-bit sums: at most 32")
 I8x32 = ir.VectorType(ir.IntType(8), 32)
 
 
@@ -161,20 +163,20 @@ def column_sums(typingctx, s, minus):
 
 
 @njit(cache=True, nogil=True)
-def to_int8(x, c):
+def to_x8(x, c):
     """x [R, n_in] float32 -> x8 [R, n_in] int8, sx [R, n_in / c] float32 and xsum
     [R, n_in / c] int32 (each group's sum of x8), groups of c inputs: int8_kernel's
     rounding to 127 levels, x ~ x8 * sx with sx = top / 127, top the group's largest |x|."""
-    x16, sx = to_int16(x, c, X8_MAX)  # [R, n_in] within -127..127, [R, n_in / c]
+    rounded, sx = to_int16(x, c, X8_MAX)  # [R, n_in] int16 within -127..127, [R, n_in / c]
     R, n_in = x.shape
     xsum = np.empty((R, n_in // c), np.int32)  # [R, n_in / c]
     for r in range(R):
         for g in range(n_in // c):
             total = np.int32(0)
             for k in range(g * c, (g + 1) * c):
-                total += np.int32(x16[r, k])
+                total += np.int32(rounded[r, k])
             xsum[r, g] = total
-    return x16.astype(np.int8), sx, xsum
+    return rounded.astype(np.int8), sx, xsum
 
 
 @njit(inline="always")
@@ -183,10 +185,11 @@ def tile(x8, sx, xsum, i, n, qb, sw, b, g, c, out, ahead, mask, shift):
     per set of 16 columns, 2n registers of 16-bit sums over the group's quads (per quad one
     load of weights serves 2n vpmaddubsw), then each row's sums added to out as
     fma(float(sum - 8 xsum), sw * sx, out)."""
-    o = b * W
-    for s in range(4):
+    o = b * W  # the block's first output
+    for s in range(4):  # sets of 16 columns
+        # per row, two registers of 16 int16 lanes: 8 columns x 2 pair sums, columns 16s.. and 16s+8..
         a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = zero16()
-        for t in range(g * c // 4, (g + 1) * c // 4):
+        for t in range(g * c // 4, (g + 1) * c // 4):  # t: the quad of inputs 4t..4t+3
             prefetch(qb, (b, t + ahead, s, 0))
             lo, hi = low_nibbles(qb, (b, t, s, 0), mask), high_nibbles(qb, (b, t, s, 0), mask, shift)
             x0 = quad(x8, (i, 4 * t))
@@ -206,12 +209,12 @@ def tile(x8, sx, xsum, i, n, qb, sw, b, g, c, out, ahead, mask, shift):
             if n > 5:
                 x5 = quad(x8, (i + 5, 4 * t))
                 a50, a51 = maddubs(a50, lo, x5), maddubs(a51, hi, x5)
-        for r, (first, second) in enumerate(((a00, a01), (a10, a11), (a20, a21), (a30, a31), (a40, a41), (a50, a51))):
+        for r, (low, high) in enumerate(((a00, a01), (a10, a11), (a20, a21), (a30, a31), (a40, a41), (a50, a51))):
             if r < n:
-                minus = 8 * xsum[i + r, g]
-                for half, sums in enumerate((first, second)):
+                minus = 8 * xsum[i + r, g]  # the weights were stored as q + 8: x8 . (q + 8) - 8 sum(x8) = x8 . q
+                for half, sums in enumerate((low, high)):  # columns 16s..16s+7, then 16s+8..16s+15
                     j = 16 * s + 8 * half
-                    scale = fma8(zero8(), sx[i + r, g], load8(sw, (b, g, j)))  # sw * sx, one rounding
+                    scale = fma8(zero8(), sx[i + r, g], load8(sw, (b, g, j)))  # [8 columns]: sw * sx, one rounding
                     before = zero8() if g == 0 else load8(out, (i + r, o + j))
                     store8(out, (i + r, o + j), fma8(before, to_float(column_sums(sums, minus)), scale))
 
@@ -228,8 +231,8 @@ def rows_times_nibbles(n):
     def kernel(x8, sx, xsum, qb, sw, out, mask, shift):
         n_blocks, quads, _, _ = qb.shape
         R = x8.shape[0]
-        c = 4 * quads // sx.shape[1]
-        ahead = AHEAD_ROWS // (4 * 32)  # quads
+        c = 4 * quads // sx.shape[1]  # inputs per group
+        ahead = AHEAD_ROWS // (4 * 32)  # in quads of inputs (4 sets x 32 bytes each)
         n_tiles = -(-R // 6)
         for b in prange(n_blocks):
             for g in range(4 * quads // c):
@@ -265,12 +268,12 @@ def unpacked(qb):
 
 def matmul(rows, qb, n_out, sw):
     """rows [n, n_in] @ w -> [n, n_out] float32, w stored as int4 qb [n_blocks, n_in / 4, 4,
-    32] with its group scales sw [n_blocks, n_in / 32, W] (bfloat16 bits); only the blocks
+    32] with its group scales sw [n_blocks, n_in / c, W] (bfloat16 bits); only the blocks
     that hold the first n_out outputs are read."""
     n_blocks = -(-n_out // W)
     qb, sw = qb[:n_blocks], sw[:n_blocks]
     x = np.ascontiguousarray(rows, dtype=np.float32)  # [n, n_in]
-    x8, sx, xsum = to_int8(x, int4_group(x.shape[1]))  # [n, n_in], [n, n_in / c], [n, n_in / c]
+    x8, sx, xsum = to_x8(x, int4_group(x.shape[1]))  # [n, n_in], [n, n_in / c], [n, n_in / c]
     out = np.empty((len(x), n_blocks * W), np.float32)  # [n, n_blocks * W]
     rows_times_nibbles(x8, sx, xsum, qb, sw, out, 15, 4)  # mask and shift: see _nibbles
     return out[:, :n_out]  # [n, n_out]
@@ -280,10 +283,10 @@ def columns(qb, tokens, sw):
     """Columns `tokens` of the int4 matrix (qb, sw) as float32 rows [n, n_in]: the tied
     head's columns are the tokens' embeddings, in the very weights the head multiplies by."""
     tokens = np.asarray(tokens)
-    b, m = tokens // W, tokens % W
-    s, half, m = m // 16, m % 16 // 8, m % 8
+    b, col = tokens // W, tokens % W  # the block, the column in it
+    s, half, m = col // 16, col % 16 // 8, col % 8  # its set of 16, nibble (low or high), place among 8
     quads = qb[b, :, s].reshape(len(tokens), -1, 8, 4)[np.arange(len(tokens)), :, m]  # [n, n_in / 4, 4]
     u = np.where(half[:, None, None] == 1, quads >> 4, quads & 15).reshape(len(tokens), -1)  # [n, n_in]
     c = u.shape[1] // sw.shape[1]
-    scale = from_bfloat16(sw[b, :, tokens % W])  # [n, n_in / c]
+    scale = from_bfloat16(sw[b, :, col])  # [n, n_in / c]
     return (u.astype(np.int8) - 8).astype(np.float32) * np.repeat(scale, c, axis=1)  # [n, n_in]

@@ -388,8 +388,9 @@ def loop_for(R, dtype):
 def tile_plan(R):
     """The rows of a pass go in as few tiles as hold them (at most 6 rows a tile), of sizes
     as even as can be (7 rows: 3 + 4; 8: 4 + 4; 16: 5 + 5 + 6): tiles of n or n + 1 rows.
-    This n (2..5; 5 also serves tiles all of 6) names the loop that runs them, so a run
-    compiles the tile sizes it uses (a prompt of 100 tokens: 5 and 6), not all five."""
+    This n (2..5; 5 also serves tiles all of 6; 1 for one row, where int4_kernel.py tiles
+    it too) names the loop that runs them, so a run compiles the tile sizes it uses (a
+    prompt of 100 tokens: 5 and 6), not all five."""
     return min(R // -(-R // 6), 5)
 
 

@@ -19,8 +19,9 @@ float32; only the stored matrices change (and int8's products, below).
   is per output, x @ w = (x @ q) * scale: the kernel sums x[k] * q[k, j] and scales
   each output once at the end. It sums in integers, the activations rounded to 16 bits
   per block of 64 (int8_kernel.py: an error a few hundred times below the weights').
-- int4, weight-only, symmetric, in groups of G = 32 inputs with a scale per group and
-  output column (as llama.cpp's Q4_0 and gpt-fast's groupwise int4): w[k, j] ~ q[k, j] *
+- int4, weight-only, symmetric, in groups of 32 inputs with a scale per group and
+  output column (blocks of 32 as llama.cpp's Q4_0, which keeps 16 levels, -8..7, with a
+  float16 scale; gpt-fast's groupwise int4 takes 32-256): w[k, j] ~ q[k, j] *
   sw[g, j] with q in [-7, 7] and sw[g, j] = max |w[k, j]| over group g / 7, stored as
   bfloat16 (its 8 bits are far finer than the 4 of q). Two weights a byte plus a scale
   for 32 of them: 4.5 bits a weight. With only 15 levels a group, a step is 1/7 of the
@@ -82,7 +83,8 @@ def to_int4(w):
     sw = to_bfloat16(np.abs(groups).max(axis=-2) / np.float32(7))  # [..., n_in / c, n_out]
     scale = from_bfloat16(sw)[..., None, :]  # [..., n_in / c, 1, n_out]
     q = np.rint(np.divide(groups, scale, out=np.zeros(groups.shape, np.float32), where=scale > 0))
-    return np.clip(q, -7, 7).astype(np.int8).reshape(w.shape), sw  # bfloat16's rounding may put a 7.03
+    # a guard: bfloat16's rounding can leave |w| / scale at 7.03, which rint still makes 7
+    return np.clip(q, -7, 7).astype(np.int8).reshape(w.shape), sw
 
 
 def from_int4(q, sw):

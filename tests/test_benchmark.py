@@ -61,7 +61,7 @@ def test_quick_benchmark_writes_every_measurement(tmp_path, capsys):
         assert sizes["int4"] < sizes["float32"] / 6
         assert all(x["rss_anon_mib"] > 0 and x["load_s"] > 0 for x in f["formats"])
         # 4 bits move the logits more: a step is 1/7 of a group's largest weight (weight_formats.py)
-        bound = {"bfloat16": (0.1, 0.5), "int8": (0.1, 0.5), "int4": (0.5, 0.2)}
+        bound = {"bfloat16": (0.1, 0.5), "int8": (0.1, 0.5), "int4": (0.4, 0.3)}
         for dtype, x in [(x["dtype"], x) for x in f["formats"][1:]] + list(r["formats_test_model"].items()):
             assert 0 < x["logits_max_rel_error"] < bound[dtype][0] and bound[dtype][1] < x["top1_agreement"] <= 1, (
                 dtype, x)

@@ -1,6 +1,8 @@
 """int4 weights times 8-bit activations (int4_kernel.py): the activations are rounded as
 the docstring says, and the kernel computes exactly the integer sums of the stored
 nibbles, group by group, for any row count, each row as it would be alone."""
+import platform
+
 import numpy as np
 import pytest
 
@@ -20,7 +22,7 @@ def test_activations_round_to_8_bits_per_group_of_32(k4):
     x = rng.standard_normal((3, 1600), dtype=np.float32) * rng.uniform(1e-3, 1e3, (3, 1600)).astype(np.float32)
     x[2, 5] = 3e4  # an outlier: only its own group's step grows
     x[1, 64:96] = 0  # a group of zeros
-    x8, sx, xsum = k4.to_int8(x, 32)
+    x8, sx, xsum = k4.to_x8(x, 32)
     assert x8.dtype == np.int8 and sx.dtype == np.float32 and xsum.dtype == np.int32 and sx.shape == (3, 50)
     top = np.abs(x).reshape(3, 50, 32).max(-1)
     np.testing.assert_array_equal(sx, top / np.float32(127))
@@ -34,10 +36,12 @@ def test_activations_round_to_8_bits_per_group_of_32(k4):
 
 def exact(k4, x, q, sw):
     """The kernel's arithmetic in exact integers, then its float32 steps one by one: per
-    group g, t = float32(sw * sx), acc = float32(float(isum) * t + acc) (a fused
-    multiply-add: the product of two float32 is exact in float64)."""
+    group g, t = float32(sw * sx), acc = float32(float(isum) * t + acc), a fused
+    multiply-add: the product of two float32 is exact in float64, and the float64 sum
+    rounded to float32 is the fma's single rounding unless it lands within 2**-53 of a
+    float32 tie (about once in 2**29 sums)."""
     c = weight_formats.int4_group(x.shape[1])
-    x8, sx, xsum = k4.to_int8(x, c)
+    x8, sx, xsum = k4.to_x8(x, c)
     R, n_out = x.shape[0], q.shape[1]
     isum = np.einsum("rgk,gkj->rgj", x8.reshape(R, -1, c).astype(np.int64),
                      q.reshape(-1, c, n_out).astype(np.int64))  # [R, n_in / c, n_out]: q = u - 8, so 8 xsum is gone
@@ -49,17 +53,58 @@ def exact(k4, x, q, sw):
     return acc
 
 
-@pytest.mark.parametrize("n_in, n_out", [(16, 48), (768, 2304), (1024, 1000), (4096, 1024)])
-def test_the_kernel_is_the_exact_integer_sum_for_1_to_16_rows(k4, n_in, n_out):
+@pytest.mark.parametrize("n_in, n_out, worst", [(16, 48, False), (40, 64, False), (48, 64, False),
+                                                 (768, 2304, False), (1024, 1000, False), (4096, 1024, False),
+                                                 (1024, 128, True)])
+def test_the_kernel_is_the_exact_integer_sum_for_1_to_16_rows(k4, n_in, n_out, worst):
+    """Groups of 32, 16 (n_in 48) and 8 (n_in 40); worst: every weight and activation at its
+    largest magnitude, so each 16-bit lane holds its most (8 pairs of 15 x 127)."""
     from kernels import layout, row_kernel
     rng = np.random.default_rng(n_in)
-    layer = layout.kernel_blocks(rng.standard_normal((n_in, n_out), dtype=np.float32), "int4")
+    w = rng.standard_normal((n_in, n_out), dtype=np.float32)
+    if worst:
+        w = np.where(w > 0, 1.0, -1.0).astype(np.float32)  # q = +-7 everywhere: u = 15 or 1
+    layer = layout.kernel_blocks(w, "int4")
     q = row_kernel.unblocked(k4.unpacked(layer["w"]), n_out)  # [n_in, n_out]
     sw = row_kernel.unblocked(layer["scale"], n_out)  # [n_in / c, n_out]
     x = rng.standard_normal((16, n_in), dtype=np.float32)
+    if worst:
+        x = np.ones((16, n_in), np.float32)  # x8 = 127 everywhere
     want = exact(k4, x, q, sw)  # [16, n_out]
     for R in range(1, 17):
         for first in {0, 16 - R}:
             got = rowwise.matmul(x[first:first + R], layer["w"], n_out=n_out, scale=layer["scale"])
             assert got.shape == (R, n_out) and got.dtype == np.float32
             assert np.array_equal(got, want[first:first + R]), f"{R} rows from {first}"
+
+
+def test_the_first_outputs_read_only_their_blocks(k4):
+    """A draft's vocabulary subset asks for the head's first n_out outputs: the same numbers."""
+    from kernels import layout
+    rng = np.random.default_rng(5)
+    layer = layout.kernel_blocks(rng.standard_normal((768, 1000), dtype=np.float32), "int4")
+    x = rng.standard_normal((3, 768), dtype=np.float32)
+    whole = rowwise.matmul(x, layer["w"], n_out=1000, scale=layer["scale"])
+    assert np.array_equal(rowwise.matmul(x, layer["w"], n_out=100, scale=layer["scale"]), whole[:, :100])
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86's instruction names")
+def test_llvm_turns_maddubs_into_vpmaddubsw(k4):
+    """The kernel's speed rests on one instruction that LLVM must recognise in plain IR: with
+    the nibbles' mask as a constant it proves the saturation dead and multiplies with
+    vpmullw instead (int4_kernel._nibbles). A fresh, uncached function, so that numba keeps
+    its assembly, compiled for the CPU numba targets."""
+    from numba import njit
+
+    from kernels.row_kernel import store8
+
+    def f(qb, x8, out, mask, shift):
+        acc = k4.maddubs(k4.zero16(), k4.low_nibbles(qb, (0,), mask), k4.quad(x8, (0,)))
+        acc = k4.maddubs(acc, k4.high_nibbles(qb, (0,), mask, shift), k4.quad(x8, (4,)))
+        store8(out, (0,), k4.to_float(k4.column_sums(acc, 0)))
+    compiled = njit("void(uint8[::1], int8[::1], float32[::1], int32, int32)")(f)
+    qb, x8, out = np.full(32, 0x21, np.uint8), np.arange(8, dtype=np.int8), np.empty(8, np.float32)
+    compiled(qb, x8, out, 15, 4)
+    np.testing.assert_array_equal(out, (1 + 2 + 3) * 1 + (4 + 5 + 6 + 7) * 2)  # every column: low 1, high 2
+    asm = next(iter(compiled.inspect_asm().values()))
+    assert ("pmaddubsw" in asm or "vpdpbusd" in asm) and "pmullw" not in asm  # VNNI may fuse it further
