@@ -44,6 +44,19 @@ def paired(measure, step, reps):
     return float(np.median(ratios))
 
 
+def settle(step, tries=20, within=0.05):
+    """Time step() until two timings in a row agree within 5% (at most `tries`): after
+    hundreds of MB of weights are made or converted, this machine runs slow for up to a
+    minute, and the larger target slows more than a draft, which would bias every c low
+    (benchmark_results/NOTES.md, int4)."""
+    last = step()
+    for _ in range(tries):
+        now = step()
+        if abs(now - last) <= within * last:
+            return
+        last = now
+
+
 def bench_speculative_costs(draft, target, args):
     """The costs that decide speculative speed, each paired with target steps: verify(K+1)
     for K = 1..K_max and one draft token with the full head and with vocabulary subsets,
@@ -54,6 +67,7 @@ def bench_speculative_costs(draft, target, args):
 
     def step():
         return pass_seconds(target, L, reps=3)
+    settle(step)
     verify = (1.0,) + tuple(paired(lambda: pass_seconds(target, L, K + 1, reps=3), step, args.reps)
                             for K in range(1, args.K_max + 1))
     drafts, catch_up = {}, {}

@@ -288,3 +288,12 @@ def test_llama_cpp_computes_our_logits_from_the_gguf(tiny, tmp_path):
             assert np.max(np.abs(got - want)) < 1e-3 * np.max(np.abs(want))  # llama.cpp's GELU: a float16 table
     finally:
         llm.close()
+
+
+def test_costs_wait_until_the_target_step_settles():
+    times, calls = iter([2.0, 1.5, 1.2, 1.0, 1.01, 5.0]), []
+    speculation.settle(lambda: calls.append(1) or next(times))
+    assert len(calls) == 5  # 1.0 then 1.01: within 5%
+    never = []
+    speculation.settle(lambda: never.append(1) or 2.0 ** len(never), tries=7)  # doubling: never settles
+    assert len(never) == 8
