@@ -19,9 +19,8 @@ def decode_layout(params, kernel=None, dtype="float32"):
 
     kernel "numba" (row_kernel.py): each matrix w [n_in, n_out] becomes its blocks of 64
     output columns, wb [n_blocks, n_in, 64], in the format dtype (weight_formats.py:
-    float32, bfloat16, int8 with a scale per column or int4 with one per group of 32 inputs),
-    and the tied head wte.T gets blocks
-    of its own, params["lm_head"] (the vocabulary padded to a multiple of 64, as nanoGPT
+    float32, bfloat16, int8 with a scale per column or int4 with one per group of 32
+    inputs), and the tied head wte.T gets blocks of its own, params["lm_head"] (the vocabulary padded to a multiple of 64, as nanoGPT
     pads it; the padding is cut off the logits). The embeddings are read from those blocks
     too (gpt2.embed); wte stays a memmap of the checkpoint that the decoder never reads.
     kernel "numpy": each matrix column-major (Fortran order), so that the fallback's blocks
@@ -94,7 +93,7 @@ def to_backend(params, backend="numpy", dtype="float32"):
     if backend == "numpy":
         if dtype == "float16":
             raise LoadError("--dtype float16 needs --backend cupy (NumPy has no fast float16 matmul)")
-        return params  # bfloat16 and int8 were converted as they were laid out (decode_layout)
+        return params  # bfloat16, int8 and int4 were converted as they were laid out (decode_layout)
     cupy = gpu_library()
     try:
         return tree_map(lambda w: cupy.asarray(w.astype(dtype, copy=False)), plain_layout(params))

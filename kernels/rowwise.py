@@ -7,10 +7,10 @@ should not depend on which other rows share its pass (else its sampled text woul
 on its batch). `matmul` is the one place where rows meet weights, with two kernels:
 
 - "numba" (the default, row_kernel.py): the weights stored as contiguous blocks of 64
-  output columns (in float32, bfloat16, int8 or int4: weight_formats.py), and a kernel of our
-  own that reads each weight once for all rows and sums every output in the same order
-  whatever the rows (int8 and int4 in integers: int8_kernel.py, int4_kernel.py). A pass over 2-6 rows costs
-  little more than one (`python benchmark.py --only rows`).
+  output columns (in float32, bfloat16, int8 or int4: weight_formats.py), and a kernel
+  of our own that reads each weight once for all rows and sums every output in the same
+  order whatever the rows (int8 and int4 in integers: int8_kernel.py, int4_kernel.py).
+  A pass over 2-6 rows costs little more than one (`python benchmark.py --only rows`).
 - "numpy" (the fallback, when numba is missing or GPT2_ROW_KERNEL=numpy): BLAS alone.
   Its matrix product (sgemm) repacks the weights first, which for 2-8 rows costs 2-3
   one-row passes, and rounds a row differently depending on how many rows share it. So
@@ -77,9 +77,9 @@ _second_thread = ThreadPoolExecutor(1)
 def matmul(rows, w, shared=True, n_out=None, scale=None):
     """rows [n, n_in] @ w -> [n, n_out]. w: a matrix [n_in, n_out], or its blocks
     [n_blocks, n_in, 64] for the numba kernel (row_kernel.py; n_out then says how many
-    outputs are real), float32, bfloat16 (uint16), int8 or int4 (uint8) with its scales. shared: the
-    rows belong to a pass that several requests share, so each row must come out as it
-    would alone. The kernel gives that for every pass, faster than OpenBLAS held to one
+    outputs are real), float32, bfloat16 (uint16), int8 or int4 (uint8) with its scales.
+    shared: the rows belong to a pass that several requests share, so each row must come
+    out as it would alone. The kernel gives that for every pass, faster than OpenBLAS held to one
     thread (see kernel_pass) at every row count (`python benchmark.py --only kernels`)."""
     if w.dtype == np.uint8:  # int4, two a byte (int4_kernel.py)
         return int4_kernel.matmul(rows, w, n_out or w.shape[0] * row_kernel.W, scale)
