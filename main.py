@@ -277,24 +277,35 @@ def named(size, dtype):
     return size if dtype == "float32" else f"{size} {dtype}"
 
 
-def warm_up(args, config, target, drafter, ids):
-    """Compile the kernels' loops for the passes this run will make, before any is timed: a
-    lone prompt makes a pass over its tokens (over all but the last, then the last, past
-    gpt2.ALONE_ABOVE), then one token a step; a draft adds its two-token catch-up;
-    verification (and the advice's timings) K + 1 tokens for every K after a context of
-    timing.CONTEXT tokens; a batch, any count."""
+def warm_rows(args, config, ids):
+    """The row counts of the passes this run will make, of the target and of a draft model
+    loaded apart (None without one): a lone prompt makes a pass over its tokens (over all
+    but the last, then the last, past gpt2.ALONE_ABOVE), then one token a step; a draft
+    adds its two-token catch-up; verification (and the advice's timings) K + 1 tokens for
+    every K; a batch, any count."""
     rows = {1}
     for i in ids:
         rows |= {len(i) - 1, 1} if len(i) - 1 > gpt2.ALONE_ABOVE else {len(i)}
     if len(ids) > 1 or args.max_batch:
         rows = set(flags.EVERY_TILE)
-    if args.mode != "autoregressive":
-        rows |= {timing.CONTEXT, timing.CONTEXT - 1}
-        flags.warm_up(target, rows | set(range(2, max(config.K, config.K_max or 7) + 2)))
-        if isinstance(drafter, tuple) and drafter is not target:
-            flags.warm_up(drafter, rows | {2})
-    else:
-        flags.warm_up(target, rows)
+    if args.mode == "autoregressive":
+        return rows, None
+    return rows | set(range(2, max(config.K, config.K_max or 7) + 2)), rows | {2} if flags.separate_draft(args) else None
+
+
+def compile_ahead(args, config, ids):
+    """The kernels' loops of this run's passes, compiling in other processes while the models load."""
+    target_rows, draft_rows = warm_rows(args, config, ids)
+    return flags.compile_ahead(args, [(args.dtype, target_rows)] + ([(flags.draft_dtype(args), draft_rows)]
+                                                                     if draft_rows else []))
+
+
+def warm_up(args, config, target, drafter, ids):
+    """The kernels' loops of this run's passes, compiled (or loaded from numba's cache) before any is timed."""
+    target_rows, draft_rows = warm_rows(args, config, ids)
+    flags.warm_up(target, target_rows)
+    if draft_rows:
+        flags.warm_up(drafter, draft_rows)
 
 
 def run(args):
@@ -302,11 +313,13 @@ def run(args):
     if args.num_beams != 1:
         return run_beams(args, beam_settings(args), prompts)
     args.mode = args.mode or "both"
-    encoder, target, drafter = flags.load_models(args)
-    n_ctx = target[1]["n_ctx"]
-    eos = None if args.ignore_eos else encoder.eot_token
+    encoder, n_ctx = flags.tokenizer(args)
     ids = tokenize(encoder, prompts, n_ctx)
+    compiling = compile_ahead(args, config, ids)
+    _, target, drafter = flags.load_models(args)
+    flags.finish_compiling(compiling)
     warm_up(args, config, target, drafter, ids)
+    eos = None if args.ignore_eos else encoder.eot_token
     reqs = batching.requests(ids, args.n_tokens_to_generate, settings, args.seed, eos)
     use_cache = not args.no_kv_cache
     runs = {}  # decoder: (title, generate(callback), the decoder as the scheduler runs it)

@@ -7,6 +7,7 @@ checkpoint.py (which parses the formats). The weight matrices are then copied
 once, into the layout that the kernels read fastest (kernels/layout.py: `decode_layout`;
 its `to_backend` moves the params to a GPU with CuPy when asked).
 """
+import functools
 import hashlib
 import json
 import os
@@ -149,6 +150,7 @@ def load_hparams(model_dir):
             "n_head": c["n_head"], "n_layer": c["n_layer"]}
 
 
+@functools.lru_cache(maxsize=None)  # main.py reads it before the weights, to know the prompts' lengths
 def load_encoder(model_dir):
     """GPT-2's byte-level BPE as a tiktoken Encoding, built from the downloaded files
     (encoder.json + vocab.bpe, or the same content as vocab.json + merges.txt)."""

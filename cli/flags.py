@@ -154,6 +154,38 @@ def warm_up(model, row_counts):
         gpt2.next_logits(model, cache, [[0] * n])
 
 
+def tokenizer(args):
+    """(encoder, n_ctx) of the target, before its weights load (downloading what is missing):
+    a run knows its prompts' lengths, so the loops its passes will use, before it loads."""
+    model_dir = utils.download_model(args.target_model_size, args.models_dir, args.source, args.base_url)
+    try:
+        return utils.load_encoder(model_dir), utils.load_hparams(model_dir)["n_ctx"]
+    except (OSError, ValueError, KeyError) as e:
+        raise utils.LoadError(f"cannot read the tokenizer or hparams.json / config.json in {model_dir} ({e})")
+
+
+def separate_draft(args):
+    """Whether the run loads a draft model apart from the target: a smaller one, or the
+    target's size in another format (the self-draft)."""
+    return (args.mode != "autoregressive" and args.drafter == "model"
+            and (args.draft_model_size, draft_dtype(args)) != (args.target_model_size, args.dtype))
+
+
+def compile_ahead(args, passes):
+    """Start compiling, in other processes while the models load, the kernels' loops that
+    passes [(format, row counts)] will use (kernels/compiling.py); `finish_compiling`
+    waits for them. Nothing to compile without the kernels."""
+    if args.backend != "numpy" or rowwise.KERNEL != "numba":
+        return []
+    loops = set().union(*(rowwise.loops(rows, weight_formats.STORED_AS[dtype]) for dtype, rows in passes))
+    return rowwise.compiling.start(loops)
+
+
+def finish_compiling(running):
+    if running:
+        rowwise.compiling.wait(running)
+
+
 def load_models(args, log=print):
     """(encoder, target, drafter): the drafter is the draft model, or "prompt_lookup". A
     draft of the target's own size and format is the target itself; of its size in another
@@ -165,10 +197,7 @@ def load_models(args, log=print):
     drafter = args.drafter
     if args.mode != "autoregressive" and args.drafter == "model":
         dtype = draft_dtype(args)
-        if args.draft_model_size == args.target_model_size and dtype == args.dtype:
-            drafter = target
-        else:
-            drafter = load(args.draft_model_size, args, dtype, log)[1]
+        drafter = load(args.draft_model_size, args, dtype, log)[1] if separate_draft(args) else target
         if dtype == "float32" and not args.draft_dtype and args.backend == "numpy" and rowwise.KERNEL != "numba":
             log("note: the draft runs in float32: an int8 draft (4x fewer bytes a token) needs the numba kernel "
                 "(pip install numba, and leave out --kernel numpy)")

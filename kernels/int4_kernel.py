@@ -43,9 +43,11 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, models, register_model
 
+from kernels import compiling
+from kernels.compiling import when_first_called
 from kernels.int8_kernel import I16x16, I32x8, int16x16, int32x8, to_float, to_int16
 from kernels.row_kernel import (AHEAD_ROWS, W, _address, fma8, load8, prefetch, store8, tile_plan,
-                                when_first_called, zero8)
+                                zero8)
 from kernels.weight_formats import INT4_GROUP, from_bfloat16, int4_group
 
 X8_MAX = 127  # not 128: symmetric, and a vpmaddubsw pair stays within 2 x 15 x 127
@@ -177,6 +179,9 @@ def to_x8(x, c):
                 total += np.int32(rounded[r, k])
             xsum[r, g] = total
     return rounded.astype(np.int8), sx, xsum
+
+
+compiling.KERNELS["kernels.int4_kernel.to_x8"] = lambda dtype, plan: to_x8(np.zeros((1, 8), np.float32), 8)
 
 
 @njit(inline="always")

@@ -46,8 +46,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
+from kernels import compiling
+from kernels.compiling import when_first_called
 from kernels.row_kernel import (AHEAD, AHEAD_ROWS, VECTOR, W, _address, float32x8, fma8, load8, prefetch, store8,
-                                tile_plan, when_first_called, zero8)
+                                tile_plan, zero8)
 
 C = 64  # inputs per activation block (fewer where a matrix has fewer: the test models)
 X16_MAX = 32767
@@ -215,6 +217,10 @@ def to_int16(x, c, most=X16_MAX):
             for k in range(b * c, (b + 1) * c, 8):
                 store_int16(x16, (r, k), fma8(zero8(), inverse, load8(x, (r, k))))  # 0 + inverse * x: a product
     return x16, sx
+
+
+# compiled at its first call, as matmul calls it (an array and a Python int)
+compiling.KERNELS["kernels.int8_kernel.to_int16"] = lambda dtype, plan: to_int16(np.zeros((1, 8), np.float32), 8)
 
 
 @when_first_called({"int8": "void(int16[::1], float32[::1], int8[:, :, :, ::1], float32[::1])"},

@@ -54,11 +54,6 @@ float32's high half), so the sums and their order are the float32 kernel's and b
 is batch invariant the same way. int8 weights have kernels of their own, in integers
 (int8_kernel.py), which reuse this file's vector type and operations.
 """
-import functools
-import sys
-import threading
-import time
-
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -66,6 +61,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 from kernels import weight_formats
+from kernels.compiling import when_first_called
 
 W = 64  # outputs per block: a multiple of every vector width (8 on AVX2, 16 on AVX-512)
 V = 8  # floats per vector register (AVX2)
@@ -77,60 +73,6 @@ AHEAD_ROWS = 12288  # the same for a register tile, whose arithmetic takes longe
 # overlaps the two worse (its pass costs more than a 4-row tile's). bfloat16 arrives 2x
 # faster: its passes are arithmetic, so it takes tiles of its own size, with no zero rows.
 FLOAT32_MIN_TILE = 4
-
-
-# A kernel not in numba's cache compiles at its first call, one format and tile plan at a
-# time (a few seconds each: `python benchmark.py --only kernels`); a run that waits longer
-# than this for one says so once
-NOTICE_AFTER_S = 0.5
-_noticed = threading.Event()
-seconds_compiling = 0.0  # this process's time in numba, compiling kernels or loading them from its cache
-first_uses = []  # (kernel, dtype, plan) as this process first needed each loop
-
-
-def when_first_called(signatures, key, plan=None, **options):
-    """@njit(signature, cache=True, nogil=True, **options), one signature of `signatures`
-    {dtype name: signature} at a time: the one for the dtype key(*args) gives is compiled (or
-    loaded from numba's cache) the first time a call needs it, not at import, so that a
-    float32 run never waits for bfloat16's or int8's kernels. Any other dtype, and any
-    argument the signature does not match (a float64 array), is refused with a TypeError:
-    there is no silent slow path. With `plan`, the decorated function makes the kernel:
-    make(plan(*args)) gives the loop to compile for that constant, also when first needed
-    (a rows kernel for tiles of 4 or 5 rows never waits for the code of 2-row tiles)."""
-    def decorate(make):
-        ready = {}  # (dtype, plan) -> its compiled kernel: one dict lookup a call
-
-        def compile_for(dtype, constant):
-            global seconds_compiling
-            name = np.dtype(dtype).name
-            first_uses.append((make.__name__, name, constant))
-            if name not in signatures:
-                raise TypeError(f"{make.__name__} is compiled for {', '.join(signatures)}, not {name}")
-            notice = threading.Timer(NOTICE_AFTER_S, say_compiling)
-            notice.start()
-            start = time.perf_counter()
-            try:
-                py_func = make if plan is None else make(constant)
-                ready[dtype, constant] = njit(signatures[name], cache=True, nogil=True, **options)(py_func)
-            finally:
-                notice.cancel()
-                seconds_compiling += time.perf_counter() - start
-            return ready[dtype, constant]
-
-        @functools.wraps(make)
-        def call(*args):
-            k = key(*args), plan and plan(*args)
-            kernel = ready.get(k) or compile_for(*k)
-            return kernel(*args)
-        return call
-    return decorate
-
-
-def say_compiling():
-    if not _noticed.is_set():
-        _noticed.set()
-        print("compiling the CPU kernels this run uses (numba, once: later runs load them from its cache in "
-              "under a second)...", file=sys.stderr, flush=True)
 
 
 def blocked(w):

@@ -23,7 +23,8 @@ from llvmlite import ir
 from numba import prange, types
 from numba.extending import intrinsic
 
-from kernels.row_kernel import V, float32x8, fma8, load8, store8, when_first_called, zero8
+from kernels.compiling import when_first_called
+from kernels.row_kernel import V, float32x8, fma8, load8, store8, zero8
 
 
 @intrinsic

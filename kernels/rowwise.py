@@ -35,12 +35,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 try:
+    from kernels import compiling  # when the kernels compile: at first use, or ahead in other processes
     from kernels import int4_kernel  # int4 weights, two a byte, times 8-bit activations
     from kernels import int8_kernel  # int8 weights times 16-bit activations
     from kernels import row_kernel  # its kernels compile (or load from numba's cache) when first used
     from kernels import row_ops  # layer norm and attention for the kernel's passes
 except ImportError:  # no numba: the NumPy fallback
-    int4_kernel = int8_kernel = row_kernel = row_ops = None
+    compiling = int4_kernel = int8_kernel = row_kernel = row_ops = None
 
 KERNEL_ENV = "GPT2_ROW_KERNEL"
 KERNELS = ("numba", "numpy")
@@ -123,10 +124,34 @@ def warm_passes(row_counts, dtype):
     return sorted({min(r for r in range(1, 8) if row_kernel.loop_for(r, dtype) == loop) for loop in loops})
 
 
+def loops(row_counts, dtype):
+    """The kernels' loops (kernel, dtype, tile plan) that warm passes over row_counts tokens
+    (`warm_passes`, each with one row of logits) run in weights stored as `dtype`: what
+    compiling.start compiles in other processes while the model loads."""
+    if KERNEL != "numba":
+        return set()
+    dtype = np.dtype(dtype)
+    found = {("kernels.row_ops.layer_norm_rows", "float32", None), ("kernels.row_ops.attend", "float32", None)}
+    if dtype == np.int8:
+        found.add(("kernels.int8_kernel.to_int16", "int8", None))
+    if dtype == np.uint8:
+        found.add(("kernels.int4_kernel.to_x8", "uint8", None))
+    for R in set(warm_passes(row_counts, dtype)) | {1}:
+        if dtype == np.uint8:  # int4 tiles every row count
+            found.add(("kernels.int4_kernel.rows_times_nibbles", "uint8", row_kernel.tile_plan(R)))
+        elif R == 1:
+            found.add((f"kernels.{'int8_kernel.row_times_pairs' if dtype == np.int8 else 'row_kernel.row_times_blocks'}",
+                       dtype.name, None))
+        else:
+            found.add((f"kernels.{'int8_kernel.rows_times_pairs' if dtype == np.int8 else 'row_kernel.rows_times_blocks'}",
+                       dtype.name, row_kernel.loop_for(R, dtype)))
+    return found
+
+
 def seconds_compiling():
     """Seconds this process has spent compiling kernels (or loading them from numba's cache):
     a run's first use of a format or a tile size compiles its loops, once a machine."""
-    return row_kernel.seconds_compiling if row_kernel else 0.0
+    return compiling.seconds_compiling if compiling else 0.0
 
 
 def columns(lm_head, tokens):

@@ -38,6 +38,7 @@ measures how far the logits move.
 import numpy as np
 
 DTYPES = ("float32", "bfloat16", "int8", "int4")
+STORED_AS = {"float32": "float32", "bfloat16": "uint16", "int8": "int8", "int4": "uint8"}  # the kernels' arrays
 INT4_GROUP = 32  # inputs per int4 scale (Q4_0's block)
 
 

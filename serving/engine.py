@@ -63,7 +63,10 @@ def load(engine, loaded=None):
     """Load the models (downloading what is missing) and build the decoder the engine runs.
     loaded: (encoder, target, drafter) already in memory (the benchmark's random models)."""
     args = engine["args"]
+    formats = [args.dtype] + ([flags.draft_dtype(args)] if flags.separate_draft(args) else [])
+    compiling = [] if loaded else flags.compile_ahead(args, [(dtype, flags.EVERY_TILE) for dtype in formats])
     encoder, target, drafter = loaded or flags.load_models(args, log_to_stderr)
+    flags.finish_compiling(compiling)
     for model in (target, drafter) if isinstance(drafter, tuple) else (target,):
         flags.warm_up(model, flags.EVERY_TILE)  # no request waits for a compile
     if args.mode == "speculative":
