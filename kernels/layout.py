@@ -41,11 +41,25 @@ def decode_layout(params, kernel=None, dtype="float32"):
     return out
 
 
+NARROW_CHUNK = 16  # blocks a narrow format converts at a time: a few MB of float32, no copy of the whole matrix
+
+
 def kernel_blocks(w, dtype):
     """A matrix w [n_in, n_out] as the numba kernels read it: {"w": its blocks of 64
     columns [n_blocks, n_in, 64] in the format dtype, "scale" for int8 and int4}, int8's
     blocks with each column's weights in pairs of inputs [n_blocks, n_in / 2, 64, 2]
-    (int8_kernel.py), int4's two a byte [n_blocks, n_in / 4, 4, 32] (int4_kernel.py)."""
+    (int8_kernel.py), int4's two a byte [n_blocks, n_in / 4, 4, 32] (int4_kernel.py).
+    Every scale belongs to one column, so a narrow format converts NARROW_CHUNK blocks
+    at a time: its float32 temporaries stay small, and only the narrow result is new memory."""
+    if dtype == "float32":
+        return {"w": rowwise.row_kernel.blocked(w)}
+    width = NARROW_CHUNK * rowwise.row_kernel.W
+    parts = [narrow_blocks(w[:, lo:lo + width], dtype) for lo in range(0, w.shape[1], width)]
+    return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+
+
+def narrow_blocks(w, dtype):
+    """kernel_blocks of w [n_in, n_out] in a format narrower than float32."""
     layer = weight_formats.stored(rowwise.row_kernel.blocked(w), dtype)
     if dtype == "int8":
         layer["w"] = rowwise.int8_kernel.paired(layer["w"])
