@@ -256,7 +256,8 @@ def beam_settings(args):
 def run_beams(args, beams, prompts):
     """Beam search over the prompts together; each prompt's best texts with their scores."""
     args.mode = "autoregressive"
-    encoder, target, _ = flags.load_models(args)
+    with flags.compiling_ahead(args, [(args.dtype, flags.EVERY_TILE)]):
+        encoder, target, _ = flags.load_models(args)
     ids = tokenize(encoder, prompts, target[1]["n_ctx"])
     beam_search.check_window(target[1]["n_ctx"], ids, args.n_tokens_to_generate)
     flags.warm_up(target, flags.EVERY_TILE)  # beams are rows of every count
@@ -293,11 +294,11 @@ def warm_rows(args, config, ids):
     return rows | set(range(2, max(config.K, config.K_max or 7) + 2)), rows | {2} if flags.separate_draft(args) else None
 
 
-def compile_ahead(args, config, ids):
-    """The kernels' loops of this run's passes, compiling in other processes while the models load."""
+def compiling_ahead(args, config, ids):
+    """A context in which the kernels' loops of this run's passes compile in other processes."""
     target_rows, draft_rows = warm_rows(args, config, ids)
-    return flags.compile_ahead(args, [(args.dtype, target_rows)] + ([(flags.draft_dtype(args), draft_rows)]
-                                                                     if draft_rows else []))
+    return flags.compiling_ahead(args, [(args.dtype, target_rows)] + ([(flags.draft_dtype(args), draft_rows)]
+                                                                      if draft_rows else []))
 
 
 def warm_up(args, config, target, drafter, ids):
@@ -315,9 +316,8 @@ def run(args):
     args.mode = args.mode or "both"
     encoder, n_ctx = flags.tokenizer(args)
     ids = tokenize(encoder, prompts, n_ctx)
-    compiling = compile_ahead(args, config, ids)
-    _, target, drafter = flags.load_models(args)
-    flags.finish_compiling(compiling)
+    with compiling_ahead(args, config, ids):  # while the models load
+        _, target, drafter = flags.load_models(args)
     warm_up(args, config, target, drafter, ids)
     eos = None if args.ignore_eos else encoder.eot_token
     reqs = batching.requests(ids, args.n_tokens_to_generate, settings, args.seed, eos)

@@ -5,6 +5,7 @@ main.py, server.py and benchmark.py build their parsers from these, so a flag me
 same thing in each; serving imports this, never main.py.
 """
 import argparse
+import contextlib
 import time
 
 import gpt2
@@ -171,19 +172,14 @@ def separate_draft(args):
             and (args.draft_model_size, draft_dtype(args)) != (args.target_model_size, args.dtype))
 
 
-def compile_ahead(args, passes):
-    """Start compiling, in other processes while the models load, the kernels' loops that
-    passes [(format, row counts)] will use (kernels/compiling.py); `finish_compiling`
-    waits for them. Nothing to compile without the kernels."""
+def compiling_ahead(args, passes):
+    """A context in which the kernels' loops that passes [(format, row counts)] will use
+    compile in other processes, while the models load (kernels/compiling.py). Nothing to
+    compile without the kernels."""
     if args.backend != "numpy" or rowwise.KERNEL != "numba":
-        return []
+        return contextlib.nullcontext()
     loops = set().union(*(rowwise.loops(rows, weight_formats.STORED_AS[dtype]) for dtype, rows in passes))
-    return rowwise.compiling.start(loops)
-
-
-def finish_compiling(running):
-    if running:
-        rowwise.compiling.wait(running)
+    return rowwise.compiling.ahead(loops)
 
 
 def load_models(args, log=print):

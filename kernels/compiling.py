@@ -16,9 +16,11 @@ milliseconds. So a machine's first run waits for the compiler; two things shorte
   processes must not write at once (each could number its entry the same): all the
   loops of a kernel, every format and plan, go to the same process.
 """
+import contextlib
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -185,10 +187,25 @@ def wait(running):
         listener.join()
 
 
+@contextlib.contextmanager
+def ahead(loops):
+    """`loops` compile in other processes (`start`) while the block runs (a model loads);
+    leaving it waits for them, or stops them where the block failed."""
+    running = start(loops)
+    try:
+        yield
+    except BaseException:
+        for process, _ in running:
+            process.kill()
+        raise
+    wait(running)
+
+
 def work(share):
     """A compiling process: compile (or load) each loop of `share`, a JSON list of [kernel,
     dtype, plan], telling the parent on stdout when one takes long."""
     global announce
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C in the terminal ends this process quietly with its parent
     announce = functools.partial(print, "compiling", flush=True)
     for kernel, dtype, plan in json.loads(share):
         module, _ = kernel.rsplit(".", 1)

@@ -64,9 +64,8 @@ def load(engine, loaded=None):
     loaded: (encoder, target, drafter) already in memory (the benchmark's random models)."""
     args = engine["args"]
     formats = [args.dtype] + ([flags.draft_dtype(args)] if flags.separate_draft(args) else [])
-    compiling = [] if loaded else flags.compile_ahead(args, [(dtype, flags.EVERY_TILE) for dtype in formats])
-    encoder, target, drafter = loaded or flags.load_models(args, log_to_stderr)
-    flags.finish_compiling(compiling)
+    with flags.compiling_ahead(args, [(dtype, flags.EVERY_TILE) for dtype in ([] if loaded else formats)]):
+        encoder, target, drafter = loaded or flags.load_models(args, log_to_stderr)
     for model in (target, drafter) if isinstance(drafter, tuple) else (target,):
         flags.warm_up(model, flags.EVERY_TILE)  # no request waits for a compile
     if args.mode == "speculative":

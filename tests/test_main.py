@@ -79,7 +79,7 @@ def timing_no_compile(fn):
     return wrapped
 main.decode = timing_no_compile(main.decode)
 timing.measure_costs = timing_no_compile(timing.measure_costs)
-main.compile_ahead = lambda *args: []  # the warm-up alone (test_compiling.py checks what compiles ahead)
+main.compiling_ahead = lambda *args: __import__('contextlib').nullcontext()  # the warm-up alone (test_compiling.py checks what compiles ahead)
 assert main.main(sys.argv[1:]) == 0
 print(json.dumps({"timed": timed, "warmed": compiling.first_uses}))
 """
