@@ -145,9 +145,9 @@ EVERY_TILE = range(1, 8)  # passes over 1-7 tokens reach every loop of the kerne
 
 def warm_up(model, row_counts):
     """Passes like those over row_counts tokens, before anything is timed: the kernels' loops
-    they use are compiled (or loaded from numba's cache) now, where kernels/row_kernel.py
-    says so if it takes long. A run warms the passes it will make (main.py); the server
-    warms every loop before it listens, so that no request waits for a compile."""
+    they use are loaded from numba's cache (where `compiling_ahead` compiled them during the
+    load) or compiled now, saying so (kernels/compiling.py). A run warms the passes it will
+    make (main.py); the server every loop before it listens: no request waits for a compile."""
     params, hparams = model
     dtype = params["blocks"][0]["mlp"]["c_fc"]["w"].dtype
     for n in rowwise.warm_passes(row_counts, dtype):

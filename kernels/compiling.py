@@ -33,7 +33,6 @@ from numba.core import event
 _noticed = threading.Event()
 seconds_compiling = 0.0  # this process's time in numba, compiling kernels or loading them from its cache
 first_uses = []  # (kernel, dtype, plan) as this process first needed each loop
-compiled = []  # the same, of the loops numba compiled here (not found in its cache)
 KERNELS = {}  # "module.kernel" -> compile(dtype name, plan): what a compiling process can be asked for
 
 
@@ -61,8 +60,6 @@ def when_first_called(signatures, key, plan=None, **options):
                 kernel = njit(signatures[name], cache=True, nogil=True, **options)(py_func)
             finally:
                 seconds_compiling += time.perf_counter() - start
-            if kernel.stats.cache_misses:
-                compiled.append((make.__name__, name, constant))
             ready[dtype, constant] = kernel
             return kernel
 
@@ -160,17 +157,24 @@ def start(loops):
     if not loops:
         return []
     n = min(max(2, (os.cpu_count() or 2) - 1), MAX_PROCESSES)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ahead of a "kernels" folder where we run
     running = []
     for share in shares(loops, n):
-        process = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from kernels import compiling; compiling.work(sys.argv[1])",
-             json.dumps(share)], stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            process = subprocess.Popen([sys.executable, "-c", WORKER, root, json.dumps(share)],
+                                       stdout=subprocess.PIPE, text=True)
+        except OSError:
+            continue  # its loops compile here, when first used
         listener = threading.Thread(target=listen, args=(process,), daemon=True)
         listener.start()
         running.append((process, listener))
     return running
+
+
+# Ctrl-C reaches the whole terminal's group: a compiling process ignores it and is stopped by its
+# parent between loops (numba writes a loop's cache entry whole; a kill could leave half of one)
+WORKER = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); sys.path.insert(0, sys.argv[1]); "
+          "from kernels import compiling; compiling.work(sys.argv[2])")
 
 
 def listen(process):
@@ -183,31 +187,45 @@ def wait(running):
     """Wait for the processes `start` began. One that failed leaves its loops to this
     process, which compiles whatever it does not find in numba's cache."""
     for process, listener in running:
-        process.wait()
+        if process.wait():
+            print(f"note: a process compiling the kernels failed (exit {process.returncode}); they compile "
+                  "here instead", file=sys.stderr)
         listener.join()
 
 
 @contextlib.contextmanager
 def ahead(loops):
     """`loops` compile in other processes (`start`) while the block runs (a model loads);
-    leaving it waits for them, or stops them where the block failed."""
+    leaving it waits for them, or, where the block failed, stops them after their loop."""
     running = start(loops)
     try:
         yield
-    except BaseException:
+        wait(running)
+    finally:
         for process, _ in running:
-            process.kill()
-        raise
-    wait(running)
+            if process.poll() is None:
+                process.terminate()
+
+
+def tell_parent():
+    """A compiling process's notice: one line on the pipe its parent listens to."""
+    try:
+        os.write(1, b"compiling\n")  # unbuffered: nothing left to flush if the pipe has closed
+    except OSError:
+        pass  # the parent has gone (it stops this process): nobody to tell
 
 
 def work(share):
     """A compiling process: compile (or load) each loop of `share`, a JSON list of [kernel,
-    dtype, plan], telling the parent on stdout when one takes long."""
+    dtype, plan], telling the parent on stdout when a compile starts; SIGTERM stops it
+    before its next loop."""
     global announce
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C in the terminal ends this process quietly with its parent
-    announce = functools.partial(print, "compiling", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    announce = tell_parent
     for kernel, dtype, plan in json.loads(share):
+        if stop.is_set():
+            break
         module, _ = kernel.rsplit(".", 1)
         __import__(module)  # registers its kernels in KERNELS
         KERNELS[kernel](dtype, plan)

@@ -50,7 +50,7 @@ def kernel_blocks(w, dtype):
     blocks with each column's weights in pairs of inputs [n_blocks, n_in / 2, 64, 2]
     (int8_kernel.py), int4's two a byte [n_blocks, n_in / 4, 4, 32] (int4_kernel.py).
     Every scale belongs to one column, so a narrow format converts NARROW_CHUNK blocks
-    at a time: its float32 temporaries stay small, and only the narrow result is new memory."""
+    at a time: its float32 temporaries stay small, never a copy of the whole matrix."""
     if dtype == "float32":
         return {"w": rowwise.row_kernel.blocked(w)}
     width = NARROW_CHUNK * rowwise.row_kernel.W

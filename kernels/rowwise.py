@@ -38,7 +38,7 @@ try:
     from kernels import compiling  # when the kernels compile: at first use, or ahead in other processes
     from kernels import int4_kernel  # int4 weights, two a byte, times 8-bit activations
     from kernels import int8_kernel  # int8 weights times 16-bit activations
-    from kernels import row_kernel  # its kernels compile (or load from numba's cache) when first used
+    from kernels import row_kernel  # float32 and bfloat16 weights
     from kernels import row_ops  # layer norm and attention for the kernel's passes
 except ImportError:  # no numba: the NumPy fallback
     compiling = int4_kernel = int8_kernel = row_kernel = row_ops = None

@@ -52,7 +52,7 @@ def test_what_compiles_ahead_is_what_the_warm_up_uses(models_dir, tmp_path):
     process's warm-up then compiles nothing (numba's compile event never starts: each loop
     comes from the cache the processes wrote). Run again: no process starts, no notice."""
     first, err = ahead_then_warm(models_dir, tmp_path)
-    assert first["processes"] == 2 and first["compiles here"] == 0, first
+    assert first["processes"] >= 2 and first["compiles here"] == 0, first
     assert err.count("compiling the CPU kernels") == 1, err
     assert first["cached"] == len(first["loops"]), first
     again, err = ahead_then_warm(models_dir, tmp_path)
