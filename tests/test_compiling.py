@@ -18,7 +18,7 @@ from numba.core import event
 import utils
 from cli import flags
 from kernels import compiling, rowwise, weight_formats
-rows = {1, 9}
+rows = {1, 7, 9}
 models = {d: utils.load_encoder_hparams_and_params("124M", sys.argv[1], dtype=d)[1:] for d in weight_formats.DTYPES}
 loops = set().union(*(rowwise.loops(rows, weight_formats.STORED_AS[d]) for d in models))
 running = compiling.start(loops)
