@@ -12,9 +12,10 @@ milliseconds. So a machine's first run waits for the compiler; two things shorte
   checkpoint (its formats and the row counts of its passes: rowwise.loops), and numba
   compiles on one core, under one lock, while the load leaves the other cores idle. So
   other Python processes compile the loops into numba's cache meanwhile, and the run,
-  once loaded, finds them there. numba keeps one index file per kernel, which two
-  processes must not write at once (each could number its entry the same): all the
-  loops of a kernel, every format and plan, go to the same process.
+  once loaded, finds them there. numba keeps one index file per Python function, which
+  two processes must not write at once (each could number its entry the same): each tile
+  plan's loop is a function of its own name, and one function's loops (its formats) go
+  to the same process.
 """
 import contextlib
 import functools
@@ -57,6 +58,8 @@ def when_first_called(signatures, key, plan=None, **options):
             start = time.perf_counter()
             try:
                 py_func = make if plan is None else make(constant)
+                if plan is not None:  # a plan's own name: its own index in numba's cache (see `shares`)
+                    py_func.__qualname__ += f"_{constant}"
                 kernel = njit(signatures[name], cache=True, nogil=True, **options)(py_func)
             finally:
                 seconds_compiling += time.perf_counter() - start
@@ -136,11 +139,12 @@ def cost(loop):
 
 
 def shares(loops, n):
-    """loops [(kernel, dtype, plan)] cut into at most n lists, each kernel's (and what
-    shares its index) in one, the longest kernels first to the least loaded list."""
+    """loops [(kernel, dtype, plan)] cut into at most n lists, the loops of one index in
+    numba's cache (a kernel's plan, its formats) in one, the heaviest first to the least
+    loaded list."""
     by_index = {}
     for loop in sorted(loops, key=str):
-        by_index.setdefault(SAME_INDEX.get(loop[0], loop[0]), []).append(loop)
+        by_index.setdefault((SAME_INDEX.get(loop[0], loop[0]), loop[2]), []).append(loop)
     out = [[] for _ in range(min(n, len(by_index)))]
     for group in sorted(by_index.values(), key=lambda g: -sum(map(cost, g))):
         min(out, key=lambda share: sum(map(cost, share))).extend(group)

@@ -59,18 +59,19 @@ def test_what_compiles_ahead_is_what_the_warm_up_uses(models_dir, tmp_path):
     assert again["processes"] == 0 and again["compiles here"] == 0 and "compiling" not in err, (again, err)
 
 
-def test_a_kernels_loops_share_one_process():
-    """numba's index file is per kernel: two processes adding entries to one at once could
-    number them alike. So each kernel's loops (and to_x8 with the to_int16 it compiles)
-    go to one process, the heavier kernels first, to the least loaded."""
+def test_one_index_one_process():
+    """numba's index file is per Python function (a kernel's plan): two processes adding
+    entries to one at once could number them alike. So a plan's formats (and to_x8 with
+    the to_int16 it compiles) go to one process, the heavier first, to the least loaded."""
     from kernels import compiling
     loops = [("a.rows", "float32", 3), ("a.rows", "float32", 5), ("a.rows", "uint16", 4), ("a.row", "float32", None),
              ("kernels.int8_kernel.to_int16", "int8", None), ("kernels.int4_kernel.to_x8", "uint8", None),
              ("b.rows", "int8", 2), ("b.rows", "int8", 4)]
     shares = compiling.shares(loops, 2)
     assert sorted(sum(shares, [])) == sorted(loops) and len(shares) == 2
-    owner = {loop[0]: i for i, share in enumerate(shares) for loop in share}
-    assert all(owner[loop[0]] == i for i, share in enumerate(shares) for loop in share)
-    assert owner["kernels.int8_kernel.to_int16"] == owner["kernels.int4_kernel.to_x8"]
-    assert owner["a.rows"] != owner["b.rows"]  # 9 and 6 of cost: the two heaviest apart
-    assert len(compiling.shares(loops[:2], 4)) == 1  # one kernel: one process
+    owner = {(loop[0], loop[2]): i for i, share in enumerate(shares) for loop in share}
+    assert all(owner[loop[0], loop[2]] == i for i, share in enumerate(shares) for loop in share)
+    assert owner["kernels.int8_kernel.to_int16", None] == owner["kernels.int4_kernel.to_x8", None]
+    assert owner["a.rows", 3] != owner["a.rows", 5]  # plans of one kernel apart: 3 and 3 of cost
+    assert [len(s) for s in compiling.shares(loops[:3], 4)] == [1, 1, 1]
+    assert len(compiling.shares([("a.rows", "float32", 4), ("a.rows", "uint16", 4)], 4)) == 1  # one index
