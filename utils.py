@@ -36,6 +36,8 @@ BASE_URL_ENV = "GPT2_BASE_URL"  # overrides the source's base URL (mirrors, test
 OPENAI_FILES = ("checkpoint", "encoder.json", "hparams.json", "model.ckpt.index",
                 "model.ckpt.data-00000-of-00001", "vocab.bpe")
 HF_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt")
+# the tokenizer and hparams of either layout: main.py fetches them first (kernels/compiling.py)
+SMALL_FILES = ("encoder.json", "vocab.bpe", "hparams.json", "config.json", "vocab.json", "merges.txt")
 SOURCES = ("openai", "hf")
 EOT_TOKEN = "<|endoftext|>"
 
@@ -116,15 +118,15 @@ def is_complete(model_dir):
             and (have("vocab.bpe", "encoder.json") or have("merges.txt", "vocab.json")))
 
 
-def download_model(model_size, models_dir="models", source="openai", base_url=None, **download_kw):
-    """Make sure models_dir/model_size holds every file; returns that directory.
-    Files already there are complete (only verified files get their final name),
-    so a full directory never touches the network."""
+def download_model(model_size, models_dir="models", source="openai", base_url=None, only=None, **download_kw):
+    """Make sure models_dir/model_size holds every file (or those named in `only`); returns
+    that directory. Files already there are complete (only verified files get their final
+    name), so a full directory never touches the network."""
     urls = file_urls(model_size, source, base_url)
     model_dir = os.path.join(models_dir, model_size)
     if is_complete(model_dir):
         return model_dir
-    missing = [f for f in urls if not os.path.exists(os.path.join(model_dir, f))]
+    missing = [f for f in urls if not os.path.exists(os.path.join(model_dir, f)) and (only is None or f in only)]
     try:
         os.makedirs(model_dir, exist_ok=True)
         probe = os.path.join(model_dir, ".write-test")

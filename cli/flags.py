@@ -156,9 +156,11 @@ def warm_up(model, row_counts):
 
 
 def tokenizer(args):
-    """(encoder, n_ctx) of the target, before its weights load (downloading what is missing):
-    a run knows its prompts' lengths, so the loops its passes will use, before it loads."""
-    model_dir = utils.download_model(args.target_model_size, args.models_dir, args.source, args.base_url)
+    """(encoder, n_ctx) of the target, before its weights download or load (fetching its
+    small files first): a run knows its prompts' lengths, so the loops its passes will use,
+    and compiles them meanwhile."""
+    model_dir = utils.download_model(args.target_model_size, args.models_dir, args.source, args.base_url,
+                                     only=utils.SMALL_FILES)
     try:
         return utils.load_encoder(model_dir), utils.load_hparams(model_dir)["n_ctx"]
     except (OSError, ValueError, KeyError) as e:

@@ -34,6 +34,17 @@ def test_full_download_then_no_network(server, tmp_path):
     assert len(server.requests) == n  # a complete directory never touches the network
 
 
+def test_the_small_files_first_then_the_rest(server, tmp_path):
+    """main.py fetches the tokenizer and hparams before the weights (to compile the kernels
+    while the weights download and load); the full download then fetches only the rest."""
+    d = utils.download_model("124M", str(tmp_path / "models"), base_url=server.url, only=utils.SMALL_FILES, **FAST)
+    assert sorted(os.listdir(d)) == ["encoder.json", "hparams.json", "vocab.bpe"]
+    utils.download_model("124M", str(tmp_path / "models"), base_url=server.url, **FAST)
+    got = [path for path, _ in server.requests]
+    assert sorted(got) == sorted(f"/124M/{f}" for f in utils.OPENAI_FILES), got  # each file once
+    assert sorted(os.listdir(d)) == sorted(utils.OPENAI_FILES)
+
+
 def test_partial_file_is_resumed_with_a_range_request(server, tmp_path):
     d = tmp_path / "models" / "124M"
     d.mkdir(parents=True)
