@@ -291,7 +291,8 @@ def warm_rows(args, config, ids):
         rows = set(flags.EVERY_TILE)
     if args.mode == "autoregressive":
         return rows, None
-    return rows | set(range(2, max(config.K, config.K_max or 7) + 2)), (rows | {2} if flags.separate_draft(args) else None)
+    verify = set(range(2, max(config.K, config.K_max or 7) + 2))
+    return rows | verify, (rows | {2} if flags.separate_draft(args) else None)
 
 
 def compiling_ahead(args, config, ids):

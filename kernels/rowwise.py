@@ -124,6 +124,13 @@ def warm_passes(row_counts, dtype):
     return sorted({min(r for r in range(1, 8) if row_kernel.loop_for(r, dtype) == loop) for loop in loops})
 
 
+# each stored dtype's loops, as `matmul` dispatches: (one row, rows, the activations' rounding)
+LOOPS = {"float32": ("row_kernel.row_times_blocks", "row_kernel.rows_times_blocks", None),
+         "uint16": ("row_kernel.row_times_blocks", "row_kernel.rows_times_blocks", None),
+         "int8": ("int8_kernel.row_times_pairs", "int8_kernel.rows_times_pairs", "int8_kernel.to_int16"),
+         "uint8": (None, "int4_kernel.rows_times_nibbles", "int4_kernel.to_x8")}  # int4 tiles one row too
+
+
 def loops(row_counts, dtype):
     """The kernels' loops (kernel, dtype, tile plan) that warm passes over row_counts tokens
     (`warm_passes`, each with one row of logits) run in weights stored as `dtype`: what
@@ -131,20 +138,16 @@ def loops(row_counts, dtype):
     if KERNEL != "numba":
         return set()
     dtype = np.dtype(dtype)
+    one, rows, rounding = LOOPS[dtype.name]
     found = {("kernels.row_ops.layer_norm_rows", "float32", None), ("kernels.row_ops.attend", "float32", None)}
-    if dtype == np.int8:
-        found.add(("kernels.int8_kernel.to_int16", "int8", None))
-    if dtype == np.uint8:
-        found.add(("kernels.int4_kernel.to_x8", "uint8", None))
+    if rounding:
+        found.add((f"kernels.{rounding}", dtype.name, None))
     for R in set(warm_passes(row_counts, dtype)) | {1}:
-        if dtype == np.uint8:  # int4 tiles every row count
-            found.add(("kernels.int4_kernel.rows_times_nibbles", "uint8", row_kernel.tile_plan(R)))
-        elif R == 1:
-            found.add((f"kernels.{'int8_kernel.row_times_pairs' if dtype == np.int8 else 'row_kernel.row_times_blocks'}",
-                       dtype.name, None))
+        if R == 1 and one:
+            found.add((f"kernels.{one}", dtype.name, None))
         else:
-            found.add((f"kernels.{'int8_kernel.rows_times_pairs' if dtype == np.int8 else 'row_kernel.rows_times_blocks'}",
-                       dtype.name, row_kernel.loop_for(R, dtype)))
+            found.add((f"kernels.{rows}", dtype.name, row_kernel.tile_plan(max(R, row_kernel.FLOAT32_MIN_TILE))
+                       if dtype == np.float32 else row_kernel.tile_plan(R)))
     return found
 
 
