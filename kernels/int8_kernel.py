@@ -327,10 +327,7 @@ def rows_times_pairs(n):
                 for t in range(n_tiles):
                     size = (R - i) // (n_tiles - t)  # n or n + 1
                     if n == 2:  # n is a constant: numba compiles only the branch it takes
-                        if size == 2:
-                            two_rows(x16, sx, i, qb, b, kc, c, acc, ahead)
-                        else:
-                            tile(x16, sx, i, 3, qb, b, kc, c, acc, ahead)
+                        two_rows(x16, sx, i, qb, b, kc, c, acc, ahead)  # plan 2 is 2 rows alone
                     elif size == n:
                         tile(x16, sx, i, n, qb, b, kc, c, acc, ahead)
                     else:

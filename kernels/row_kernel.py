@@ -32,8 +32,9 @@ is a register, as a float64 local is.
   from memory once for all rows. A pair of rows takes tiles of 2 rows x 32 columns.
   The rows go in as few tiles as hold them: a second tile over the same chunk lets
   memory and arithmetic overlap less. A tile of fewer rows overlaps worse too: 3 rows
-  in a tile of their own cost more than 4 rows do, so float32 gives 2 or 3 rows a
-  4-row tile (`FLOAT32_MIN_TILE`).
+  in a tile of their own cost more than 4 rows do, so float32 never runs a tile of
+  fewer than 4 rows: it pads its rows with zero rows (`padded_rows`: 2 or 3 rows to 4, 7
+  to 8).
 
 Batch invariance by construction: output j of row i is x[i, 0] w[0, j] + x[i, 1] w[1, j]
 + ..., added in that order, one fused multiply-add at a time, in both kernels, whatever
@@ -68,10 +69,11 @@ V = 8  # floats per vector register (AVX2)
 CHUNK = 8  # k-steps a tile takes before the next tile reuses them from L1
 AHEAD = 8192  # bytes of a block that one row asks memory for ahead of its loads
 AHEAD_ROWS = 12288  # the same for a register tile, whose arithmetic takes longer
-# 2 or 3 rows of float32 take a 4-row tile, the rest zero rows: float32 weights arrive
-# slowly enough that 4 rows' arithmetic hides under them, and a tile of fewer rows
-# overlaps the two worse (its pass costs more than a 4-row tile's). bfloat16 arrives 2x
-# faster: its passes are arithmetic, so it takes tiles of its own size, with no zero rows.
+# float32's tiles hold at least 4 rows, zero rows where a pass has fewer: float32 weights
+# arrive slowly enough that 4 rows' arithmetic hides under them, and a tile of fewer rows
+# overlaps the two worse (its pass costs more than a 4-row tile's). It also leaves float32
+# one tile plan fewer to compile (plan 3: `tile_plan`). bfloat16 arrives 2x faster: its
+# passes are arithmetic, so it takes tiles of its own size, with no zero rows.
 FLOAT32_MIN_TILE = 4
 
 
@@ -319,12 +321,23 @@ def two_rows(x, i, wb, b, k0, acc, ahead):
             store8(acc, (i + n, j + 24), v3)
 
 
+def padded_rows(R, dtype):
+    """The rows a pass over R >= 2 rows of weights in `dtype` multiplies: float32 adds zero
+    rows until its tiles hold FLOAT32_MIN_TILE rows or more (2 or 3 rows -> 4, 7 -> 8:
+    tiles of 4 + 4, not 3 + 4); other formats, R."""
+    if dtype != np.float32:
+        return R
+    while tile_plan(R) < FLOAT32_MIN_TILE:
+        R += 1
+    return R
+
+
 def loop_for(R, dtype):
     """Which compiled loop a pass over R rows of weights in `dtype` runs: 0 for one row,
-    else the tile plan of its rows (float32 pads 2 or 3 rows to FLOAT32_MIN_TILE, as `matmul`)."""
+    else the tile plan of its rows, padded as `matmul` pads them."""
     if R == 1:
         return 0
-    return tile_plan(max(R, FLOAT32_MIN_TILE) if dtype == np.float32 else R)
+    return tile_plan(padded_rows(R, dtype))
 
 
 def tile_plan(R):
@@ -353,10 +366,7 @@ def rows_times_blocks(n):
                 for t in range(n_tiles):
                     size = (R - i) // (n_tiles - t)  # n or n + 1, each a constant in its call (see `tile`)
                     if n == 2:  # n is a constant: numba compiles only the branch it takes
-                        if size == 2:
-                            two_rows(x, i, wb, b, k0, acc, ahead)
-                        else:
-                            tile(x, i, 3, wb, b, k0, acc, ahead)
+                        two_rows(x, i, wb, b, k0, acc, ahead)  # plan 2 is 2 rows alone (7 or more: tiles of 3+)
                     elif size == n:
                         tile(x, i, n, wb, b, k0, acc, ahead)
                     else:
@@ -378,8 +388,9 @@ def matmul(rows, wb, n_out):
         row_times_blocks(np.ascontiguousarray(rows[0], dtype=np.float32), wb, out[0])
     else:
         x = np.ascontiguousarray(rows, dtype=np.float32)  # [n, n_in]
-        if n < FLOAT32_MIN_TILE and wb.dtype == np.float32:
-            x = np.concatenate([x, np.zeros((FLOAT32_MIN_TILE - n, x.shape[1]), np.float32)])  # [4, n_in]
-        out = np.empty((len(x), n_blocks * W), np.float32)  # [n or 4, n_blocks * W]
+        R = padded_rows(n, wb.dtype)
+        if R > n:
+            x = np.concatenate([x, np.zeros((R - n, x.shape[1]), np.float32)])  # [R, n_in]
+        out = np.empty((R, n_blocks * W), np.float32)  # [R, n_blocks * W]
         rows_times_blocks(x, wb, out)
     return out[:n, :n_out]  # [n, n_out]

@@ -146,8 +146,7 @@ def loops(row_counts, dtype):
         if R == 1 and one:
             found.add((f"kernels.{one}", dtype.name, None))
         else:
-            found.add((f"kernels.{rows}", dtype.name, row_kernel.tile_plan(max(R, row_kernel.FLOAT32_MIN_TILE))
-                       if dtype == np.float32 else row_kernel.tile_plan(R)))
+            found.add((f"kernels.{rows}", dtype.name, row_kernel.tile_plan(row_kernel.padded_rows(R, dtype))))
     return found
 
 

@@ -220,8 +220,9 @@ def test_blocks_refuse_an_input_width_the_kernels_would_read_past():
 def test_each_pass_runs_one_tile_plan_and_the_server_warms_them_all():
     """A pass over R rows splits them into tiles of n or n + 1 rows, n = tile_plan(R): the
     loop compiled for n runs it. A warm-up over a few tokens compiles the loops of the passes
-    asked for (float32 pads 2 or 3 rows to 4); the server's reaches every loop, so that no
-    request waits for a compile."""
+    asked for; the server's reaches every loop, so that no request waits for a compile.
+    float32 pads its rows until every tile holds 4 or more (2 or 3 rows to 4, 7 to 8): it
+    compiles two tile plans, not four."""
     from cli import flags
     from kernels import row_kernel
     for R in range(2, 300):
@@ -231,6 +232,9 @@ def test_each_pass_runs_one_tile_plan_and_the_server_warms_them_all():
             sizes.append((R - i) // (n_tiles - t))
             i += sizes[-1]
         assert sum(sizes) == R and set(sizes) <= {n, n + 1} and max(sizes) <= 6 and 2 <= n <= 5, R
+    assert [row_kernel.padded_rows(R, np.float32) for R in range(2, 10)] == [4, 4, 4, 5, 6, 8, 8, 9]
+    assert {row_kernel.loop_for(R, np.float32) for R in range(1, 300)} == {0, 4, 5}
+    assert [row_kernel.padded_rows(R, np.uint16) for R in range(2, 10)] == list(range(2, 10))
     for dtype in (np.float32, np.uint16, np.int8, np.uint8):  # what a warm-up over EVERY_TILE compiles reaches every pass
         loops = {row_kernel.loop_for(R, dtype) for R in range(1, 300)}
         assert {row_kernel.loop_for(r, dtype) for r in rowwise.warm_passes(flags.EVERY_TILE, dtype)} == loops
