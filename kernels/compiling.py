@@ -134,8 +134,11 @@ MAX_PROCESSES = 4  # each holds numba and LLVM (~100 MB)
 
 
 def cost(loop):
-    """A rough weight for sharing loops out: a tile plan's loop compiles ~3x longer than the rest."""
-    return 3 if loop[2] else 1
+    """About the seconds a loop takes to compile (`python benchmark.py --only kernels`): a
+    tile plan's loop ~1 s of numba's passes and ~0.2 s for each row of its tiles (plan n:
+    tiles of n and n + 1 rows; plans 1 and 2: one tile); the other loops under a second."""
+    n = loop[2]
+    return 1 + 0.2 * (2 * n + 1 if n >= 3 else n) if n else 0.5
 
 
 def shares(loops, n):

@@ -72,6 +72,9 @@ def test_one_index_one_process():
     owner = {(loop[0], loop[2]): i for i, share in enumerate(shares) for loop in share}
     assert all(owner[loop[0], loop[2]] == i for i, share in enumerate(shares) for loop in share)
     assert owner["kernels.int8_kernel.to_int16", None] == owner["kernels.int4_kernel.to_x8", None]
-    assert owner["a.rows", 3] != owner["a.rows", 5]  # plans of one kernel apart: 3 and 3 of cost
+    users = [("kernels.row_kernel.rows_times_blocks", "float32", 5), ("kernels.int8_kernel.rows_times_pairs", "int8", 4),
+             ("kernels.int8_kernel.rows_times_pairs", "int8", 2), ("kernels.int8_kernel.row_times_pairs", "int8", None),
+             ("kernels.int8_kernel.to_int16", "int8", None)]  # what the users' command compiles after a float32 run
+    assert sorted(map(sorted, compiling.shares(users, 2))) == sorted([sorted(users[::3] + users[4:]), sorted(users[1:3])])
     assert [len(s) for s in compiling.shares(loops[:3], 4)] == [1, 1, 1]
     assert len(compiling.shares([("a.rows", "float32", 4), ("a.rows", "uint16", 4)], 4)) == 1  # one index
