@@ -32,17 +32,18 @@ def pass_seconds(model, context, T=1, head=None, reps=3, n_logits=None):
 
 
 CONTEXT = 32  # cached tokens before each timed pass of the advice
+REPS = 2  # timed passes a cost, the best kept (after a warm-up): a run with advice pays for its 30 passes
 
 
 def measure_costs(target, draft, K_max, draft_vocab=0, context=CONTEXT):
     """Costs measured on this machine: a draft token and verify(K+1) for K = 0..K_max, in
     target decode steps. A few passes of each model; used to advise, never to decide
     (a decision on the clock would change the text from run to run)."""
-    step = pass_seconds(target, context)
-    verify = (1.0,) + tuple(pass_seconds(target, context, K + 1) / step for K in range(1, K_max + 1))
+    step = pass_seconds(target, context, reps=REPS)
+    verify = (1.0,) + tuple(pass_seconds(target, context, K + 1, reps=REPS) / step for K in range(1, K_max + 1))
     if draft is None:
         return cost_model.Costs(0.0, verify)
     head = speculative.vocab_subset_head(draft[0], [list(range(context))], draft_vocab) if draft_vocab else None
-    draft_step = pass_seconds(draft, context, head=head)
-    catch_up = pass_seconds(draft, context, 2, head, n_logits=1) / draft_step
+    draft_step = pass_seconds(draft, context, head=head, reps=REPS)
+    catch_up = pass_seconds(draft, context, 2, head, reps=REPS, n_logits=1) / draft_step
     return cost_model.Costs(draft_step / step, verify, catch_up)

@@ -163,7 +163,8 @@ def start(loops):
     loops = [loop for loop in loops if loop not in found]
     if not loops:
         return []
-    n = min(max(2, (os.cpu_count() or 2) - 1), MAX_PROCESSES)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2  # ours
+    n = min(max(2, cores - 1), MAX_PROCESSES)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ahead of a "kernels" folder where we run
     running = []
     for share in shares(loops, n):
