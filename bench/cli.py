@@ -189,7 +189,8 @@ def run_sections(results, loaded, weights, args, probe):
     if "kernels" in args.only:
         results["kernels"] = [row for size in args.sizes for row in bench_kernels(loaded[size], args, size)]
         if rowwise.KERNEL == "numba":
-            results["kernel_start"] = kernel_start_s()
+            formats = ["float32"] if args.quick else list(dict.fromkeys(["float32", *args.draft_dtype]))
+            results["kernel_start"] = kernel_start_s(formats)
     if "speculative" in args.only:
         target = loaded[args.target]
         runs = []

@@ -96,6 +96,20 @@ def ceiling_tables(c):
     return lines + [""]
 
 
+def kernel_start_table(k):
+    """Each loop's first start in a fresh Python, compiled and from numba's cache."""
+    lines = [f"Starting the numba kernels of {' and '.join(k['formats'])} weights in a fresh Python, loop by loop "
+             f"(numba's own start {k['numba_s']:.2f} s apart): {k['compile_s']:.1f} s the first time (numba "
+             f"compiles them), {k['cached_s']:.2f} s from numba's cache. Compiling ahead shares the loops out "
+             "between processes by their cost (kernels/compiling.py), about their seconds:", "",
+             "| loop | format | tile plan | compiled s | cached s | cost |", "|---|---|---|---|---|---|"]
+    for r in k["loops"]:
+        kernel, dtype, plan = r["loop"]
+        lines.append(f"| {kernel.removeprefix('kernels.')} | {dtype} | {plan or ''} | {r['compile_s']:.2f} | "
+                     f"{r['cached_s']:.3f} | {r['cost']:.1f} |")
+    return lines + [""]
+
+
 def machine_line(m):
     """The CPU and the kernels each library runs on it: beside every result."""
     line = f"CPU: {m.get('cpu', '?')} ({m.get('cpu_count')} cores; {'/'.join(m.get('simd', [])) or '?'}); "
@@ -336,11 +350,7 @@ def markdown(results):
     if results.get("kernels"):
         lines += kernels_table(results["kernels"])
     if results.get("kernel_start"):
-        k = results["kernel_start"]
-        what = (f"Starting the numba kernels of a {' and '.join(k['formats'])} model" if "formats" in k
-                else "Importing the numba kernels")
-        lines += [f"{what} in a fresh Python: {k['compile_s']:.2f} s the first time (numba "
-                  f"compiles them), {k['cached_s']:.2f} s from numba's cache.", ""]
+        lines += kernel_start_table(results["kernel_start"])
     if "formats" in results:
         lines += formats_tables(results)
     if "ceiling" in results:

@@ -3,9 +3,10 @@
 rows: a whole cached pass over n tokens (a verification of n - 1 drafts) three ways,
 by the number of rows. kernels: greedy decoding with the kernel against the fallback and
 against the kernel with NumPy's layer norm and attention; and what importing the kernels
-costs a fresh Python, compiled and from numba's cache.
+costs a fresh Python, loop by loop, compiled and from numba's cache.
 """
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import numpy as np
 
 from bench.common import ROOT, greedy, prompt_ids, settle
 from cli.timing import pass_seconds
-from kernels import layout, rowwise
+from kernels import compiling, layout, rowwise, weight_formats
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
 
@@ -54,28 +55,35 @@ def bench_rows(model, args):
     return rows
 
 
-# what a float32 model's first run compiles: one row, a tile plan (4 or 5 rows), layer norm, attention
-START_FLOAT32 = """import time; t = time.perf_counter()
-import numpy as np
-from kernels import row_kernel, row_ops
-wb = row_kernel.blocked(np.ones((8, 64), np.float32))
-row_kernel.matmul(np.ones((1, 8), np.float32), wb, 64)
-row_kernel.matmul(np.ones((4, 8), np.float32), wb, 64)
-row_ops.layer_norm(np.ones((2, 8), np.float32), np.ones(8, np.float32), np.zeros(8, np.float32))
-q = np.ones((1, 1, 2, 8), np.float32)
-row_ops.attention(q, q, q, np.array([[0, 1]]))
-print(time.perf_counter() - t)"""
+# in a fresh Python: numba's own start, then each loop in turn, compiled or loaded from numba's cache
+START_EACH = """import json, sys, time
+t = time.perf_counter()
+from numba import njit
+njit(lambda x: x + 1)(1)
+seconds = [time.perf_counter() - t]
+from kernels import compiling
+for kernel, dtype, plan in json.loads(sys.argv[1]):
+    __import__(kernel.rsplit(".", 1)[0])
+    t = time.perf_counter()
+    compiling.KERNELS[kernel](dtype, plan)
+    seconds.append(time.perf_counter() - t)
+print(json.dumps(seconds))"""
 
 
-def kernel_start_s():
-    """Seconds to start the kernels a float32 model runs (they compile when first used) in
-    a fresh Python: first with an empty numba cache (compiled), then with the cache that
-    run left (loaded); each includes Python's and numba's own start."""
+def kernel_start_s(formats):
+    """Seconds each loop the kernels run for weights in `formats` (all that passes over 1-7
+    rows reach: rowwise.loops) takes to start in a fresh Python, one after another: first
+    with an empty numba cache (compiled), then with the cache that run left (loaded); beside
+    each, what compiling ahead weighs it by (compiling.cost, about its seconds)."""
+    loops = sorted(set().union(*(rowwise.loops(range(1, 8), weight_formats.STORED_AS[f]) for f in formats)), key=str)
     with tempfile.TemporaryDirectory() as cache_dir:
         env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
-        runs = [float(subprocess.run([sys.executable, "-c", START_FLOAT32], env=env, cwd=ROOT, capture_output=True,
-                                     text=True, check=True).stdout.split()[-1]) for _ in range(2)]
-    return {"compile_s": runs[0], "cached_s": runs[1], "formats": ["float32"]}
+        runs = [json.loads(subprocess.run([sys.executable, "-c", START_EACH, json.dumps(loops)], env=env, cwd=ROOT,
+                                          capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+                for _ in range(2)]
+    return {"formats": formats, "numba_s": runs[0][0], "compile_s": sum(runs[0][1:]), "cached_s": sum(runs[1][1:]),
+            "loops": [{"loop": list(loop), "compile_s": compiled, "cached_s": cached, "cost": compiling.cost(loop)}
+                      for loop, compiled, cached in zip(loops, runs[0][1:], runs[1][1:])]}
 
 
 def bench_kernels(model, args, size):

@@ -32,7 +32,7 @@ def pass_seconds(model, context, T=1, head=None, reps=3, n_logits=None):
 
 
 CONTEXT = 32  # cached tokens before each timed pass of the advice
-REPS = 2  # timed passes a cost, the best kept (after a warm-up): a run with advice pays for its 30 passes
+REPS = 2  # timed passes a cost, the best kept (after a warm-up): a run with advice pays for 10 costs x 3 passes
 
 
 def measure_costs(target, draft, K_max, draft_vocab=0, context=CONTEXT):

@@ -134,11 +134,14 @@ MAX_PROCESSES = 4  # each holds numba and LLVM (~100 MB)
 
 
 def cost(loop):
-    """About the seconds a loop takes to compile (`python benchmark.py --only kernels`): a
-    tile plan's loop ~1 s of numba's passes and ~0.2 s for each row of its tiles (plan n:
-    tiles of n and n + 1 rows; plans 1 and 2: one tile); the other loops under a second."""
+    """About the seconds a loop takes to compile (`python benchmark.py --only kernels`
+    prints both): a tile plan's loop ~1 s of numba's passes and ~0.2 s for each row of its
+    tiles; the other loops 0.2-1.3 s."""
     n = loop[2]
-    return 1 + 0.2 * (2 * n + 1 if n >= 3 else n) if n else 0.5
+    if not n:
+        return 0.5
+    tile_rows = n if n <= 2 else n + (n + 1)  # plans 1 and 2 are one tile; plan n >= 3 has tiles of n and n + 1
+    return 1 + 0.2 * tile_rows
 
 
 def shares(loops, n):
@@ -163,7 +166,8 @@ def start(loops):
     loops = [loop for loop in loops if loop not in found]
     if not loops:
         return []
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2  # ours
+    # the cores this process may run on (taskset, cgroups), not the machine's
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
     n = min(max(2, cores - 1), MAX_PROCESSES)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ahead of a "kernels" folder where we run
     running = []

@@ -244,7 +244,9 @@ def rows_times_nibbles(n):
                 i = 0
                 for t in range(n_tiles):
                     size = (R - i) // (n_tiles - t)  # n or n + 1
-                    if n < 3 or size == n:  # plans 1 and 2 are 1 or 2 rows alone (7 or more: tiles of 3+)
+                    # n is a constant: for plans 1 and 2 (1 or 2 rows alone; 7 or more take tiles of 3+)
+                    # numba compiles only this branch
+                    if n < 3 or size == n:
                         tile(x8, sx, xsum, i, n, qb, sw, b, g, c, out, ahead, mask, shift)
                     else:
                         tile(x8, sx, xsum, i, n + 1, qb, sw, b, g, c, out, ahead, mask, shift)

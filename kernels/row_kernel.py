@@ -32,9 +32,9 @@ is a register, as a float64 local is.
   from memory once for all rows. A pair of rows takes tiles of 2 rows x 32 columns.
   The rows go in as few tiles as hold them: a second tile over the same chunk lets
   memory and arithmetic overlap less. A tile of fewer rows overlaps worse too: 3 rows
-  in a tile of their own cost more than 4 rows do, so float32 never runs a tile of
-  fewer than 4 rows: it pads its rows with zero rows (`padded_rows`: 2 or 3 rows to 4, 7
-  to 8).
+  in a tile of their own cost more than 4 rows do, so float32 pads 2 or 3 rows to 4
+  with zero rows (faster), and 7 to 8 (as fast; `padded_rows`): its passes then run
+  tile plans 4 and 5 only, two loops to compile.
 
 Batch invariance by construction: output j of row i is x[i, 0] w[0, j] + x[i, 1] w[1, j]
 + ..., added in that order, one fused multiply-add at a time, in both kernels, whatever
@@ -69,11 +69,11 @@ V = 8  # floats per vector register (AVX2)
 CHUNK = 8  # k-steps a tile takes before the next tile reuses them from L1
 AHEAD = 8192  # bytes of a block that one row asks memory for ahead of its loads
 AHEAD_ROWS = 12288  # the same for a register tile, whose arithmetic takes longer
-# float32's tiles hold at least 4 rows, zero rows where a pass has fewer: float32 weights
-# arrive slowly enough that 4 rows' arithmetic hides under them, and a tile of fewer rows
-# overlaps the two worse (its pass costs more than a 4-row tile's). It also leaves float32
-# one tile plan fewer to compile (plan 3: `tile_plan`). bfloat16 arrives 2x faster: its
-# passes are arithmetic, so it takes tiles of its own size, with no zero rows.
+# float32's tiles hold at least 4 rows (zero rows added): float32 weights arrive slowly
+# enough that 4 rows' arithmetic hides under them, so 2 or 3 rows cost less as 4, and 7
+# rows as 4 + 4 cost what 3 + 4 do (`python benchmark.py --only rows`) with no 3-row tile
+# to compile. bfloat16 arrives 2x faster: its passes are arithmetic, so it takes tiles of
+# its own size, with no zero rows.
 FLOAT32_MIN_TILE = 4
 
 
@@ -322,12 +322,12 @@ def two_rows(x, i, wb, b, k0, acc, ahead):
 
 
 def padded_rows(R, dtype):
-    """The rows a pass over R >= 2 rows of weights in `dtype` multiplies: float32 adds zero
-    rows until its tiles hold FLOAT32_MIN_TILE rows or more (2 or 3 rows -> 4, 7 -> 8:
-    tiles of 4 + 4, not 3 + 4); other formats, R."""
-    if dtype != np.float32:
+    """The rows a pass over R rows of weights of NumPy dtype `dtype` multiplies: float32
+    adds zero rows until its tiles hold FLOAT32_MIN_TILE rows or more (2 or 3 rows -> 4,
+    7 -> 8: tiles of 4 + 4, not 3 + 4); other formats, R."""
+    if np.dtype(dtype) != np.float32:
         return R
-    while tile_plan(R) < FLOAT32_MIN_TILE:
+    while R < FLOAT32_MIN_TILE or tile_plan(R) < FLOAT32_MIN_TILE:
         R += 1
     return R
 
@@ -342,7 +342,8 @@ def loop_for(R, dtype):
 
 def tile_plan(R):
     """The rows of a pass go in as few tiles as hold them (at most 6 rows a tile), of sizes
-    as even as can be (7 rows: 3 + 4; 8: 4 + 4; 16: 5 + 5 + 6): tiles of n or n + 1 rows.
+    as even as can be (7 rows: 3 + 4, float32 pads them to 8; 16: 5 + 5 + 6): tiles of n
+    or n + 1 rows.
     This n (2..5; 5 also serves tiles all of 6; 1 for one row, where int4_kernel.py tiles
     it too) names the loop that runs them, so a run compiles the tile sizes it uses (a
     prompt of 100 tokens: 5 and 6), not all five."""

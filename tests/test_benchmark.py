@@ -35,7 +35,10 @@ def test_quick_benchmark_writes_every_measurement(tmp_path, capsys):
         assert all(k["ratio"] == pytest.approx(k["numba_tok_s"] / k["numpy_tok_s"]) for k in r["kernels"])
         assert all(k["row_ops_ratio_min"] <= k["row_ops_ratio"] <= k["row_ops_ratio_max"] and k["numpy_ops_tok_s"] > 0
                    for k in r["kernels"])
-        assert r["kernel_start"]["compile_s"] > 0 and r["kernel_start"]["cached_s"] > 0
+        start = r["kernel_start"]  # each float32 loop compiled in a fresh Python, then loaded from numba's cache
+        assert [tuple(k["loop"]) for k in start["loops"]] == sorted(rowwise.loops(range(1, 8), np.float32), key=str)
+        assert all(k["compile_s"] > k["cached_s"] > 0 and k["cost"] > 0 for k in start["loops"])
+        assert start["compile_s"] == pytest.approx(sum(k["compile_s"] for k in start["loops"]))
     assert "CPU:" in out and "row kernel:" in out
     spec = r["speculative"]
     assert [k["K"] for k in spec["by_K"]] == [1, 2] and spec["verify"][0] == 1.0

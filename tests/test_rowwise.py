@@ -232,7 +232,10 @@ def test_each_pass_runs_one_tile_plan_and_the_server_warms_them_all():
             sizes.append((R - i) // (n_tiles - t))
             i += sizes[-1]
         assert sum(sizes) == R and set(sizes) <= {n, n + 1} and max(sizes) <= 6 and 2 <= n <= 5, R
+        assert n > 2 or sizes == [n], R  # plan 2 compiles its one tile only (int4: plans 1 and 2)
+    assert row_kernel.tile_plan(1) == 1
     assert [row_kernel.padded_rows(R, np.float32) for R in range(2, 10)] == [4, 4, 4, 5, 6, 8, 8, 9]
+    assert row_kernel.padded_rows(0, np.dtype("float32")) == 4
     assert {row_kernel.loop_for(R, np.float32) for R in range(1, 300)} == {0, 4, 5}
     assert [row_kernel.padded_rows(R, np.uint16) for R in range(2, 10)] == list(range(2, 10))
     for dtype in (np.float32, np.uint16, np.int8, np.uint8):  # what a warm-up over EVERY_TILE compiles reaches every pass

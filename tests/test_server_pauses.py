@@ -186,7 +186,7 @@ def test_a_request_followed_by_a_half_close_is_answered(keyed, data, ends):
 def test_a_completion_not_streamed_takes_a_half_close_as_its_client_leaving(keyed):
     """TCP cannot tell a half-close from a close until the server writes, and a completion
     not streamed writes nothing until it is done: its rows are freed at once (as for a
-    client that closes), and the README says so."""
+    client that closes), as serving/sockets.py says."""
     httpd, engine = keyed
     got = half_closed(httpd, request({"prompt": "x", "max_tokens": 10 ** 5, "ignore_eos": True}, headers=AUTH))
     assert got == b"", got
