@@ -16,7 +16,7 @@ import numpy as np
 
 from bench.common import ROOT, greedy, prompt_ids, settle
 from cli.timing import pass_seconds
-from kernels import compiling, layout, rowwise, weight_formats
+from kernels import layout, rowwise, weight_formats
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
 
@@ -81,9 +81,10 @@ def kernel_start_s(formats):
         runs = [json.loads(subprocess.run([sys.executable, "-c", START_EACH, json.dumps(loops)], env=env, cwd=ROOT,
                                           capture_output=True, text=True, check=True).stdout.splitlines()[-1])
                 for _ in range(2)]
+    each = [{"loop": list(loop), "compile_s": compiled, "cached_s": cached, "cost": rowwise.compiling.cost(loop)}
+            for loop, compiled, cached in zip(loops, runs[0][1:], runs[1][1:])]
     return {"formats": formats, "numba_s": runs[0][0], "compile_s": sum(runs[0][1:]), "cached_s": sum(runs[1][1:]),
-            "loops": [{"loop": list(loop), "compile_s": compiled, "cached_s": cached, "cost": compiling.cost(loop)}
-                      for loop, compiled, cached in zip(loops, runs[0][1:], runs[1][1:])]}
+            "loops": each}
 
 
 def bench_kernels(model, args, size):
