@@ -33,7 +33,7 @@ is a register, as a float64 local is.
   The rows go in as few tiles as hold them: a second tile over the same chunk lets
   memory and arithmetic overlap less. A tile of fewer rows overlaps worse too: 3 rows
   in a tile of their own cost more than 4 rows do, so float32 pads 2 or 3 rows to 4
-  with zero rows (faster), and 7 to 8 (~3% slower than 3 + 4; `padded_rows`): its
+  with zero rows (faster), and 7 to 8 (3-5% slower than 3 + 4; `padded_rows`): its
   passes then run tile plans 4 and 5 only, two loops to compile instead of three.
 
 Batch invariance by construction: output j of row i is x[i, 0] w[0, j] + x[i, 1] w[1, j]
@@ -71,7 +71,7 @@ AHEAD = 8192  # bytes of a block that one row asks memory for ahead of its loads
 AHEAD_ROWS = 12288  # the same for a register tile, whose arithmetic takes longer
 # float32's tiles hold at least 4 rows (zero rows added): float32 weights arrive slowly
 # enough that 4 rows' arithmetic hides under them, so 2 or 3 rows cost less as 4; 7 rows
-# as 4 + 4 cost ~3% more than as 3 + 4 (benchmark_results/NOTES.md) and leave no 3-row
+# as 4 + 4 cost 3-5% more than as 3 + 4 (benchmark_results/NOTES.md) and leave no 3-row
 # tile to compile, seconds off a machine's first run. bfloat16 arrives 2x faster: its
 # passes are arithmetic, so it takes tiles of its own size, with no zero rows.
 FLOAT32_MIN_TILE = 4
