@@ -6,6 +6,7 @@ same thing in each; serving imports this, never main.py.
 """
 import argparse
 import contextlib
+import os
 import time
 
 import gpt2
@@ -65,6 +66,18 @@ def add_prefix_cache_flag(ap):
 def check_prefix_cache(args):
     if args.prefix_cache_mib < 0:
         raise ValueError(f"--prefix_cache_mib must be >= 0 (0 keeps none), got {args.prefix_cache_mib}")
+    machine = physical_memory()
+    if machine and args.prefix_cache_mib << 20 > machine:
+        raise ValueError(f"--prefix_cache_mib {args.prefix_cache_mib} is more than this machine's memory "
+                         f"({machine >> 20} MiB): give it a part of that")
+
+
+def physical_memory():
+    """The machine's memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def prefix_cache_note(args):

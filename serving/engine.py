@@ -10,15 +10,9 @@ the engine's counters (Prometheus's text format).
 """
 import asyncio
 import queue
-import struct
 import sys
 import threading
 import time
-
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None
 
 import batching
 import speculative
@@ -38,10 +32,9 @@ PAUSE_RULE = ("a stream whose client lags keeps its rows while no request waits 
               "wait unsent, and resumes where it stood once the client has caught up; a client that takes "
               "none of its response for --write_timeout_s is cut off (and, while max_batch streams are paused "
               f"already, a stream with {HARD_EVENTS_PER_ROW} events per row unsent is cancelled)")
-# A stream's client lags while any of its response waits in the kernel unsent (its receive
-# window is full); a lagging stream is looked at again every LAG_CHECK_S seconds
+# A stream's client lags while it is behind (half its receive window or more of its response
+# unread: sockets.py); a lagging stream is looked at again every LAG_CHECK_S seconds
 LAG_CHECK_S = 0.05
-SIOCOUTQNSD = 0x894B  # Linux's ioctl for the bytes of a socket's send queue not yet sent
 
 
 def new_engine(args):
@@ -51,7 +44,7 @@ def new_engine(args):
             "logprobs": {},  # index -> how many top tokens its token events report (for logprobs)
             "lagging": {},  # index -> whether its events back up, of the requests whose clients lag
             "prefix_cache": prefix_cache.new_prefix_cache(args.prefix_cache_mib << 20),
-            "stopping": False, "decoder": None, "encoder": None, "hparams": None,
+            "stopping": False, "failed": None, "decoder": None, "encoder": None, "hparams": None,
             "model": MODEL_NAMES[args.target_model_size]}
 
 
@@ -79,7 +72,27 @@ def load(engine, loaded=None):
 
 
 def run_engine(engine):
-    """The engine thread: serve whatever the handlers submit until told to stop."""
+    """The engine thread: serve whatever the handlers submit until told to stop. If it fails
+    (a bug, memory refused), every request in flight or waiting gets an error naming why,
+    /health says 503 and server.py exits non-zero: never a server that looks alive while its
+    requests hang."""
+    try:
+        serve_requests(engine)
+    except Exception as e:
+        fail(engine, f"the engine stopped: {type(e).__name__}: {e}")
+        raise  # its traceback to stderr, for whoever reads the log
+
+
+def fail(engine, message):
+    with engine["lock"]:
+        engine["failed"] = message
+        boxes = {id(box): box for box in engine["outboxes"].values()}.values()
+    for box in boxes:
+        box["loop"].call_soon_threadsafe(deliver, engine, box, scheduler.Event("error", box["indices"][0],
+                                                                                error=message))
+
+
+def serve_requests(engine):
     step, models = engine["decoder"]
     stopped, lagging = [], engine["lagging"]  # as watch_lag and backlog tell it
 
@@ -100,7 +113,7 @@ def run_engine(engine):
                 [i for kind, i, _ in items if kind == "cancel"], bool(stopped), lagging)
 
     n_ctx = engine["hparams"]["n_ctx"]
-    last_token_at = {}
+    last_token_at, prefix = {}, engine["prefix_cache"]
     for e in scheduler.serving(intake, step, models, engine["args"].max_batch, n_ctx, stats=engine["stats"],
                                prefix=engine["prefix_cache"]):
         now, n_top = time.perf_counter(), None
@@ -124,10 +137,15 @@ def run_engine(engine):
                 n_top = engine["logprobs"].get(e.index)
             else:
                 last_token_at.pop(e.index, None)
+                for gauge in ("waiting", "running", "paused"):  # it runs no more, whatever is left to send
+                    engine[gauge].discard(e.index)
                 if e.kind == "finished":
                     for name, key in (("time_to_first_token_seconds", "ttft_s"), ("request_queue_time_seconds",
                                       "queue_s"), ("e2e_request_latency_seconds", "e2e_s")):
                         observe(engine["metrics"][name], e.metrics[key])
+        if prefix["refused"] and not prefix.get("told"):
+            prefix["told"] = True
+            log_to_stderr(f"warning: no prefix cache from now on: {prefix['refused']}")
         if box:
             # a view would keep the whole step's logits alive: copy this row, or none; the event
             # loop turns it into logprobs (not this thread: every row's next step waits on it)
@@ -143,6 +161,8 @@ def submit(engine, reqs, logprobs=None):
     box = {"events": asyncio.Queue(), "loop": loop, "rows": len(reqs), "closed": False,
            "lagging": False, "backed_up": False}
     with engine["lock"]:
+        if engine["failed"]:
+            raise ApiError(engine["failed"], status=503, kind="server_error")
         if engine["stopping"]:
             raise ApiError("the server is shutting down", status=503, kind="server_busy")
         if len(engine["waiting"]) + len(reqs) > engine["args"].max_queue:
@@ -190,8 +210,7 @@ def deliver(engine, box, e, logits=None, n_top=None):
     logprobs = None if logits is None or e.kind != "token" else openai_api.token_logprobs(logits, e.token, n_top)
     box["events"].put_nowait((e, logprobs))  # a few numbers wait for a slow client, not a logits row
     backlog(engine, box)
-    if e.kind == "token" and box.get("connection") and not box["lagging"] and unsent_bytes(
-            box["connection"].transport) > 0:
+    if e.kind == "token" and box.get("connection") and not box["lagging"] and box["connection"].behind():
         watch_lag(engine, box)
 
 
@@ -212,17 +231,6 @@ def tell_lag(engine, box):
             engine["inbox"].put(("lag", i, (box["lagging"], box["backed_up"])))
 
 
-def unsent_bytes(transport):
-    """Bytes of a response that its client's kernel has not taken yet: none while it reads
-    (no Nagle delay, and a token stream is far below any network's rate), and growing once
-    its receive window is full. Linux only (SIOCOUTQNSD): elsewhere 0, no client lags, and
-    only backlog pauses a slow one."""
-    sock = transport.get_extra_info("socket")
-    if fcntl is None or not sys.platform.startswith("linux") or sock is None or sock.fileno() < 0:
-        return 0
-    return struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQNSD, bytes(4)))[0]
-
-
 def watch_lag(engine, box):
     """(on the event loop) A stream whose client lags: the engine may pause its requests and
     give their rows to waiting ones (scheduler.preempt) until the client has taken everything
@@ -232,7 +240,7 @@ def watch_lag(engine, box):
     connection = box["connection"]
     if box["closed"] or not live or connection.transport.is_closing():
         return
-    lags = unsent_bytes(connection.transport) > 0
+    lags = connection.behind()
     if lags != box["lagging"]:
         box["lagging"] = lags
         tell_lag(engine, box)
@@ -273,10 +281,12 @@ def prometheus(engine):
         lines = []
         for name in ("running", "waiting", "paused"):
             lines += [f"# TYPE gpt2_num_requests_{name} gauge", f"gpt2_num_requests_{name} {len(engine[name])}"]
-        lines += ["# TYPE gpt2_prefix_cache_bytes gauge", f"gpt2_prefix_cache_bytes {engine['prefix_cache']['bytes']}"]
+        prefix = engine["prefix_cache"]  # its budget drops to 0 where the OS refuses it memory
+        for name, value in (("prefix_cache_bytes", prefix["bytes"]), ("prefix_cache_budget_bytes", prefix["budget"])):
+            lines += [f"# TYPE gpt2_{name} gauge", f"gpt2_{name} {value}"]
         counters = {name: m[name] for name in ("prompt_tokens_total", "generation_tokens_total",
                                                "num_preemptions_total")}
-        prefix = engine["prefix_cache"]  # prompt tokens looked up, and copied (from the cache or a row in flight)
+        # prompt tokens looked up, and copied (from the cache or a row in flight)
         counters.update(prefix_cache_queries_total=prefix["queries"], prefix_cache_hits_total=prefix["hits"])
         if spec:
             counters.update(spec_decode_num_drafts_total=stats.row_passes,

@@ -26,11 +26,14 @@ import sampling
 import utils
 
 MAX_N = 16  # choices per prompt
+# characters a stop string may have: more than a whole window of text, and a bound on what a
+# request can make the server compare (OpenAI and vLLM set none; TGI bounds their number)
+MAX_STOP_CHARS = 4096
 NOT_IMPLEMENTED = {"logit_bias": "logit_bias is not implemented by this server; leave it out",
                    "suffix": "suffix (insertion) is not implemented by this server; leave it out"}
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-StopString = Annotated[str, Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class ApiError(Exception):
@@ -137,12 +140,17 @@ def parse(raw):
         raise ApiError(f"{param or 'body'}: {'; or '.join(list(said)[:3])}", param)
 
 
+def quoted(text, limit=200):
+    """What a client sent, as an error message quotes it: at most limit characters."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def to_requests(body, model, encoder, hparams, max_model_len, max_queue):
     """(the batching.Requests, one per prompt and choice, and what the response needs).
     The checks a schema cannot make: the served model, the vocabulary, the window and the
     server's limits, and the fields this server does not implement."""
     if body.model is not None and body.model != model:
-        raise ApiError(f"The model `{body.model}` does not exist. This server serves `{model}`.", "model",
+        raise ApiError(f"The model `{quoted(body.model)}` does not exist. This server serves `{model}`.", "model",
                        status=404, kind="NotFoundError")
     for name, problem in NOT_IMPLEMENTED.items():
         if getattr(body, name):
@@ -269,13 +277,17 @@ def new_logprobs(choice):
 
 def ready_text(choice, stop):
     """The text that can be streamed now: all of it once finished, else all but a tail that
-    might still grow into a stop string (that must never reach the client)."""
-    text = choice["text"]
+    might still grow into a stop string (that must never reach the client). Where each stop
+    string's held tail may start only moves on as text comes, so each event costs at most
+    a stop string's length of comparisons, however long the text."""
+    text, end = choice["text"], len(choice["text"])
     if not choice["finish_reason"]:
-        for s in stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if s.startswith(text[-k:]):
-                    text = text[:-k]
-                    break
-    new, choice["sent"] = text[choice["sent"]:], max(choice["sent"], len(text))
+        held = choice.setdefault("held", [0] * len(stop))  # per stop string: where its possible start is
+        for j, s in enumerate(stop):
+            at = max(held[j], len(text) - len(s) + 1, choice["generated_from"])
+            while at < len(text) and not s.startswith(text[at:]):
+                at = text.find(s[0], at + 1) % (len(text) + 1)  # not found (-1): at = len(text)
+            held[j] = at
+            end = min(end, at)
+    new, choice["sent"] = text[choice["sent"]:end], max(choice["sent"], end)
     return new

@@ -47,7 +47,8 @@ def new_prefix_cache(budget_bytes):
     return {"blocks": collections.OrderedDict(),  # key -> block, least recently used first
             "budget": budget_bytes, "bytes": 0, "next_id": 1,
             "pool": None, "free": [], "block_bytes": 0,  # the blocks' memory (`pool`), its free slots
-            "queries": 0, "hits": 0}  # prompt tokens looked up, and copied, not computed (from here or a row)
+            "queries": 0, "hits": 0,  # prompt tokens looked up, and copied, not computed (from here or a row)
+            "refused": None}  # why the OS gave it no memory, if it did not (it is off then)
 
 
 def block_bytes(caches):
@@ -115,10 +116,16 @@ def reuse(cache, prompt, caches, b):
 def store(cache, tokens, caches, b):
     """Keep the whole blocks of text `tokens` that row b of every model's cache holds (a
     prompt just prefilled, or a finished request's text): each new block takes a free slot,
-    or the least recently used block's (never one of this text's own)."""
+    or the least recently used block's (never one of this text's own). Where the OS refuses
+    the cache its memory, the cache is turned off (its budget 0, the reason in "refused") and
+    serving goes on without it."""
     if cache["budget"] < block_bytes(caches) or any(kv["starts"][b] for kv in caches.values()):
         return  # nothing fits; or a window restart moved the row's positions, and no prefix starts at 0
-    slots_of = pool(cache, caches)
+    try:
+        slots_of = pool(cache, caches)
+    except (OSError, MemoryError) as e:
+        cache["budget"], cache["refused"] = 0, f"{cache['budget'] >> 20} MiB refused by the OS ({e})"
+        return
     n = min(int(kv["lengths"][b]) for kv in caches.values()) // BLOCK * BLOCK
     chain, parent = [], 0
     for start in range(0, n, BLOCK):

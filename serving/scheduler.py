@@ -128,7 +128,8 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
     Preemption: a row whose client lags (it is not taking its tokens: a server knows, a list
     never lags) gives its row to a waiting request, or gives it up anyway if its tokens back
     up, and is paused with all it needs to go on (batching.pause). Once its client has caught
-    up it resumes, ahead of new requests, its text bit for bit what it would have been. At
+    up it resumes into a row no waiting request needs (those whose clients keep up go first,
+    as the fast should not wait behind the slow), its text bit for bit what it would have been. At
     most max_batch requests are paused at a time, so paused rows never hold more memory than
     the batch's own caches."""
     events = []

@@ -134,6 +134,7 @@ async def events(engine, box, how, choices, head):
             text = openai_api.ready_text(choice, how["stop"])
             if text or choice["finish_reason"]:
                 chunk = openai_api.Completion(**head, choices=[choice_out(choice, text)])
+                await box["connection"].paced()  # meanwhile its events wait here, and may pause it
                 yield sse(chunk.model_dump_json(exclude={"usage"}))
         if how["usage"]:
             yield sse(openai_api.Completion(**head, choices=[], usage=usage(how, choices)).model_dump_json())
@@ -175,11 +176,13 @@ def make_app(engine):
     @app.exception_handler(HTTPException)
     async def http_error(request, e):
         kind = "NotFoundError" if e.status_code == 404 else "invalid_request_error"
-        return sockets.error_response(ApiError(f"{e.detail}: {request.method} {request.url.path}",
+        return sockets.error_response(ApiError(f"{e.detail}: {request.method} {openai_api.quoted(request.url.path)}",
                                                status=e.status_code, kind=kind))
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # some health checkers send HEAD
     async def health():
+        if engine["failed"]:
+            return JSONResponse({"status": "failed", "error": engine["failed"]}, status_code=503)
         ready = engine["decoder"] is not None
         return JSONResponse({"status": "ok" if ready else "loading"}, status_code=200 if ready else 503)
 
@@ -286,15 +289,16 @@ def serve_until_stopped(argv=None):
     print(f"serving {engine['model']} ({args.mode}) at http://{host}:{port}/v1 - Ctrl-C stops", flush=True)
     if flags.prefix_cache_note(args):
         print(flags.prefix_cache_note(args), file=sys.stderr)
-    while not stop_asked.wait(1.0) and httpd.thread.is_alive():
+    while not stop_asked.wait(1.0) and httpd.thread.is_alive() and not engine["failed"]:
         pass
-    print("stopping", file=sys.stderr)
+    print(f"error: {engine['failed']}: stopping" if engine["failed"] else "stopping", file=sys.stderr)
     stop(httpd, engine)
+    return 1 if engine["failed"] else 0
 
 
 def entry(argv=None):
     try:
-        serve_until_stopped(argv)
+        return serve_until_stopped(argv)
     except sampling.BadSetting as e:
         print(f"error: --{flags.FLAG_OF.get(e.name, e.name)} {e.problem}", file=sys.stderr)
         return 2
@@ -304,7 +308,6 @@ def entry(argv=None):
     except KeyboardInterrupt:  # while loading
         print("\ninterrupted", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":

@@ -11,18 +11,27 @@ import sys
 import time
 
 try:
+    import fcntl
     import resource
 except ImportError:  # Windows
-    resource = None
+    fcntl = resource = None
 import uvicorn
 from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from serving.engine import LAG_CHECK_S, end_all, unsent_bytes
+from serving.engine import LAG_CHECK_S, end_all
 from serving.openai_api import ApiError
 
-TCPI_BYTES_ACKED = 120  # where Linux's struct tcp_info keeps the bytes the peer has acknowledged (u64)
+# where Linux's struct tcp_info keeps the milliseconds since the peer's last ACK (u32), the bytes
+# it has acknowledged (u64) and the receive window it advertised last (u32, Linux 5.4 on)
+TCPI_LAST_ACK_RECV, TCPI_BYTES_ACKED, TCPI_SND_WND = 56, 120, 228
+SIOCOUTQ, SIOCOUTQNSD = 0x5411, 0x894B  # ioctls: bytes of a socket's send queue not yet acknowledged / not yet sent
+PROBE_S = 1  # while a client is behind, TCP asks its window this often (keepalive probes)
 SEND_BUFFER = 16 * 1024  # bytes of response asyncio, and twice that the kernel, hold for a client not reading
+RESERVED = 2  # connections past max_connections that may ask /health and /metrics, and nothing else
+# a refused connection reads what its client still sends for up to LINGER_S (and LINGER_BYTES),
+# LINGERING of them at once: past that, a refused connection is closed at once (its files are needed)
+LINGER_S, LINGER_BYTES, LINGERING = 1.0, 1 << 16, 32
 FILES_TO_SPARE = 64  # open files besides the connections: the listener, checkpoints, pipes, numba's cache
 BUSY_BODY = b'{"error": {"message": "too many connections; retry later", "type": "server_busy", "param": null, "code": 503}}'
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
@@ -59,6 +68,8 @@ def guard(app, key, max_bytes, read_timeout_s):
         if scope["type"] != "http":
             return await app(scope, receive, send)
         refusal = key_refusal(scope, key)
+        if scope["state"]["connection"].reserved and scope["path"] not in ("/health", "/metrics"):
+            refusal = ApiError("too many connections; retry later", status=503, kind="server_busy")
         if refusal:
             return await error_response(refusal, close=True)(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")  # h11 has already refused a malformed one
@@ -95,34 +106,81 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
       the second until the client ACKs the first, which it delays by 40 ms;
     - a fixed send buffer: the kernel would grow it to megabytes for a client that does not
       read: minutes of a stream's tokens (~250 bytes each) before its stall would show;
-    - a connection limit at accept time: past max_connections a connection is answered 503
-      and closed at once, so the process never runs out of files (where asyncio's accept
-      loop would spin, logging);
+    - a connection limit at accept time: past max_connections (and RESERVED more for /health
+      and /metrics, so that a liveness probe is answered when the server is busiest) a
+      connection is answered 503 and closed, so the process never runs out of files (where
+      asyncio's accept loop would spin, logging). Closed as nginx's lingering close does: what
+      its client sent is read and dropped until it closes, for LINGER_S at most (a close with
+      unread bytes would be a TCP reset, and the client would lose the 503);
     - a request's headers must arrive within read_timeout_s of the connection being free
       for one (a new connection that sends nothing, a slowloris trickling headers);
-    - a client must take some of its response within each write_timeout_s while the socket's
-      buffers are full (a stalled reader), as the kernel counts what it acknowledged;
+    - a stream is written at its client's pace (`paced`), and a client must read some of its
+      response within each write_timeout_s while it is behind (a stalled reader);
     - a complete request followed by a half-close (shutdown(SHUT_WR), `nc -N`) is answered,
       then the connection closes (asyncio would close it at the client's FIN); but a request
       that writes nothing until it is done (a completion not streamed) takes a half-close
       as its client leaving, as nginx and Go's net/http do: TCP cannot tell the two apart
       until the server writes, and a client that left must free its rows at once.
-    A client over a deadline is cut off; uvicorn then tells its request that it hung up."""
+    A client over a deadline is cut off; uvicorn then tells its request that it hung up.
+
+    What a client has read, the server sees only through its TCP window: the window's right
+    edge (bytes acknowledged + the window advertised) moves on exactly as the client reads.
+    But once a client's kernel holds more than half its buffer unread, Linux advertises a
+    zero window until a sixteenth of its buffer is free (silly-window avoidance, RFC 1122),
+    and the kernel grows that buffer to hundreds of KiB for a slow reader: a steady reader
+    of a few KB/s then shows no progress for tens of seconds. So a stream is written only
+    while its client holds less than half its largest window unread: its window never
+    closes, and keepalive probes (every PROBE_S while nothing else is sent) fetch the
+    window's edge, so every read shows within a second."""
+    lingering = set()
+
     class Connection(H11Protocol):
         def connection_made(self, transport):
             super().connection_made(transport)
             self.header_deadline = self.write_deadline = self.on_half_close = None
-            self.half_closed = False
-            if len(self.connections) > max_connections:
-                transport.write(BUSY)
-                transport.close()
+            self.half_closed, self.window, self.refused = False, 0, False
+            self.reserved = len(self.connections) > max_connections
+            if len(self.connections) > max_connections + RESERVED:
+                self.refuse()
                 return
             sock = transport.get_extra_info("socket")
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+            if hasattr(socket, "TCP_KEEPIDLE"):  # answered by the client's kernel, with its window
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, PROBE_S)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, PROBE_S)
             transport.set_write_buffer_limits(high=SEND_BUFFER)
             self.app_state = {**self.app_state, "connection": self}  # each request's scope["state"]
             self.expect_headers()
+
+        def refuse(self):
+            self.refused, self.dropped = True, 0
+            self.transport.write(BUSY)
+            if len(lingering) >= LINGERING:
+                return self.transport.close()
+            lingering.add(self)
+            self.transport.write_eof()
+            self.header_deadline = self.loop.call_later(LINGER_S, self.transport.abort)
+
+        def data_received(self, data):
+            if not self.refused:
+                return super().data_received(data)
+            self.dropped += len(data)
+            if self.dropped > LINGER_BYTES:
+                self.transport.abort()
+
+        def eof_received(self):
+            if self.refused:
+                return None  # its client has sent all it will: asyncio closes the connection
+            if self.cycle is None or self.cycle.response_complete or self.cycle.more_body:
+                return None  # no request, or half of one: asyncio closes the connection
+            self.half_closed = True
+            if self.on_half_close:  # a request that counts a half-close as its client leaving
+                self.on_half_close()
+                return None
+            self.cycle.keep_alive = False  # answer, then close
+            return True
 
         def expect_headers(self):
             self.header_deadline = self.loop.call_later(read_timeout_s, self.headers_overdue)
@@ -134,40 +192,52 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
         def on_response_complete(self):
             super().on_response_complete()
             self.header_deadline.cancel()
+            if self.reserved:  # it answered a probe; the next probe takes a connection anew
+                self.transport.close()
             self.expect_headers()
-
-        def eof_received(self):
-            if self.cycle is None or self.cycle.response_complete or self.cycle.more_body:
-                return None  # no request, or half of one: asyncio closes the connection
-            self.half_closed = True
-            if self.on_half_close:  # a request that counts a half-close as its client leaving
-                self.on_half_close()
-                return None
-            self.cycle.keep_alive = False  # answer, then close
-            return True
 
         def pause_writing(self):
             super().pause_writing()
             self.watch_writes()
 
+        def behind(self):
+            """Whether the client has half its largest receive window or more of its response
+            unread: what this process and its kernel hold (sent or not), and what fills the
+            client's window. Where the kernel does not tell the window: whether any waits unsent."""
+            window = peer_window(self.transport)
+            if window is None:
+                return self.transport.get_write_buffer_size() + queued(self.transport, SIOCOUTQNSD) > 0
+            self.window = max(self.window, window[1])
+            unread = self.transport.get_write_buffer_size() + queued(self.transport, SIOCOUTQ) + self.window - window[1]
+            return unread > self.window // 2
+
+        async def paced(self):
+            """(a stream, before each write) Wait while the client is behind; meanwhile it
+            must read something within each write_timeout_s."""
+            while not self.transport.is_closing() and self.behind():
+                self.watch_writes()
+                await asyncio.sleep(LAG_CHECK_S)
+
         def watch_writes(self):
-            """While some of the response waits (in asyncio's buffer or the kernel's), cut the
-            client off once it has taken nothing for write_timeout_s (where the kernel does not
-            say what it took: once its buffers stay full that long)."""
+            """While the client is behind, cut it off once it has read nothing for
+            write_timeout_s: the right edge of its window has not moved, as its kernel said
+            after that time (a probe asks within PROBE_S); where the kernel does not say the
+            window: nothing acknowledged while the buffers stay full."""
             if self.write_deadline is None:
-                self.taken, self.taken_at = bytes_taken(self.transport), self.loop.time()
+                self.taken, self.taken_at = bytes_taken(self.transport)[0], self.loop.time()
                 self.write_deadline = self.loop.call_later(LAG_CHECK_S, self.check_writes)
 
         def check_writes(self):
             self.write_deadline = None
             if self.transport.is_closing():
                 return
-            taken, now = bytes_taken(self.transport), self.loop.time()
+            (taken, heard_s_ago), now = bytes_taken(self.transport), self.loop.time()
             if taken != self.taken:
                 self.taken, self.taken_at = taken, now
-            if now - self.taken_at >= write_timeout_s:
+            overdue = now - self.taken_at - write_timeout_s  # seconds past the deadline
+            if overdue >= 0 and (heard_s_ago is None or heard_s_ago <= overdue or overdue >= write_timeout_s):
                 self.reset()
-            elif self.flow.write_paused or unsent_bytes(self.transport) > 0:
+            elif self.flow.write_paused or self.behind():
                 self.write_deadline = self.loop.call_later(LAG_CHECK_S, self.check_writes)
 
         def reset(self):
@@ -178,6 +248,7 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
             self.transport.abort()
 
         def connection_lost(self, exc):
+            lingering.discard(self)
             for deadline in (self.header_deadline, self.write_deadline):
                 if deadline:
                     deadline.cancel()
@@ -185,13 +256,43 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
     return Connection
 
 
-def bytes_taken(transport):
-    """The bytes of response a connection's client has taken (its kernel acknowledged them;
-    once its receive window is full, only reading opens it): Linux's tcp_info. None elsewhere."""
+def live_socket(transport):
     sock = transport.get_extra_info("socket")
-    if not sys.platform.startswith("linux") or sock is None or sock.fileno() < 0:
+    return sock if sys.platform.startswith("linux") and sock is not None and sock.fileno() >= 0 else None
+
+
+def tcp_info(transport):
+    sock = live_socket(transport)
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256) if sock else b""
+
+
+def peer_window(transport):
+    """(bytes of response the client's kernel acknowledged, the receive window it advertised
+    last), from Linux's tcp_info; None elsewhere, or on a kernel before 5.4."""
+    info = tcp_info(transport)
+    if len(info) < TCPI_SND_WND + 4:
         return None
-    return struct.unpack_from("Q", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256), TCPI_BYTES_ACKED)[0]
+    return struct.unpack_from("Q", info, TCPI_BYTES_ACKED)[0], struct.unpack_from("I", info, TCPI_SND_WND)[0]
+
+
+def bytes_taken(transport):
+    """(how far the client has read, seconds since its kernel last said so): the right edge
+    of its receive window, which moves on as the client reads; on kernels that do not tell
+    the window, the bytes its kernel acknowledged, and None; (None, None) without tcp_info."""
+    info = tcp_info(transport)
+    if len(info) >= TCPI_SND_WND + 4:
+        acked, window = struct.unpack_from("Q", info, TCPI_BYTES_ACKED)[0], struct.unpack_from("I", info, TCPI_SND_WND)[0]
+        return acked + window, struct.unpack_from("I", info, TCPI_LAST_ACK_RECV)[0] / 1000
+    return (struct.unpack_from("Q", info, TCPI_BYTES_ACKED)[0] if len(info) >= TCPI_BYTES_ACKED + 8 else None), None
+
+
+def queued(transport, request):
+    """The bytes of a socket's send queue an ioctl counts (SIOCOUTQ: not yet acknowledged,
+    SIOCOUTQNSD: not yet sent); 0 where there is no such ioctl."""
+    sock = live_socket(transport)
+    if sock is None or fcntl is None:
+        return 0
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), request, bytes(4)))[0]
 
 
 def enough_files(max_connections):

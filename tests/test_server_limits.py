@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import ROOT
-from serving import engine as engines, server
+from serving import engine as engines, server, sockets
 
 KEY = "sesame"
 AUTH = f"Authorization: Bearer {KEY}\r\n"
@@ -240,7 +240,7 @@ def test_4_a_body_shorter_than_its_length_gets_an_answer(tight, length, status):
 
 def test_4_past_the_connection_limit_a_request_gets_503(tight):
     httpd, _ = tight
-    held = [connect(httpd) for _ in range(48)]  # --max_connections 48
+    held = [connect(httpd) for _ in range(48 + sockets.RESERVED)]  # --max_connections 48, and those for probes
     try:
         time.sleep(0.2)
         status, got = exchange(httpd, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")

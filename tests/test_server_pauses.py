@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from serving import server
+from serving import server, sockets
 from test_server_limits import connect, error_of, exchange, request, wait_until
 
 WRITE_TIMEOUT_S = 2.0
@@ -127,10 +127,12 @@ def dechunked(response):
     return body
 
 
-def test_max_connections_n_serves_n_and_refuses_the_next_with_openais_envelope(models_dir):
+def test_max_connections_n_serves_n_then_only_probes_then_refuses_without_a_reset(models_dir):
     """--max_connections 2: two open connections are both served, idle or busy with a
-    stream; a third gets 503 with OpenAI's envelope (type server_busy). The server before
-    answered the second with uvicorn's plain-text 503."""
+    stream; past them a liveness probe is still answered (/health, /metrics) and a
+    completion gets 503 with OpenAI's envelope; past RESERVED more, a connection is refused
+    with the 503 whole, however much its client sent first (issue #57: the server before
+    refused /health at the limit, and reset 20 of 20 clients that had sent a request)."""
     httpd, engine = start(models_dir, "--max_connections", "2", "--max_batch", "2")
     try:
         first, second = (http.client.HTTPConnection("127.0.0.1", httpd.address[1], timeout=30) for _ in range(2))
@@ -138,16 +140,26 @@ def test_max_connections_n_serves_n_and_refuses_the_next_with_openais_envelope(m
             conn.request("GET", "/health")
             response = conn.getresponse()
             assert response.status == 200 and json.loads(response.read()) == {"status": "ok"}
-        status, got = exchange(httpd, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        for path in ("/health", "/metrics"):
+            status, got = exchange(httpd, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            assert status == 200, got
+        status, got = exchange(httpd, request({"prompt": "z", "max_tokens": 3}, headers=""))
         assert status == 503 and error_of(got)["type"] == "server_busy"
+        held = [connect(httpd) for _ in range(sockets.RESERVED)]  # half a request each: they stay open
+        for sock in held:
+            sock.sendall(b"GET /health HTTP/1.1\r\n")
+        assert wait_until(lambda: len(httpd.server_state.connections) == 2 + sockets.RESERVED, 10)
+        for size in (0, 1000, 30000):
+            got, reset = refused_exchange(httpd, request({"prompt": "z" * size, "max_tokens": 3}, headers=""))
+            assert not reset and got.startswith(b"HTTP/1.1 503") and error_of(got)["type"] == "server_busy"
+        for sock in held:
+            sock.close()
         first.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 10 ** 5, "ignore_eos": True,
                                                              "stream": True}))  # busy with a stream
         assert wait_until(lambda: engine["running"], 10)
         second.request("POST", "/v1/completions", json.dumps({"prompt": "y", "max_tokens": 3}))
         response = second.getresponse()
         assert response.status == 200 and json.loads(response.read())["choices"]
-        status, got = exchange(httpd, request({"prompt": "z", "max_tokens": 3}, headers=""))
-        assert status == 503 and error_of(got)["type"] == "server_busy"
         first.close()
         second.close()
         assert wait_until(lambda: len(httpd.server_state.connections) == 0, 10)
@@ -155,6 +167,21 @@ def test_max_connections_n_serves_n_and_refuses_the_next_with_openais_envelope(m
         assert status == 200
     finally:
         server.stop(httpd, engine)
+
+
+def refused_exchange(httpd, data):
+    """Send a whole request, then read to the end: (what came, whether the connection was reset)."""
+    sock = connect(httpd)
+    got = b""
+    try:
+        sock.sendall(data)
+        while part := sock.recv(65536):
+            got += part
+        return got, False
+    except (ConnectionResetError, BrokenPipeError):
+        return got, True
+    finally:
+        sock.close()
 
 
 @pytest.fixture(scope="module")
