@@ -192,6 +192,67 @@ def http_beside_hostile(reqs, port, hostile):
             sock.close()
 
 
+def http_fast_beside_slow(port, slow, seconds=40.0, n_slow=8, lead_s=5.0):
+    """Two fast clients streaming 100-token completions back to back for `seconds`, alone
+    or (slow) beside n_slow readers started lead_s earlier, each streaming 1,500 tokens
+    through a 4 KiB receive buffer and pausing 2-8 s after every 20 KB (issue #57): the
+    fast clients' tokens/s and their requests' latency p50 and max."""
+    import random
+    import socket
+    stop_at = time.perf_counter() + seconds + (lead_s if slow else 0.0)
+
+    def slow_reader(k):
+        rng = random.Random(k)
+        body = json.dumps({"prompt": "A slow reader", "max_tokens": 1500, "seed": k, "temperature": 0.9,
+                           "logprobs": 2, "ignore_eos": True, "stream": True}).encode()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.settimeout(60)
+            try:
+                sock.connect(("127.0.0.1", port))
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(body), body))
+                got = 0
+                while time.perf_counter() < stop_at and (part := sock.recv(4096)):
+                    got += len(part)
+                    if got >= 20_000:
+                        got = 0
+                        time.sleep(rng.uniform(2.0, 8.0))
+            except OSError:
+                pass
+
+    latencies = []
+
+    def fast(k):
+        import http.client
+        i = 0
+        while time.perf_counter() < stop_at:
+            conn, started = http.client.HTTPConnection("127.0.0.1", port, timeout=120), time.perf_counter()
+            conn.request("POST", "/v1/completions", json.dumps({
+                "prompt": "A fast reader", "max_tokens": 100, "seed": 1000 * k + i, "temperature": 0.9,
+                "ignore_eos": True, "stream": True}))
+            for _ in conn.getresponse():
+                pass
+            conn.close()
+            latencies.append(time.perf_counter() - started)
+            i += 1
+    slow_threads = [threading.Thread(target=slow_reader, args=(k,), daemon=True) for k in range(n_slow if slow else 0)]
+    for t in slow_threads:
+        t.start()
+    if slow:
+        time.sleep(lead_s)
+    start = time.perf_counter()
+    fast_threads = [threading.Thread(target=fast, args=(k,)) for k in range(2)]
+    for t in fast_threads:
+        t.start()
+    for t in fast_threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    return {"slow_readers": n_slow if slow else 0, "requests": len(latencies),
+            "tokens_per_s": 100 * len(latencies) / elapsed, "latency_s_p50": float(np.median(latencies)),
+            "latency_s_max": float(max(latencies))}
+
+
 def http_clients(reqs, port):
     return http_pool(http_run, [(list(r.prompt), r.max_new_tokens, r.seed) for r in reqs], port)
 

@@ -27,13 +27,15 @@ SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 1
 # HARD_EVENTS_PER_ROW (only reached while max_batch streams are paused already) it is cancelled
 EVENTS_PER_ROW, HARD_EVENTS_PER_ROW = 1024, 4096
 # the one rule for a client that lags, as --help and README section 7 state it
-PAUSE_RULE = ("a stream whose client lags keeps its rows while no request waits for one; it is paused "
-              f"(its rows freed, its text kept) when one does or when {EVENTS_PER_ROW} of its events per row "
-              "wait unsent, and resumes where it stood once the client has caught up; a client that takes "
-              "none of its response for --write_timeout_s is cut off (and, while max_batch streams are paused "
+PAUSE_RULE = ("a stream is written at its client's pace (while it has less than 16 KiB, or an eighth of "
+              "its TCP window, unread); a stream whose client lags keeps its rows while no request waits for "
+              f"one; it is paused (its rows freed, its text kept) when one does or when {EVENTS_PER_ROW} of its "
+              "events per row wait unsent, and resumes where it stood, into a row no waiting request needs, once "
+              "the client has caught up; a client that reads none of its response for --write_timeout_s (as its "
+              "TCP window tells, asked every second) is cut off (and, while max_batch streams are paused "
               f"already, a stream with {HARD_EVENTS_PER_ROW} events per row unsent is cancelled)")
-# A stream's client lags while it is behind (half its receive window or more of its response
-# unread: sockets.py); a lagging stream is looked at again every LAG_CHECK_S seconds
+# A stream's client lags while it is behind (sockets.py: Connection.behind); a lagging stream
+# is looked at again every LAG_CHECK_S seconds
 LAG_CHECK_S = 0.05
 
 
@@ -233,8 +235,8 @@ def tell_lag(engine, box):
 
 def watch_lag(engine, box):
     """(on the event loop) A stream whose client lags: the engine may pause its requests and
-    give their rows to waiting ones (scheduler.preempt) until the client has taken everything
-    sent to it; then they resume. Looks every LAG_CHECK_S while it lags; meanwhile its
+    give their rows to waiting ones (scheduler.preempt) until the client is no longer behind;
+    then they resume. Looks every LAG_CHECK_S while it lags; meanwhile its
     connection watches that the client takes something (Connection.watch_writes)."""
     live = [i for i in box["indices"] if i in engine["outboxes"]]  # not yet released
     connection = box["connection"]

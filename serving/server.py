@@ -17,12 +17,14 @@ Between a socket and the engine, every resource a client can hold is bounded, so
 that no slow or hostile client can hurt the others: the connections (--max_connections
 open at once, the next gets 503), the time to send a request (--read_timeout_s), the body
 (--max_body_bytes, 413), the tokens (--max_model_len) and the events waiting for a client.
-A client that lags in taking a stream keeps its text (one rule, engine.PAUSE_RULE): its
-requests keep their rows while nobody needs them, are paused and resumed bit for bit when
-someone does or when too many events wait for it, and it is cut off only after
---write_timeout_s in which it took none of its response.
+A stream is written at its client's pace, and a client that lags keeps its text (one rule,
+engine.PAUSE_RULE): its requests keep their rows while nobody needs them, are paused and
+resumed bit for bit when someone does or when too many events wait for it, and it is cut
+off only after --write_timeout_s in which it read none of its response.
 SIGTERM (what docker, systemd and Kubernetes send) and Ctrl-C both drain: every request in
-flight ends with an error event (or a JSON error), then the process exits 0.
+flight ends with an error event (or a JSON error), then the process exits 0. If the engine
+fails, every request gets a 500 naming why, /health says 503, and the process exits 1 (for
+a supervisor to restart it).
 """
 import argparse
 import asyncio
@@ -229,6 +231,7 @@ def listen(args, engine):
     """Serve the engine's routes on uvicorn, on a thread of its own: the HTTP server."""
     try:
         listener = socket.create_server((args.host, args.port), backlog=2048)
+        sockets.segments_as_on_ethernet(listener)
     except OSError as e:
         raise OSError(f"cannot listen on {args.host}:{args.port} ({os.strerror(e.errno)}): pick another --port or --host")
     app = sockets.guard(make_app(engine), args.api_key, args.max_body_bytes, args.read_timeout_s)

@@ -26,7 +26,9 @@ from serving.openai_api import ApiError
 # it has acknowledged (u64) and the receive window it advertised last (u32, Linux 5.4 on)
 TCPI_LAST_ACK_RECV, TCPI_BYTES_ACKED, TCPI_SND_WND = 56, 120, 228
 SIOCOUTQ, SIOCOUTQNSD = 0x5411, 0x894B  # ioctls: bytes of a socket's send queue not yet acknowledged / not yet sent
+ETHERNET_MSS = 1460  # bytes of a TCP segment's data on Ethernet's 1500-byte frames
 PROBE_S = 1  # while a client is behind, TCP asks its window this often (keepalive probes)
+UNREAD_BYTES = 16 * 1024  # a stream is written while its client has less than this (or half its window) unread
 SEND_BUFFER = 16 * 1024  # bytes of response asyncio, and twice that the kernel, hold for a client not reading
 RESERVED = 2  # connections past max_connections that may ask /health and /metrics, and nothing else
 # a refused connection reads what its client still sends for up to LINGER_S (and LINGER_BYTES),
@@ -138,7 +140,7 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
         def connection_made(self, transport):
             super().connection_made(transport)
             self.header_deadline = self.write_deadline = self.on_half_close = None
-            self.half_closed, self.window, self.refused = False, 0, False
+            self.half_closed, self.window, self.first_edge, self.refused = False, 0, 0, False
             self.reserved = len(self.connections) > max_connections
             if len(self.connections) > max_connections + RESERVED:
                 self.refuse()
@@ -201,15 +203,24 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
             self.watch_writes()
 
         def behind(self):
-            """Whether the client has half its largest receive window or more of its response
-            unread: what this process and its kernel hold (sent or not), and what fills the
-            client's window. Where the kernel does not tell the window: whether any waits unsent."""
+            """Whether the client has UNREAD_BYTES (or an eighth of its receive window) of its
+            response unread: what this process and its kernel hold (sent or not), and what
+            fills the client's window (its largest window less the one it advertises now).
+            The largest window is taken only once the window's edge has moved past where it
+            stood when data began to flow: a kernel's first windows assume less memory per
+            byte than our segments then take, and an edge once advertised never moves back,
+            so until then the windows say nothing of what the client holds. Until then, and
+            where the kernel does not tell the window: whether any of the response waits unsent."""
             window = peer_window(self.transport)
-            if window is None:
+            if window is not None and window[0] > 4 * ETHERNET_MSS:  # data has flowed: a few segments
+                edge = window[0] + window[1]
+                self.first_edge = self.first_edge or edge
+                if edge > self.first_edge + ETHERNET_MSS:
+                    self.window = max(self.window, window[1])
+            if not self.window:
                 return self.transport.get_write_buffer_size() + queued(self.transport, SIOCOUTQNSD) > 0
-            self.window = max(self.window, window[1])
             unread = self.transport.get_write_buffer_size() + queued(self.transport, SIOCOUTQ) + self.window - window[1]
-            return unread > self.window // 2
+            return unread > min(self.window // 2, max(UNREAD_BYTES, self.window // 8))
 
         async def paced(self):
             """(a stream, before each write) Wait while the client is behind; meanwhile it
@@ -254,6 +265,14 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
                     deadline.cancel()
             super().connection_lost(exc)
     return Connection
+
+
+def segments_as_on_ethernet(listener):
+    """Segments of at most ETHERNET_MSS bytes on every connection the listener accepts, also
+    over loopback (whose 64 KiB segments would make a client's kernel free its buffer, and
+    so move its window, only in 64 KiB steps: a slow reader would look stalled for seconds)."""
+    if hasattr(socket, "TCP_MAXSEG"):
+        listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, ETHERNET_MSS)
 
 
 def live_socket(transport):
