@@ -232,7 +232,7 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
         def watch_writes(self):
             """While the client is behind, cut it off once it has read nothing for
             write_timeout_s: the right edge of its window has not moved, as its kernel said
-            after that time (a probe asks within PROBE_S); where the kernel does not say the
+            after that time (a probe asks within PROBE_S; PROBE_S past it at most); where the kernel does not say the
             window: nothing acknowledged while the buffers stay full."""
             if self.write_deadline is None:
                 self.taken, self.taken_at = bytes_taken(self.transport)[0], self.loop.time()
@@ -246,7 +246,7 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
             if taken != self.taken:
                 self.taken, self.taken_at = taken, now
             overdue = now - self.taken_at - write_timeout_s  # seconds past the deadline
-            if overdue >= 0 and (heard_s_ago is None or heard_s_ago <= overdue or overdue >= write_timeout_s):
+            if overdue >= 0 and (heard_s_ago is None or heard_s_ago <= overdue or overdue >= PROBE_S):
                 self.reset()
             elif self.flow.write_paused or self.behind():
                 self.write_deadline = self.loop.call_later(LAG_CHECK_S, self.check_writes)
