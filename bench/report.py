@@ -324,6 +324,18 @@ def http_table(h):
                 lines.append(f"| {r['rep']} | {'8 stalled + 200 idle' if r['hostile'] else 'none'} | "
                              f"{r['tokens_per_s']:.1f} | {r['ttft_s_p50']:.2f} | {extra} | "
                              f"{r.get('preemptions', '')} | {r['rss_before_mb']:.0f} -> {r['rss_after_mb']:.0f} |")
+    if h.get("fairness"):
+        lines += [f"\nTwo fast clients (100-token streams, back to back, {h['fairness']['seconds']:.0f} s) alone, then "
+                  "beside 8 slow readers (1,500 tokens each through a 4 KiB receive buffer, 2-8 s pauses every "
+                  "20 KB), in turns; speculative, K = 3, max_batch 4, the draft the model's first block (issue #57):\n",
+                  "| rep | slow readers | fast tokens/s | latency p50 / max s | beside / alone tokens/s | slowest "
+                  "beside / alone | requests paused |", "|---|---|---|---|---|---|---|"]
+        for alone, beside in zip(h["fairness"]["runs"][::2], h["fairness"]["runs"][1::2]):
+            for r in (alone, beside):
+                ratios = (f"{beside['tokens_per_s'] / alone['tokens_per_s']:.2f}x | "
+                          f"{beside['latency_s_max'] / alone['latency_s_max']:.2f}x" if r is beside else " | ")
+                lines.append(f"| {r['rep']} | {r['slow_readers']} | {r['tokens_per_s']:.1f} | "
+                             f"{r['latency_s_p50']:.2f} / {r['latency_s_max']:.2f} | {ratios} | {r['preemptions']} |")
     return lines
 
 

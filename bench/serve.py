@@ -128,7 +128,36 @@ def bench_http(model, args, size):
     finally:
         server.stop(httpd, engine)
     return {"size": size, "max_batch": max_batch, "n_requests": len(reqs), "runs": rows, "latency": latency,
-            "hostile": hostile}
+            "hostile": hostile, "fairness": bench_fairness(encoder, model, args, size)}
+
+
+def bench_fairness(encoder, model, args, size):
+    """Issue #57's fairness run, in turns: two fast clients alone, then beside 8 slow
+    readers (http_fast_beside_slow), against a speculative server with max_batch 4 whose
+    draft is the model's first block."""
+    from serving import server
+    params, hparams = model
+    draft = (dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1))
+    flags = ["--target_model_size", size if size in utils.MODEL_SIZES else "124M", "--mode", "speculative",
+             "--K", "3", "--max_batch", "4", "--write_timeout_s", "10", "--port", "0", "--max_model_len", "100000"]
+    httpd, engine = server.start(server.parse_args(flags), loaded=(encoder, model, draft))
+    (seconds, lead_s), runs = ((3.0, 1.0) if args.quick else (30.0, 5.0)), []
+    try:
+        for rep in range(args.reps):
+            for slow in (False, True):
+                before = engine["metrics"]["num_preemptions_total"]
+                runs.append({"rep": rep, **http_pool(http_fast_beside_slow, httpd.address[1], slow, seconds, 8, lead_s),
+                             "preemptions": engine["metrics"]["num_preemptions_total"] - before})
+                deadline = time.monotonic() + 60  # the slow readers' requests end before the next turn
+                while (engine["running"] or engine["outboxes"] or engine["paused"]) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            alone, beside = runs[-2:]
+            print(f"  2 fast clients beside 8 slow readers: {beside['tokens_per_s'] / alone['tokens_per_s']:.2f}x "
+                  f"their tokens/s alone, slowest request {beside['latency_s_max'] / alone['latency_s_max']:.2f}x",
+                  flush=True)
+    finally:
+        server.stop(httpd, engine)
+    return {"seconds": seconds, "runs": runs}
 
 
 def http_pool(fn, *fn_args):

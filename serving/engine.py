@@ -25,7 +25,7 @@ MODEL_NAMES = {"124M": "gpt2", "355M": "gpt2-medium", "774M": "gpt2-large", "155
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)  # histogram buckets
 # events waiting per row for a lagging client before its requests are paused; past
 # HARD_EVENTS_PER_ROW (only reached while max_batch streams are paused already) it is cancelled
-EVENTS_PER_ROW, HARD_EVENTS_PER_ROW = 1024, 4096
+EVENTS_PER_ROW, HARD_EVENTS_PER_ROW = 256, 4096
 # the one rule for a client that lags, as --help and README section 7 state it
 PAUSE_RULE = ("a stream is written at its client's pace (while it has less than 16 KiB, or an eighth of "
               "its TCP window, unread); a stream whose client lags keeps its rows while no request waits for "

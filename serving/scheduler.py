@@ -129,9 +129,12 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
     never lags) gives its row to a waiting request, or gives it up anyway if its tokens back
     up, and is paused with all it needs to go on (batching.pause). Once its client has caught
     up it resumes into a row no waiting request needs (those whose clients keep up go first,
-    as the fast should not wait behind the slow), its text bit for bit what it would have been. At
-    most max_batch requests are paused at a time, so paused rows never hold more memory than
-    the batch's own caches."""
+    as the fast should not wait behind the slow), its text bit for bit what it would have been.
+    The first max_batch paused keep a copy of their keys and values (so they never hold more
+    memory than the batch's own caches); beyond them a paused request keeps only its text, and
+    its keys and values are computed again when it resumes, as vLLM's "recompute" preemption
+    does: only where they come out in the same bits whatever the pass (exact, below), so with
+    the NumPy fallback at most max_batch are paused."""
     events = []
     batch = batching.new_batch(models, max_batch, max_len, stats=stats,
                                callback=lambda seq, token, accepted, logits: events.append(
@@ -140,9 +143,12 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
     start = batch.stats.start
     waiting, joined, paused, closed, lagging = collections.deque(), {}, {}, False, {}
     sharing = prefix is not None and bool(batch.caches) and not static
-    # any common beginning, where every token's keys come out in the same bits whatever the pass
-    # (prefix_cache.py); else, and with no memory for a cache, only the same prompt
-    exact = sharing and prefix["budget"] > 0 and all(rowwise.fuses(model) for model in models.values())
+    # every token's keys come out in the same bits whatever the pass: a paused request may drop
+    # them (preempt), and
+    same_bits = bool(batch.caches) and all(rowwise.fuses(model) for model in models.values())
+    # rows share any common beginning (prefix_cache.py); else, and with no memory for a cache,
+    # only the same prompt
+    exact = sharing and prefix["budget"] > 0 and same_bits
     if sharing and prefix.setdefault("models", models) is not models:
         raise ValueError("a prefix cache holds one decoder's keys and values: give each decoder its own")
     while True:
@@ -157,7 +163,7 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
             if i in paused:
                 batch.done.append(paused.pop(i)["seq"])
         if not static:
-            yield from preempt(batch, paused, lagging, len(waiting), max_batch)
+            yield from preempt(batch, paused, lagging, len(waiting), max_batch, recompute=same_bits)
         n_before = len(batch.seqs)
         while len(batch.seqs) < max_batch and not (static and n_before):
             i = next((i for i in paused if i not in lagging), None)
@@ -248,15 +254,17 @@ def common_length(a, b):
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def preempt(batch, paused, lagging, n_waiting, max_batch):
+def preempt(batch, paused, lagging, n_waiting, max_batch, recompute):
     """Pause rows whose clients lag: every one whose tokens back up (lagging[index]), and
-    others, one for each request waiting for a row still; while fewer than max_batch are
+    others, one for each request waiting for a row still. Each keeps its keys and values
+    while fewer than max_batch paused do; past that it keeps none (recompute), or is not
     paused. Yields a "paused" event for each."""
     lags = [seq for seq in batch.seqs if seq.index in lagging and not seq.finished]
     for seq in sorted(lags, key=lambda seq: not lagging[seq.index]):  # backed up first
-        if len(paused) >= max_batch or not (lagging[seq.index] or n_waiting > 0):
+        keep_cache = sum(kept["caches"] is not None for kept in paused.values()) < max_batch
+        if not (keep_cache or recompute) or not (lagging[seq.index] or n_waiting > 0):
             return
-        paused[seq.index] = batching.pause(batch, batch.seqs.index(seq))
+        paused[seq.index] = batching.pause(batch, batch.seqs.index(seq), keep_cache)
         n_waiting -= 1
         yield Event("paused", seq.index)
 
