@@ -15,6 +15,9 @@ place (continuous batching, serving/scheduler.py) without changing anyone's text
 Rows stay packed at the front of the caches: when a row finishes, the last row
 moves into its place (one row's cache is copied), so every pass reads rows
 0..B-1 as plain array views, with no gathering of scattered rows.
+
+Plain autoregressive decoding closes the file: one pass of the model per new token for
+every row (`autoregressive_step`), until each request has its tokens (`generate`).
 """
 import collections
 import time
@@ -199,7 +202,7 @@ def new_batch(models, max_rows, n_slots, use_cache=True, callback=None, stats=No
     models: name -> (params, hparams) of every model whose cache the decoder needs.
     stats: a Stats to count in (a server reads it while the batch runs); default a new one."""
     n_vocab = next(iter(models.values()))[1]["n_vocab"]
-    caches = {name: kv_cache.init_cache(hparams, max_rows, min(hparams["n_ctx"], n_slots), like=params["wte"])
+    caches = {name: kv_cache.init_cache(hparams, max_rows, min(hparams["n_ctx"], n_slots), like=params["wpe"])
               for name, (params, hparams) in models.items()} if use_cache else {}
     stats = stats or Stats()
     stats.kv_cache_bytes = sum(kv_cache.cache_nbytes(c) for c in caches.values())
@@ -376,3 +379,22 @@ def uniforms(batch, n):
     for b, seq in enumerate(batch.seqs):
         u[b, :n[b]] = 1.0 - seq.rng.random(n[b])
     return u
+
+
+# --- plain decoding: a batch of requests, one pass of gpt2 per new token ---
+
+def autoregressive_step(batch, model):
+    """Every row gains one token, sampled from the model's next-token distribution."""
+    logits = kv_cache.next_logits(model, cache(batch, "target"), token_ids(batch))[:, 0]  # [B, n_vocab]
+    p = distributions(batch, logits)  # [B, n_vocab]
+    tokens = sampling.sample(p, uniforms(batch, 1)[:, 0]).tolist()  # [B]: only these leave a GPU
+    for b, token in enumerate(tokens):
+        emit(batch, b, [token], logits=logits[b:b + 1])
+    batch.stats.step_done()
+
+
+def generate(requests, model, use_cache=True, callback=None):
+    """Autoregressive decoding: one model pass per new token, for a batch of requests
+    (`requests`). model: (params, hparams). Rows leave the batch as they finish.
+    Returns (each request's new tokens, Stats)."""
+    return run(requests, {"target": model}, lambda batch: autoregressive_step(batch, model), use_cache, callback)

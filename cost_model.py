@@ -85,10 +85,11 @@ def weight_bytes(model):
     """Bytes one weight of a model's matrices takes as stored: 4 (float32), 2 (bfloat16,
     float16), 1 (int8), 0.5 + 2 / 32 (int4: half a byte, and a 2-byte scale per group of 32;
     kernels/weight_formats.py)."""
-    layer = model[0]["blocks"][0]["mlp"]["c_fc"]
-    if layer["w"].dtype.name == "uint8":
-        return (layer["w"].nbytes + layer["scale"].nbytes) / (2 * layer["w"].nbytes)
-    return layer["w"].itemsize
+    w = model[0]["blocks"][0]["mlp"]["c_fc"]["w"]  # a weights.Matrix, or a plain array (a GPU's)
+    stored = getattr(w, "stored", w)
+    if stored.dtype.name == "uint8":
+        return (stored.nbytes + w.scale.nbytes) / (2 * stored.nbytes)
+    return stored.itemsize
 
 
 def default_costs(target, draft, draft_vocab=0):

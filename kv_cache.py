@@ -30,12 +30,22 @@ of a batch see exactly the same tokens: they agree at any length. Speculative
 decoding verifies drafts only up to the next restart (`room`), so one target
 pass never straddles two windows.
 
+The pass: `next_logits` brings every text of a batch up to date in one call of
+gpt2.gpt2, with a `Pass` that says where each token sits, where its keys and values go,
+how each layer attends (`attend`: each query over its own row's keys) and which tokens
+need logits. Every decoder's every step is made of such passes.
+
 Across requests: a prefix's keys and values are the same for every text that begins
 with it, so a server computes them once (serving/prefix_cache.py).
 """
+import functools
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
+
+import gpt2
+from kernels import rowwise
 
 
 def init_cache(hparams, B, n_slots, like):
@@ -70,6 +80,51 @@ def room(n, n_ctx):
     return n_ctx - (n - window_start(n, n_ctx))
 
 
+# A row's tokens that need no logits (a prompt but its last token, a window refilled
+# after a restart) run in a pass of the row's own when there are more than this: its
+# product over many tokens costs less per token than a pass over few, and it keeps the
+# batch's pass's T (every row's padding) short.
+ALONE_ABOVE = 8
+
+
+def next_logits(model, cache, texts, n_logits=1):
+    """One pass of gpt2.gpt2 that brings every text up to date: with a cache, only the
+    tokens it has not seen; without, the whole window again. Returns logits [B, n, n_vocab]
+    at each row's last n_logits[b] tokens (n = the largest n_logits). Every row comes out
+    bitwise as it would alone (the weights' kernels and `attend`), whatever shares the pass."""
+    params, hparams = model
+    with rowwise.kernel_pass(params):
+        if cache is not None:
+            prefill_alone(model, cache, texts, n_logits)
+        inputs, n_new = pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
+        state = begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wpe"], kernels=kernels_for(model))
+        logits = gpt2.gpt2(inputs, **params, n_head=hparams["n_head"], cache=state)  # [B, n, n_vocab]
+        if cache is not None:
+            advance(state)
+        return logits
+
+
+def kernels_for(model):
+    """The kernels' layer norm and attention, where the model's layout has them (kernels/rowwise.py):
+    the same functions as gpt2.layer_norm and attend's, each row summed in a fixed order; else None."""
+    return (rowwise.layer_norm, rowwise.attention) if rowwise.fuses(model) else None
+
+
+def prefill_alone(model, cache, texts, n_logits):
+    """Cache each row's tokens that need no logits in a pass of the row's own, where
+    there are more than ALONE_ABOVE of them; the batch's pass then runs only the rest. A
+    token's keys and values come out the same bits whichever pass computes them (what
+    serving/prefix_cache.py relies on)."""
+    params, hparams = model
+    inputs, n_new = pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
+    m = n_new - np.broadcast_to(n_logits, n_new.shape)  # [B]: tokens before the first that needs logits
+    for b in np.nonzero(m > ALONE_ABOVE)[0]:
+        state = begin_pass(rows(cache, b, b + 1), m[b:b + 1], int(m[b]), 0, like=params["wpe"],
+                           kernels=kernels_for(model))
+        gpt2.gpt2(inputs[b:b + 1, :m[b]], **params, n_head=hparams["n_head"], cache=state)  # [1, 0, n_vocab]
+        advance(state)
+
+
 def pending_inputs(cache, texts, n_ctx):
     """The tokens of each text that this pass must run, as a right-padded [B, T] batch
     with n_new[b] real tokens per row: without a cache, the whole window; with one, only
@@ -94,7 +149,8 @@ def pad_right(rows, pad=0):
 
 @dataclass
 class Pass:
-    """What one model pass needs to know besides its tokens (begin_pass builds it)."""
+    """What one model pass needs to know besides its tokens (begin_pass builds it); gpt2.gpt2
+    reads positions, attends and logits_at."""
     positions: np.ndarray  # [B, T]: each token's position, which is also its slot in the cache
     mask: np.ndarray  # [B, 1, T, S]: 0 where a query may see a key, -inf where it may not
     groups: list  # [(S, rows)]: the rows whose texts are S tokens long attend over S keys
@@ -103,15 +159,17 @@ class Pass:
     cache: dict = None  # where the keys and values go and come from (None: no cache)
     where: object = None  # where each real token's keys and values go (write_slots)
     S: int = 0  # the slots attention reads
-    shared: bool = False  # the pass serves several requests: each row must come out as if alone
-    fused: bool = False  # layer norm and attention run as the kernels' loops (kernels/rowwise.py)
+    kernels: object = None  # the kernels' (layer_norm, attention) loops (kernels/row_ops.py), or None: NumPy's
+    attends: list = None  # [n_layer]: attend(q, k, v) of each layer, for gpt2.mha
+    layer_norm: object = gpt2.layer_norm  # the layer norm gpt2.gpt2 runs in this pass
 
 
-def begin_pass(cache, n_new, T, n_logits, like, shared=False, fused=False):
+def begin_pass(cache, n_new, T, n_logits, like, kernels=None):
     """The Pass over inputs [B, T] (row b: n_new[b] real tokens): each token's position,
     the causal mask, where each layer stores its keys and values (with a cache), and which
     positions need logits: row b's last n_logits[b] real tokens, the rest of its
-    n_logits.max() entries repeating its last token.
+    n_logits.max() entries repeating its last token (n_logits 0: none, the pass only
+    caches). kernels: the kernels' (layer_norm, attention), or None (NumPy's).
 
     A worked example: a verify pass for two rows, row 0 with 5 tokens cached and 3 new
     (2 drafts + its last token), row 1 with 2 cached and 1 new; logits at 3 and 1 tokens.
@@ -123,16 +181,23 @@ def begin_pass(cache, n_new, T, n_logits, like, shared=False, fused=False):
         where      (row, token, slot) = (0,0,5) (0,1,6) (0,2,7) (1,0,2): real tokens only"""
     B = len(n_new)
     start = cache["lengths"] if cache is not None else np.zeros(B, dtype=np.int64)
-    positions = start[:, None] + np.arange(T)  # [B, T]: a token's position is its slot
+    slots = start[:, None] + np.arange(T)  # [B, T]: a token's position is its slot
     S = int((start + n_new).max()) if cache is not None else T  # slots attention reads
-    after = np.arange(S)[None, None, :] > positions[:, :, None]  # [B, T, S]: keys after the query
+    after = np.arange(S)[None, None, :] > slots[:, :, None]  # [B, T, S]: keys after the query
     mask = np.where(after, np.float32(-np.inf), np.float32(0.0))[:, None]  # [B, 1, T, S]
     mask = np.asarray(mask, like=like)  # built on the host, used where the weights are
     n_logits = np.broadcast_to(n_logits, (B,))
     at = n_new[:, None] - n_logits[:, None] + np.arange(n_logits.max())  # [B, n_logits.max()]
-    groups = row_groups(start + n_new) if shared else [(S, slice(None))]
-    return Pass(positions, mask, groups, np.clip(at, 0, (n_new - 1).clip(0)[:, None]), n_new, cache,
-                write_slots(start, n_new, T) if cache is not None else None, S, shared, fused)
+    state = Pass(np.minimum(slots, max(S, 1) - 1), mask, row_groups(start + n_new),
+                 np.clip(at, 0, (n_new - 1).clip(0)[:, None]), n_new, cache,
+                 write_slots(start, n_new, T) if cache is not None else None, S, kernels)
+    if kernels is not None:
+        state.layer_norm = kernels[0]
+    if cache is None:  # every layer attends the same way, storing nothing
+        state.attends = itertools.repeat(functools.partial(attend, state, None))
+    else:
+        state.attends = [functools.partial(attend, state, layer) for layer in cache["layers"]]
+    return state
 
 
 def row_groups(lengths):
@@ -168,6 +233,24 @@ def append(state, layer, k, v):
         layer["k"][b_idx, :, slots] = k[b_idx, :, t_idx]
         layer["v"][b_idx, :, slots] = v[b_idx, :, t_idx]
     return layer["k"][:, :, :S], layer["v"][:, :, :S]  # [B, n_head, S, d_head]
+
+
+def attend(state, layer, q, k, v):
+    """gpt2.mha's attention in a Pass: store k, v [B, n_head, T, d_head] in this layer's
+    cache (if any), then each query attends over its own row's keys up to itself. Each
+    query is its own product ([1, d_head] @ [d_head, S]), in a group of rows of its own
+    length S, so its sums never depend on which rows or how many queries share the pass:
+    a row comes out bitwise as it would alone. With the kernels, one loop does it all."""
+    if layer is not None:
+        k, v = append(state, layer, k, v)  # [B, n_head, S, d_head]
+    if state.kernels is not None:
+        return state.kernels[1](q, k, v, state.positions)  # [B, n_head, T, d_head]
+    out = np.empty_like(q)  # [B, n_head, T, d_head]
+    for S, rows in state.groups:
+        q1 = q[rows][..., None, :]  # [b, n_head, T, 1, d_head]: one query at a time
+        k1, v1 = k[rows, :, None, :S], v[rows, :, None, :S]  # [b, n_head, 1, S, d_head]
+        out[rows] = gpt2.attention(q1, k1, v1, state.mask[rows][..., None, :S])[..., 0, :]  # [b, n_head, T, d_head]
+    return out
 
 
 def advance(state):

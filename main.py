@@ -22,7 +22,6 @@ from tqdm import tqdm
 import batching
 import beam_search
 import cost_model
-import gpt2
 import kv_cache
 import sampling
 import speculative
@@ -229,7 +228,7 @@ def advise_K(stats, target, drafter, config, self_draft=False):
           f"{costs.draft:.2f} of a target step; verifying K+1 tokens {min(costs.verify[1:]):.2f}-"
           f"{max(costs.verify[1:]):.2f} steps), K = {K} is expected fastest: "
           f"{cost_model.speedup(alpha, K, costs):.2f}x plain decoding")
-    if draft and "lm_head" in draft[0] and draft[0]["lm_head"]["w"].dtype == "float32":
+    if draft and rowwise.in_blocks(draft[0]) and cost_model.weight_bytes(draft) == 4:
         how = "--draft_dtype int8" if self_draft else "the default: leave out --draft_dtype"
         print(f"advice: a draft in int8 ({how}) reads a quarter of its float32 bytes, so each draft "
               "token costs less; the text stays the target's, only the acceptance may change")
@@ -281,12 +280,12 @@ def named(size, dtype):
 def warm_rows(args, config, ids):
     """The row counts of the passes this run will make, of the target and of a draft model
     loaded apart (None without one): a lone prompt makes a pass over its tokens (over all
-    but the last, then the last, past gpt2.ALONE_ABOVE), then one token a step; a draft
+    but the last, then the last, past kv_cache.ALONE_ABOVE), then one token a step; a draft
     adds its two-token catch-up; verification (and the advice's timings) K + 1 tokens for
     every K; a batch, any count."""
     rows = {1}
     for i in ids:
-        rows |= {len(i) - 1, 1} if len(i) - 1 > gpt2.ALONE_ABOVE else {len(i)}
+        rows |= {len(i) - 1, 1} if len(i) - 1 > kv_cache.ALONE_ABOVE else {len(i)}
     if len(ids) > 1 or args.max_batch:
         rows = set(flags.EVERY_TILE)
     if args.mode == "autoregressive":
@@ -326,7 +325,7 @@ def run(args):
     runs = {}  # decoder: (title, generate(callback), the decoder as the scheduler runs it)
     if args.mode in ("autoregressive", "both"):
         runs["autoregressive"] = (f"autoregressive: GPT-2 {named(args.target_model_size, args.dtype)}",
-                                  lambda cb: gpt2.generate(reqs, target, use_cache, cb),
+                                  lambda cb: batching.generate(reqs, target, use_cache, cb),
                                   lambda: scheduler.autoregressive(target))
     if args.mode in ("speculative", "both"):
         if config.K >= n_ctx:

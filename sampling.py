@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpt2 import softmax  # the model's own: exp(x - max) / sum
+
 # Below this temperature decoding is greedy, as in vLLM: dividing logits by a smaller
 # number overflows float32, and the distribution is one-hot to float32 precision unless
 # the top two logits tie within a few ulps.
@@ -158,11 +160,6 @@ def apply_min_p(logits, min_p):
         return logits
     probs = softmax(logits)
     return np.where(probs < min_p * probs.max(axis=-1, keepdims=True), -np.inf, logits)
-
-
-def softmax(x):
-    exp_x = np.exp(x - np.max(x, axis=-1, keepdims=True))
-    return exp_x / np.sum(exp_x, axis=-1, keepdims=True)
 
 
 def log_softmax(x):

@@ -38,7 +38,6 @@ import numpy as np
 
 import batching
 import cost_model
-import gpt2
 import kv_cache
 import sampling
 
@@ -133,12 +132,12 @@ def draft_with_model(batch, model, k, vocab=0):
     each row's own settings and history; over a vocabulary subset if vocab > 0."""
     B, K = len(batch.seqs), max(k)
     drafts = [[] for _ in range(B)]
-    q = np.zeros((B, K, model[1]["n_vocab"]), dtype=np.float32, like=model[0]["wte"])
+    q = np.zeros((B, K, model[1]["n_vocab"]), dtype=np.float32, like=model[0]["wpe"])
     counts = batch.counts[:B].copy() if batching.penalized(batch) else None  # penalties see the drafts too
     for i in range(K):
         texts = batching.token_ids(batch, drafts)
-        head = vocab_subset_head(model[0], texts, vocab) if vocab else None
-        logits = gpt2.next_logits(model, batching.cache(batch, "draft"), texts, head=head)[:, 0]  # [B, n_vocab]
+        logits = kv_cache.next_logits(vocab_subset(model, texts, vocab), batching.cache(batch, "draft"),
+                                      texts)[:, 0]  # [B, n_vocab]
         q[:, i] = batching.distributions(batch, logits, counts, drafts)  # [B, n_vocab]
         drafting = [int(kb > i) for kb in k]
         tokens = sampling.sample(q[:, i], batching.uniforms(batch, drafting)[:, 0]).tolist()  # [B]
@@ -150,24 +149,45 @@ def draft_with_model(batch, model, k, vocab=0):
     return drafts, q
 
 
-def vocab_subset_head(params, texts, N):
-    """A cheaper draft head: logits only for the N most frequent tokens (GPT-2's BPE
-    ranks its tokens by merge order, so those are the ids below N) and the tokens
-    already in each row's text; -inf (q = 0) for the rest. Speculative sampling stays
-    exact for any q: a token the draft cannot propose still comes from the residual
-    max(0, p - q) = p there. Returns head(x [B, 1, n_embd]) -> logits [B, 1, n_vocab]."""
-    wte = params["wte"]
+def vocab_subset(model, texts, N):
+    """The model with its head over the N most frequent tokens and the texts' (VocabSubset);
+    N = 0: the model itself."""
+    if not N:
+        return model
+    params, hparams = model
+    return dict(params, wte=VocabSubset(params["wte"], N, texts)), hparams
 
-    def head(x):
-        logits = np.full_like(x, -np.inf, dtype=np.float32, shape=(x.shape[0], 1, wte.shape[0]))
-        # [B, N]: reads the weights of the first N tokens only
-        logits[:, 0, :N] = gpt2.head_logits(x[:, 0], wte, params.get("lm_head"), N, shared=True)
-        for b, text in enumerate(texts):
+
+class VocabSubset:
+    """A draft's wte with a cheaper head: wte[tokens] as ever, but wte.T gives logits only
+    for the N most frequent tokens (GPT-2's BPE ranks its tokens by merge order, so those
+    are the ids below N) and the tokens already in each row's text; -inf (q = 0) for the
+    rest. Speculative sampling stays exact for any q: a token the draft cannot propose
+    still comes from the residual max(0, p - q) = p there."""
+
+    def __init__(self, wte, N, texts):
+        self.wte, self.N, self.texts, self.T = wte, N, texts, VocabSubsetHead(self)
+
+    def __getitem__(self, tokens):
+        return self.wte[tokens]  # [..., n_embd]
+
+
+class VocabSubsetHead:
+    """x @ VocabSubset.T: x [B, n, n_embd] -> logits [B, n, n_vocab]."""
+    __array_ufunc__ = None  # NumPy hands x @ head to __rmatmul__
+
+    def __init__(self, subset):
+        self.subset = subset
+
+    def __rmatmul__(self, x):
+        wte, N = self.subset.wte, self.subset.N
+        logits = np.full_like(x, -np.inf, dtype=np.float32, shape=(*x.shape[:2], wte.shape[0]))  # [B, n, n_vocab]
+        logits[..., :N] = x @ wte[:N].T  # [B, n, N]: reads the weights of the first N tokens only
+        for b, text in enumerate(self.subset.texts):
             extra = np.asarray(np.unique(np.asarray(text)[np.asarray(text) >= N]), like=x)  # the text's rarer tokens
-            if extra.size:
-                logits[b, 0, extra] = gpt2.embed(extra, wte, params.get("lm_head")) @ x[b, 0]
+            if extra.size and x.shape[1]:
+                logits[b][:, extra] = x[b] @ wte[extra].T  # [n, n_extra]
         return logits
-    return head
 
 
 def draft_deterministic(batch, propose_fn, k):
@@ -197,7 +217,7 @@ def score_with_target(batch, model, drafts):
     """The target's logits and distributions p [B, K+1, n_vocab] after each prefix of every
     row's drafts (row b: its first k[b]+1 entries), all from ONE forward pass."""
     n_logits = np.array([len(d) + 1 for d in drafts])
-    logits = gpt2.next_logits(model, batching.cache(batch, "target"), batching.token_ids(batch, drafts), n_logits)
+    logits = kv_cache.next_logits(model, batching.cache(batch, "target"), batching.token_ids(batch, drafts), n_logits)
     counts = None
     if batching.penalized(batch):
         counts = counts_along_drafts(batch.counts[:len(drafts)], drafts, logits.shape[1])  # [B, K+1, n_vocab]

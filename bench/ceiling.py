@@ -36,7 +36,6 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from bench.common import in_format, measure_bandwidth
-from kernels import rowwise
 from kernels.int8_kernel import I16x16, I32x8, int16x16, int32x8, izero, load16, madd, pair
 from kernels.row_kernel import _address, fma8, load8, store8, zero8
 
@@ -155,20 +154,18 @@ def kernels_pass(params, rows):
     """(multiply-adds, bytes of weights, seconds) of rows (e.g. 8) times every matrix of
     a model in the kernels' layout (the blocks' linear layers and the head), as a decode
     step reads them."""
-    layers = [block[part][name] for block in params["blocks"] for part, names in
+    layers = [block[part][name]["w"] for block in params["blocks"] for part, names in
               (("attn", ("c_attn", "c_proj")), ("mlp", ("c_fc", "c_proj"))) for name in names]
-    n_out = [layer["b"].shape[-1] for layer in layers] + [params["wte"].shape[0]]
-    layers.append(params["lm_head"])
+    layers.append(params["wte"].T)  # weights.Matrix each (kernels/weights.py)
     n_embd = params["wte"].shape[1]
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal((rows, 4 * n_embd if i % 4 == 3 else n_embd), dtype=np.float32)  # [rows, n_in]
               for i in range(len(layers))]  # every 4th (mlp's c_proj) takes 4 n_embd inputs
     start = time.perf_counter()
-    for x, layer, n in zip(inputs, layers, n_out):
-        rowwise.matmul(x, layer["w"], n_out=n, scale=layer.get("scale"))
+    for x, w in zip(inputs, layers):
+        x @ w
     seconds = time.perf_counter() - start
-    stored = sum(array.nbytes for layer in layers for key, array in layer.items() if key in ("w", "scale"))
-    return rows * sum(x.shape[1] * n for x, n in zip(inputs, n_out)), stored, seconds
+    return rows * sum(x.shape[1] * w.n_out for x, w in zip(inputs, layers)), sum(w.nbytes for w in layers), seconds
 
 
 def bench_ceiling(loaded, args, probe):

@@ -12,7 +12,6 @@ import time
 import numpy as np
 
 import batching
-import gpt2
 import sampling
 import utils
 from kernels import layout, rowwise
@@ -71,8 +70,8 @@ def in_format(model, dtype):
 
 
 def matmul_weight_bytes(params):
-    """Bytes a one-token decode step must stream: every matmul weight once (the head
-    reads all of wte; wpe contributes one row and is left out)."""
+    """Bytes a one-token decode step must stream: every matmul weight once as stored (the head
+    reads all of wte, in the kernels' layout padded to 64 columns; wpe contributes one row, left out)."""
     blocks = sum(w.nbytes for b in params["blocks"] for m in ("attn", "mlp") for lin in b[m].values()
                  for w in lin.values())
     return blocks + params["wte"].nbytes
@@ -113,7 +112,7 @@ def prompt_ids(n, seed=1):
 
 def greedy(prompts, model, n, use_cache=True):
     """Plain greedy decoding: (new tokens, batching.Stats)."""
-    return gpt2.generate(batching.requests(prompts, n, GREEDY), model, use_cache)
+    return batching.generate(batching.requests(prompts, n, GREEDY), model, use_cache)
 
 
 def machine_info():

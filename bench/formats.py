@@ -98,8 +98,8 @@ def format_decode_rows(models, live, peer, args, size):
 
 def stored_mib(params):
     """MiB of the matrices as stored (blocks and head; biases, norms and wpe left out)."""
-    layers = [layer for block in params["blocks"] for part in ("attn", "mlp") for layer in block[part].values()]
-    return sum(a.nbytes for layer in layers + [params["lm_head"]] for name, a in layer.items() if name != "b") / 2**20
+    layers = [layer["w"] for block in params["blocks"] for part in ("attn", "mlp") for layer in block[part].values()]
+    return sum(w.nbytes for w in layers + [params["wte"].T]) / 2**20
 
 
 def agreement(model, other, n_positions=256, n_tokens=64, n_prompts=4):

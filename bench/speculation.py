@@ -72,10 +72,10 @@ def bench_speculative_costs(draft, target, args):
                             for K in range(1, args.K_max + 1))
     drafts, catch_up = {}, {}
     for N in [0] + args.draft_vocabs:
-        head = speculative.vocab_subset_head(draft[0], [prompt_ids(L)], N) if N else None
-        drafts[N] = paired(lambda: pass_seconds(draft, L, head=head, reps=3), step, args.reps)
-        catch_up[N] = paired(lambda: pass_seconds(draft, L, 2, head, reps=3, n_logits=1),
-                             lambda: pass_seconds(draft, L, head=head, reps=3), args.reps)
+        subset = speculative.vocab_subset(draft, [prompt_ids(L)], N)
+        drafts[N] = paired(lambda: pass_seconds(subset, L, reps=3), step, args.reps)
+        catch_up[N] = paired(lambda: pass_seconds(subset, L, 2, reps=3, n_logits=1),
+                             lambda: pass_seconds(subset, L, reps=3), args.reps)
     step_s = float(np.median([step() for _ in range(args.reps)]))
     rows = []
     for K in range(1, args.K_max + 1):
@@ -140,21 +140,21 @@ def controlled_run(draft, target, truth, a, config, n, seed=0):
     return stats
 
 
-def typical_pass(model, L, T=1, head=None, n_logits=None, reps=3):
+def typical_pass(model, L, T=1, n_logits=None, reps=3):
     """The median of reps single passes, each after a warm-up: what a pass inside a run
     takes. The best of a few passes is the best case, about 10% less than a 1558M run's
     passes take (breakdown-1558M)."""
-    return float(np.median([pass_seconds(model, L, T, head, 1, n_logits) for _ in range(reps)]))
+    return float(np.median([pass_seconds(model, L, T, 1, n_logits) for _ in range(reps)]))
 
 
-def costs_beside(draft, target, L, K, head=None):
+def costs_beside(draft, target, L, K):
     """(target step seconds, Costs) timed right before or after a run, so that the run and
     its prediction see the same machine: c, verify(K+1) (the only entry of the verify table
     that is filled in, at index K) and the draft's catch-up pass, typical passes each."""
     step = typical_pass(target, L)
-    draft_step = typical_pass(draft, L, head=head)
+    draft_step = typical_pass(draft, L)
     verify = typical_pass(target, L, K + 1) / step
-    catch_up = typical_pass(draft, L, 2, head, n_logits=1) / draft_step
+    catch_up = typical_pass(draft, L, 2, n_logits=1) / draft_step
     return step, cost_model.Costs(draft_step / step, (1.0,) + (float("nan"),) * (K - 1) + (verify,), catch_up)
 
 
@@ -186,20 +186,20 @@ def bench_speculative_end_to_end(draft, target, costs, args):
     for vocab in dict.fromkeys([0, args.draft_vocab]):
         measured = cost_model.Costs(costs["draft_over_target"][str(vocab)], costs["verify"],
                                      costs["catch_up"][str(vocab)])
-        head = speculative.vocab_subset_head(draft[0], [prompt], vocab) if vocab else None
+        subset = speculative.vocab_subset(draft, [prompt], vocab)
         for a in args.e2e_alphas:
             for K in dict.fromkeys([args.K, cost_model.best_K(a, measured, args.K_max)]):
                 config = speculative.SpeculativeConfig(K=K, draft_vocab=vocab)
                 runs, ratios, beside = [], [], []
                 controlled_run(draft, target, truth, a, config, n)  # warm-up
                 for rep in range(args.reps):
-                    before = costs_beside(draft, target, L, K, head)
+                    before = costs_beside(subset, target, L, K)
                     base = plain()
                     runs.append(controlled_run(draft, target, truth, a, config, n, seed=rep))
                     ratios.append(runs[-1].decode_tokens_per_s / base)
                     alpha = cost_model.estimate_alpha(runs[-1].accepted, runs[-1].rejections)
                     beside.append(cost_model.speedup(alpha, K, mean_costs(before, costs_beside(
-                        draft, target, L, K, head))[1]))
+                        subset, target, L, K))[1]))
                 alpha = float(np.median([cost_model.estimate_alpha(s.accepted, s.rejections) for s in runs]))
                 rows.append({"decoder": "speculative", "a": a, "K": K, "draft_vocab": vocab,
                              "tok_s": float(np.median([s.decode_tokens_per_s for s in runs])),

@@ -9,7 +9,6 @@ import contextlib
 import os
 import time
 
-import gpt2
 import kv_cache
 import utils
 from kernels import layout, rowwise, weight_formats
@@ -162,10 +161,11 @@ def warm_up(model, row_counts):
     load) or compiled now, saying so (kernels/compiling.py). A run warms the passes it will
     make (main.py); the server every loop before it listens: no request waits for a compile."""
     params, hparams = model
-    dtype = params["blocks"][0]["mlp"]["c_fc"]["w"].dtype
+    w = params["blocks"][0]["mlp"]["c_fc"]["w"]
+    dtype = getattr(w, "stored", w).dtype  # a weights.Matrix: the format it stores
     for n in rowwise.warm_passes(row_counts, dtype):
-        cache = kv_cache.init_cache(hparams, 1, n, like=params["wte"])
-        gpt2.next_logits(model, cache, [[0] * n])
+        cache = kv_cache.init_cache(hparams, 1, n, like=params["wpe"])
+        kv_cache.next_logits(model, cache, [[0] * n])
 
 
 def tokenizer(args):

@@ -5,19 +5,18 @@ same seed must give the same text), so the decoders take fixed costs (cost_model
 import time
 
 import cost_model
-import gpt2
 import kv_cache
 import speculative
 
 
-def pass_seconds(model, context, T=1, head=None, reps=3, n_logits=None):
+def pass_seconds(model, context, T=1, reps=3, n_logits=None):
     """Seconds of one cached pass over T new tokens after `context` cached tokens (the
     best of reps), with logits at the last n_logits of them (default: all T): T = 1 is
     a decode step, T = K+1 a verification. Values do not change the time, so the text is
     0, 1, 2, ... and the cached keys and values ones."""
     params, hparams = model
     text = [i % hparams["n_vocab"] for i in range(context + T)]
-    cache = kv_cache.init_cache(hparams, 1, context + T, like=params["wte"])
+    cache = kv_cache.init_cache(hparams, 1, context + T, like=params["wpe"])
     for layer in cache["layers"]:  # written once: memory never written reads as one shared page of zeros, too fast
         layer["k"][...] = 1
         layer["v"][...] = 1
@@ -25,7 +24,7 @@ def pass_seconds(model, context, T=1, head=None, reps=3, n_logits=None):
     for _ in range(reps + 1):  # the first is a warm-up
         cache["lengths"][:] = context  # as if context tokens were cached (their values do not change the time)
         start = time.perf_counter()
-        logits = gpt2.next_logits(model, cache, [text], n_logits=n_logits or T, head=head)
+        logits = kv_cache.next_logits(model, cache, [text], n_logits=n_logits or T)
         float(logits[0, 0, 0])  # waits for a GPU too
         times.append(time.perf_counter() - start)
     return min(times[1:])
@@ -43,7 +42,7 @@ def measure_costs(target, draft, K_max, draft_vocab=0, context=CONTEXT):
     verify = (1.0,) + tuple(pass_seconds(target, context, K + 1, reps=REPS) / step for K in range(1, K_max + 1))
     if draft is None:
         return cost_model.Costs(0.0, verify)
-    head = speculative.vocab_subset_head(draft[0], [list(range(context))], draft_vocab) if draft_vocab else None
-    draft_step = pass_seconds(draft, context, head=head, reps=REPS)
-    catch_up = pass_seconds(draft, context, 2, head, reps=REPS, n_logits=1) / draft_step
+    draft = speculative.vocab_subset(draft, [list(range(context))], draft_vocab)
+    draft_step = pass_seconds(draft, context, reps=REPS)
+    catch_up = pass_seconds(draft, context, 2, reps=REPS, n_logits=1) / draft_step
     return cost_model.Costs(draft_step / step, verify, catch_up)

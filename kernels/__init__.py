@@ -1,15 +1,22 @@
 """The CPU's kernels and weight formats: the accelerator under gpt2.py's NumPy.
 
-gpt2.py is the model as math; on a CPU its matrix products, and in a cached pass its
-layer norm and attention, can run here instead, computing the same functions with every
-row summed in a fixed order (each row as if alone):
+gpt2.py is the model as math, and it never asks what runs it. On a CPU the kernels enter
+through the weights and the cache, computing the same functions with every row summed in
+a fixed order (each row as if alone):
 
-- rowwise.py: the door. `rowwise.matmul` is where rows meet weights; in a pass that
-  `rowwise.fuses`, `rowwise.layer_norm` and `rowwise.attention` replace gpt2.py's;
-  `rowwise.use` picks the kernel ("numba", or "numpy": gpt2.py's own NumPy, the reference).
+- weights.py: the door. Laid out at load (layout.py), a weight matrix is a `Matrix` that
+  multiplies itself: gpt2.py's `x @ w` runs `rowwise.matmul`, and `wte[tokens]` / `wte.T`
+  read the tied embedding from the head's stored matrix. A cached pass attends through
+  kv_cache.attend, which runs `rowwise.attention` (row_ops.py) where the layout allows.
+- rowwise.py: where rows meet weights (`matmul`), which kernel runs (`use`: "numba", or
+  "numpy": the fallback's per-row gemvs), and BLAS's threads.
 - row_kernel.py, int8_kernel.py, int4_kernel.py, row_ops.py: the numba kernels (float32
-  and bfloat16; int8 and int4 in integers; layer norm and attention); compiling.py: when
-  they compile (each loop at its first use, or ahead, in other processes, during a load).
+  and bfloat16; int8 and int4 in integers; attention); compiling.py: when they compile
+  (each loop at its first use, or ahead, in other processes, during a load).
 - weight_formats.py: bfloat16, int8 and int4 weights; layout.py: the weights laid out once at
   load as the kernels read them, or moved to a GPU.
+
+A GPU's kernels of our own would enter the same two ways: a Matrix whose __rmatmul__
+launches a few-row product on device memory, and an attention kernel the cache's passes
+call; they would live here, a file per concern, beside the CPU's.
 """

@@ -9,20 +9,22 @@ the array library that runs them.
 import numpy as np
 
 from checkpoint import LoadError
-from kernels import rowwise, weight_formats
+from kernels import rowwise, weight_formats, weights
 
 
 def decode_layout(params, kernel=None, dtype="float32"):
-    """params with every weight matrix of the blocks copied into the layout that the row
-    kernel reads fastest (rowwise.py); wte and the other tensors stay memory-mapped as
-    the checkpoint stores them. Shapes of activations and values do not change.
+    """params with every weight matrix of the blocks, and the tied embedding, copied into
+    the layout that the kernels read fastest (rowwise.py), each as a weights.Matrix that
+    multiplies itself (`x @ w` runs the kernel); wpe and the other tensors stay
+    memory-mapped as the checkpoint stores them. Shapes of activations do not change.
 
     kernel "numba" (row_kernel.py): each matrix w [n_in, n_out] becomes its blocks of 64
-    output columns, wb [n_blocks, n_in, 64], in the format dtype (weight_formats.py:
+    output columns, [n_blocks, n_in, 64], in the format dtype (weight_formats.py:
     float32, bfloat16, int8 with a scale per column or int4 with one per group of 32
-    inputs), and the tied head wte.T gets blocks of its own, params["lm_head"] (the vocabulary padded to a multiple of 64, as nanoGPT
-    pads it; the padding is cut off the logits). The embeddings are read from those blocks
-    too (gpt2.embed); wte stays a memmap of the checkpoint that the decoder never reads.
+    inputs), and wte becomes a weights.Embedding over the blocks of its transpose, the
+    tied head (the vocabulary padded to a multiple of 64, as nanoGPT pads it; the padding
+    is cut off the logits): the embeddings are read from the head's blocks, so a narrow
+    model keeps one copy of its embedding, the narrow one.
     kernel "numpy": each matrix column-major (Fortran order), so that the fallback's blocks
     of output columns are contiguous runs of memory; the head wte.T is column-major already.
     The price either way: a copy of the matrices at load (most of the model's bytes).
@@ -34,28 +36,29 @@ def decode_layout(params, kernel=None, dtype="float32"):
         if dtype != "float32":
             raise LoadError(f"--dtype {dtype} needs the numba row kernel (pip install numba, and leave "
                             f"{rowwise.KERNEL_ENV} unset); the NumPy fallback runs --dtype float32")
-        return map_linear(params, lambda layer: {**layer, "w": column_major(layer["w"])})  # [n_in, n_out]
-
-    out = map_linear(params, lambda layer: {**layer, **kernel_blocks(layer["w"], dtype)})
-    out["lm_head"] = kernel_blocks(params["wte"].T, dtype)  # {"w": [n_blocks, n_embd, 64] (int8: paired), "scale"?}
-    return out
+        out = map_linear(params, lambda layer: {**layer, "w": weights.Matrix(column_major(layer["w"]),
+                                                                              layer["w"].shape[1])})
+        return {**out, "wte": weights.Embedding(weights.Matrix(params["wte"].T, params["wte"].shape[0]))}
+    out = map_linear(params, lambda layer: {**layer, "w": kernel_blocks(layer["w"], dtype)})
+    return {**out, "wte": weights.Embedding(kernel_blocks(params["wte"].T, dtype))}
 
 
 NARROW_CHUNK = 16  # blocks a narrow format converts at a time: a few MB of float32, no copy of the whole matrix
 
 
 def kernel_blocks(w, dtype):
-    """A matrix w [n_in, n_out] as the numba kernels read it: {"w": its blocks of 64
-    columns [n_blocks, n_in, 64] in the format dtype, "scale" for int8 and int4}, int8's
-    blocks with each column's weights in pairs of inputs [n_blocks, n_in / 2, 64, 2]
+    """A matrix w [n_in, n_out] as the numba kernels read it: a weights.Matrix of its blocks
+    of 64 columns [n_blocks, n_in, 64] in the format dtype, with a scale for int8 and int4,
+    int8's blocks with each column's weights in pairs of inputs [n_blocks, n_in / 2, 64, 2]
     (int8_kernel.py), int4's two a byte [n_blocks, n_in / 4, 4, 32] (int4_kernel.py).
     Every scale belongs to one column, so a narrow format converts NARROW_CHUNK blocks
     at a time: its float32 temporaries stay small, never a copy of the whole matrix."""
     if dtype == "float32":
-        return {"w": rowwise.row_kernel.blocked(w)}
+        return weights.Matrix(rowwise.row_kernel.blocked(w), w.shape[1])
     width = NARROW_CHUNK * rowwise.row_kernel.W
     parts = [narrow_blocks(w[:, lo:lo + width], dtype) for lo in range(0, w.shape[1], width)]
-    return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+    joined = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+    return weights.Matrix(joined["w"], w.shape[1], joined.get("scale"))
 
 
 def narrow_blocks(w, dtype):
@@ -85,17 +88,20 @@ def column_major(w, rows=256):
 
 
 def plain_layout(params):
-    """decode_layout undone: every weight matrix [n_in, n_out] row-major, as the checkpoint
-    stores it, and no lm_head (CuPy multiplies plain matrices; the benchmark measures what
-    the layout buys)."""
-    def plain(layer):
-        w = layer["w"]
-        if w.dtype != np.float32:
-            raise LoadError(f"a {w.dtype} model has no plain float32 layout: load it as --dtype float32")
-        if w.ndim == 3:
-            w = rowwise.row_kernel.unblocked(w, layer["b"].shape[-1])
-        return {**layer, "w": np.ascontiguousarray(w)}  # [n_in, n_out]
-    return {name: value for name, value in map_linear(params, plain).items() if name != "lm_head"}
+    """decode_layout undone: every weight matrix [n_in, n_out] and wte [n_vocab, n_embd]
+    plain row-major arrays, as the checkpoint stores them (CuPy multiplies plain matrices;
+    the benchmark measures what the layout buys)."""
+    def plain(w):
+        if not isinstance(w, weights.Matrix):
+            return w
+        if w.stored.dtype != np.float32:
+            raise LoadError(f"a {w.stored.dtype} model has no plain float32 layout: load it as --dtype float32")
+        if w.stored.ndim == 3:
+            return np.ascontiguousarray(rowwise.row_kernel.unblocked(w.stored, w.n_out))  # [n_in, n_out]
+        return np.ascontiguousarray(w.stored)  # [n_in, n_out]
+    wte = params["wte"]
+    wte = plain(wte.T).T.copy() if isinstance(wte, weights.Embedding) else wte  # [n_vocab, n_embd]
+    return {**map_linear(params, lambda layer: {**layer, "w": plain(layer["w"])}), "wte": wte}
 
 
 def to_backend(params, backend="numpy", dtype="float32"):

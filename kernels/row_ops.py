@@ -6,8 +6,9 @@ attention of each new token over its row's cached keys and values. gpt2.py write
 in NumPy, a dozen calls each of a few microseconds on arrays of a few KiB, and after
 the weights have streamed through the caches their small inputs come from memory. Here
 each is one numba call over all rows of the pass, in the row kernel's registers
-(float32x8, load8, fma8). In a shared pass with the row kernel's layout (gpt2.final_hidden)
-they replace the NumPy ones; gpt2.py's stay the reference and the fallback's.
+(float32x8, load8, fma8). With the row kernel's layout a pass brings them along
+(kv_cache.begin_pass) and gpt2.gpt2 calls them in place of its own NumPy ones, which stay
+the reference and the fallback's.
 
 Batch invariance, as in the row kernel: every output is a sum in an order fixed by its
 own row and never by the rows beside it. Layer norm sums a row's n_embd values in 8
@@ -109,9 +110,9 @@ def attend(q, k, v, positions, scale, out):
 def attention(q, k, v, positions):
     """gpt2.attention over a pass of cached rows, as one numba call: q [B, n_head, T, d_head],
     k, v the layer's cache [B, n_head, S, d_head] (this pass's keys and values already in
-    it), positions [B, T] the queries' slots. Returns [B, T, n_head * d_head], heads side
-    by side, as c_proj takes them."""
+    it), positions [B, T] the queries' slots. Returns [B, n_head, T, d_head], a view of
+    heads side by side in memory, so that gpt2.mha's merge of the heads copies nothing."""
     B, n_head, T, d_head = q.shape
     out = np.empty((B, T, n_head, d_head), np.float32)  # [B, T, n_head, d_head]
     attend(q, k, v, np.ascontiguousarray(positions), np.float32(1.0 / math.sqrt(d_head)), out.transpose(0, 2, 1, 3))
-    return out.reshape(B, T, n_head * d_head)  # [B, T, n_embd]
+    return out.transpose(0, 2, 1, 3)  # [B, n_head, T, d_head]

@@ -14,7 +14,7 @@ on its batch). `matmul` is the one place where rows meet weights, with two kerne
 - "numpy" (the fallback, when numba is missing or GPT2_ROW_KERNEL=numpy): BLAS alone.
   Its matrix product (sgemm) repacks the weights first, which for 2-8 rows costs 2-3
   one-row passes, and rounds a row differently depending on how many rows share it. So
-  each row of a shared pass is its own matrix-vector product (gemv), block by block: the
+  each row of a pass is its own matrix-vector product (gemv), block by block: the
   weights are cut into contiguous blocks of output columns that fit in a core's L2 cache
   (views of a column-major matrix), every row multiplies a block while it is there, and
   two threads of ours take half of the blocks each while OpenBLAS is held to one thread.
@@ -22,10 +22,8 @@ on its batch). `matmul` is the one place where rows meet weights, with two kerne
   weights (`gemv_is_exact` checks this on the machine at hand). One row alone is one
   gemv over the whole matrix with OpenBLAS's own threads: the same numbers.
 
-Each kernel is batch invariant; the two round differently from each other. With the
-NumPy fallback, a pass that belongs to a single request (the part of its prompt that
-needs no logits) runs as one BLAS product, fastest for many rows, since its rounding then
-depends on that request alone; the numba kernel runs every pass, long prompts included.
+Each kernel is batch invariant, long prompts included; the two round differently from
+each other. The weights reach `matmul` through gpt2.py's `x @ w` (weights.py).
 """
 import contextlib
 import functools
@@ -70,29 +68,33 @@ def use(kernel):
     KERNEL, KERNEL_ERROR = pick_kernel(kernel), None
 
 BLOCK_BYTES = 256 << 10  # a block stays in a core's L2 (512 KiB or more) while every row uses it
-STRATEGIES = ("rows", "product")  # each row as if alone (batch invariant); one BLAS product (the baseline)
-STRATEGY = "rows"
 _second_thread = ThreadPoolExecutor(1)
 
 
-def matmul(rows, w, shared=True, n_out=None, scale=None):
-    """rows [n, n_in] @ w -> [n, n_out]. w: a matrix [n_in, n_out], or its blocks
-    [n_blocks, n_in, 64] for the numba kernel (row_kernel.py; n_out then says how many
-    outputs are real), float32, bfloat16 (uint16), int8 or int4 (uint8) with its scales.
-    shared: the rows belong to a pass that several requests share, so each row must come
-    out as it would alone. The kernel gives that for every pass, faster than OpenBLAS held to one
-    thread (see kernel_pass) at every row count (`python benchmark.py --only kernels`)."""
+def matmul(rows, w, n_out=None, scale=None):
+    """rows [n, n_in] @ w -> [n, n_out], each row as it would come out alone. w: a matrix
+    [n_in, n_out] (column-major: the fallback's layout), or its blocks [n_blocks, n_in, 64]
+    for the numba kernel (row_kernel.py; n_out then says how many outputs are real),
+    float32, bfloat16 (uint16), int8 or int4 (uint8) with its scales. The kernel is faster
+    than OpenBLAS held to one thread (see kernel_pass) at every row count
+    (`python benchmark.py --only kernels`)."""
     if w.dtype == np.uint8:  # int4, two a byte (int4_kernel.py)
         return int4_kernel.matmul(rows, w, n_out or w.shape[0] * row_kernel.W, scale)
     if w.ndim == 4:  # int8 in pairs of inputs (int8_kernel.py)
         return int8_kernel.matmul(rows, w, n_out or w.shape[0] * row_kernel.W, scale)
     if w.ndim == 3:
         return row_kernel.matmul(rows, w, n_out or w.shape[0] * row_kernel.W)
-    if not isinstance(rows, np.ndarray) or not shared or STRATEGY == "product":
-        return rows @ w  # a GPU (CuPy), or a pass of one request's own: one product
+    if not isinstance(rows, np.ndarray):
+        return rows @ w  # a GPU (CuPy)
     if rows.shape[0] == 1 and gemv_is_exact():
         return gemv_one(rows, w)
     return gemv_rows(rows, w)
+
+
+def n_inputs(wb):
+    """n_in of a matrix stored as the kernels' blocks: float32 and bfloat16 [n_blocks, n_in,
+    64], int8 [n_blocks, n_in / 2, 64, 2], int4 [n_blocks, n_in / 4, 4, 32]."""
+    return wb.shape[1] * (4 if wb.dtype == np.uint8 else 2 if wb.ndim == 4 else 1)
 
 
 def layer_norm(x, g, b):
@@ -106,11 +108,17 @@ def attention(q, k, v, positions):
     return row_ops.attention(q, k, v, positions)  # [B, n_head, T, d_head]
 
 
+def in_blocks(params):
+    """Whether params are laid out for the numba kernels (layout.py): matrices in blocks."""
+    w = params["blocks"][0]["mlp"]["c_fc"]["w"] if params.get("blocks") else None
+    return getattr(getattr(w, "stored", None), "ndim", 2) > 2
+
+
 def fuses(model):
-    """Whether a shared pass runs layer norm and attention as numba loops (row_ops.py): in
-    the row kernel's layout (params has lm_head), with heads a multiple of 8 floats wide."""
+    """Whether a pass runs layer norm and attention as the kernels' loops (row_ops.py): in
+    the row kernel's layout, with heads a multiple of 8 floats wide."""
     params, hparams = model
-    return "lm_head" in params and hparams["n_embd"] // hparams["n_head"] % row_kernel.V == 0
+    return in_blocks(params) and hparams["n_embd"] // hparams["n_head"] % row_kernel.V == 0
 
 
 def warm_passes(row_counts, dtype):
@@ -156,11 +164,11 @@ def seconds_compiling():
     return compiling.seconds_compiling if compiling else 0.0
 
 
-def columns(lm_head, tokens):
-    """The embeddings [n, n_embd] of tokens, read from the head's blocks (gpt2.embed)."""
-    if lm_head["w"].dtype == np.uint8:
-        return int4_kernel.columns(lm_head["w"], tokens, lm_head["scale"])
-    return row_kernel.columns(lm_head["w"], tokens, lm_head.get("scale"))
+def columns(wb, tokens, scale=None):
+    """Columns `tokens` [n] of a matrix stored as the kernels' blocks, as float32 rows [n, n_in]."""
+    if wb.dtype == np.uint8:
+        return int4_kernel.columns(wb, tokens, scale)
+    return row_kernel.columns(wb, tokens, scale)
 
 
 def block_width(w):
@@ -218,11 +226,11 @@ def gemv_rows(rows, w):
 
 @contextlib.contextmanager
 def kernel_pass(params):
-    """Around one model pass. With the numba kernel's layout (params has lm_head), numba's
-    threads do the parallel work and OpenBLAS is left with attention's small products: it
-    is held to one thread, so that no worker of its ever spins on a core numba's threads
-    need. Any other layout keeps the BLAS as it is."""
-    if "lm_head" in params:
+    """Around one model pass. With the numba kernel's layout, numba's threads do the
+    parallel work and OpenBLAS is left with attention's small products: it is held to one
+    thread, so that no worker of its ever spins on a core numba's threads need. Any other
+    layout keeps the BLAS as it is."""
+    if in_blocks(params):
         with blas_threads(1):
             yield
     else:
@@ -263,16 +271,3 @@ def gemv_is_exact():
         if not np.array_equal(gemv_one(rows[:1], w), gemv_rows(rows, w)[:1]):
             return False
     return True
-
-
-@contextlib.contextmanager
-def strategy(name):
-    """Run every shared pass over plain matrices (the fallback's layout) with another
-    strategy inside a with block ("rows" or "product"); the benchmark measures both. The
-    kernel's blocks always go through the kernel."""
-    global STRATEGY
-    saved, STRATEGY = STRATEGY, name
-    try:
-        yield
-    finally:
-        STRATEGY = saved

@@ -11,13 +11,12 @@ RadixAttention (a radix tree of cached prefixes, https://arxiv.org/abs/2312.0710
 llama.cpp's `cache_prompt` do this.
 
 Here it is exact to the bit: with the row kernel every row's numbers are independent of
-what shares its pass, and every pass (a prompt's too: gpt2.prefill_alone) runs layer norm
-and attention as the kernels' per-row loops, so a token's keys and values come out bitwise
+what shares its pass, and every pass (a prompt's too: kv_cache.prefill_alone) runs
+attention as the kernels' per-query loop, so a token's keys and values come out bitwise
 the same whichever request, pass or batch computed them. A request served from the cache
-gets the very logits, logprobs and text it would have computed itself. The NumPy fallback
-prefills a prompt as one BLAS product, whose rounding depends on its length: there the
-cache is off (`exact`), and only the choices of one prompt share it (their passes would
-be identical).
+gets the very logits, logprobs and text it would have computed itself. Without that loop
+(the NumPy fallback) the cache is off (`exact`), and only the choices of one prompt share
+it (their passes would be identical).
 
 Storage: a text's first BLOCK tokens, its next BLOCK, ... each block stored once, its keys
 and values copied out of a row of the batch's cache as [n_layer, 2, n_head, BLOCK, d_head]

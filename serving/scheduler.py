@@ -37,7 +37,6 @@ from dataclasses import dataclass
 import numpy as np
 
 import batching
-import gpt2
 import kv_cache
 import sampling
 import speculative
@@ -60,7 +59,7 @@ class Event:
 
 def autoregressive(model):
     """The plain decoder as the scheduler runs it: (step, the models it caches)."""
-    return (lambda batch: gpt2.autoregressive_step(batch, model)), {"target": model}
+    return (lambda batch: batching.autoregressive_step(batch, model)), {"target": model}
 
 
 def speculative_decoder(target, drafter, config=speculative.SpeculativeConfig()):
@@ -163,12 +162,15 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
             if i in paused:
                 batch.done.append(paused.pop(i)["seq"])
         if not static:
-            yield from preempt(batch, paused, lagging, len(waiting), max_batch, recompute=same_bits)
+            yield from preempt(batch, paused, lagging, len(waiting), max_batch, same_bits, prefix if exact else None)
         n_before = len(batch.seqs)
         while len(batch.seqs) < max_batch and not (static and n_before):
             i = next((i for i in paused if i not in lagging), None)
             if i is not None:  # a client that caught up: its request goes on where it stopped
-                batching.resume(batch, paused.pop(i))
+                kept = paused.pop(i)
+                batching.resume(batch, kept)
+                if kept["caches"] is None and sharing and exact:  # what the prefix cache kept of its text
+                    prefix_cache.reuse(prefix, kept["seq"].tokens, batch.caches, len(batch.seqs) - 1)
                 yield Event("resumed", i)
             elif waiting:
                 if sharing and shares_with(waiting[0][1], batch, n_before, exact):
@@ -254,17 +256,22 @@ def common_length(a, b):
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def preempt(batch, paused, lagging, n_waiting, max_batch, recompute):
+def preempt(batch, paused, lagging, n_waiting, max_batch, recompute, prefix=None):
     """Pause rows whose clients lag: every one whose tokens back up (lagging[index]), and
     others, one for each request waiting for a row still. Each keeps its keys and values
     while fewer than max_batch paused do; past that it keeps none (recompute), or is not
-    paused. Yields a "paused" event for each."""
+    paused. prefix: a prefix cache that keeps what it can of a text paused without its keys
+    and values, so that its resume computes only the rest (as vLLM's freed blocks stay in
+    its prefix cache until evicted). Yields a "paused" event for each."""
     lags = [seq for seq in batch.seqs if seq.index in lagging and not seq.finished]
     for seq in sorted(lags, key=lambda seq: not lagging[seq.index]):  # backed up first
         keep_cache = sum(kept["caches"] is not None for kept in paused.values()) < max_batch
         if not (keep_cache or recompute) or not (lagging[seq.index] or n_waiting > 0):
             return
-        paused[seq.index] = batching.pause(batch, batch.seqs.index(seq), keep_cache)
+        b = batch.seqs.index(seq)
+        if not keep_cache and prefix is not None:
+            prefix_cache.store(prefix, seq.tokens, batch.caches, b)
+        paused[seq.index] = batching.pause(batch, b, keep_cache)
         n_waiting -= 1
         yield Event("paused", seq.index)
 

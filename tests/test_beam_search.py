@@ -9,7 +9,6 @@ import pytest
 
 import batching
 import beam_search
-import gpt2
 import sampling
 import speculative
 from conftest import ROOT, fixture_path
@@ -53,7 +52,7 @@ def test_the_fixtures_exercise_what_they_claim():
 def test_one_beam_is_greedy_decoding(model):
     prompts = [p for p in FIXTURES["cases"][0]["prompts"]]
     got = beam_search.beam_search(prompts, model, 10, beam_search.BeamSettings(num_beams=1))
-    greedy = gpt2.generate(batching.requests(prompts, 10, sampling.SamplingSettings(temperature=0.0)), model)[0]
+    greedy = batching.generate(batching.requests(prompts, 10, sampling.SamplingSettings(temperature=0.0)), model)[0]
     assert [h[0][0] for h in got] == greedy
 
 
@@ -80,13 +79,13 @@ def test_no_repeat_ngram_size_in_every_decoder_is_transformers_greedy(model, cas
     transformers' greedy text, which differs from greedy text without the ban."""
     settings = sampling.SamplingSettings(temperature=0.0, no_repeat_ngram_size=case["no_repeat_ngram_size"])
     reqs = batching.requests(case["prompts"], case["max_new_tokens"], settings)
-    plain = gpt2.generate(reqs, model)[0]
+    plain = batching.generate(reqs, model)[0]
     assert plain == case["outputs"]
     params, hparams = model
     small = (dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1))  # a draft that often disagrees
     for drafter in (small, "prompt_lookup"):
         assert speculative.speculative_generate(reqs, model, drafter, speculative.SpeculativeConfig(K=3))[0] == plain
-    unbanned = gpt2.generate(batching.requests(case["prompts"], case["max_new_tokens"],
+    unbanned = batching.generate(batching.requests(case["prompts"], case["max_new_tokens"],
                                                sampling.SamplingSettings(temperature=0.0)), model)[0]
     assert unbanned != plain
 
@@ -98,7 +97,7 @@ def test_sampled_text_never_repeats_an_ngram(model, n):
     reqs = batching.requests(prompts, 40, settings, seed=3)
     params, hparams = model
     small = (dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1))
-    for out in (gpt2.generate(reqs, model)[0],
+    for out in (batching.generate(reqs, model)[0],
                 speculative.speculative_generate(reqs, model, small, speculative.SpeculativeConfig(K=3))[0]):
         for prompt, new in zip(prompts, out):
             text = prompt + new

@@ -37,7 +37,7 @@ def all_logits(params, hparams, ids):
 
 
 def generate(params, hparams, n, settings=GREEDY, seed=0, use_cache=True, eos_id=None, prompts=PROMPTS):
-    return gpt2.generate(batching.requests(prompts, n, settings, seed, eos_id), (params, hparams), use_cache)
+    return batching.generate(batching.requests(prompts, n, settings, seed, eos_id), (params, hparams), use_cache)
 
 
 def spec(params, hparams, n, K, settings=GREEDY, seed=0, draft_vocab=0):

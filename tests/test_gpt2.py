@@ -3,6 +3,7 @@ import numpy as np
 
 import batching
 import gpt2
+import kv_cache
 import sampling
 
 GREEDY = sampling.SamplingSettings(temperature=0.0)
@@ -29,9 +30,9 @@ def test_logits_only_where_asked_equal_full_logits(tiny, reference):
     _, hparams, params = tiny
     ids = reference["input_ids"].tolist()
     full = gpt2.gpt2(np.array([ids]), **params, n_head=2)  # [1, T, n_vocab]
-    last = gpt2.next_logits((params, hparams), None, [ids])  # [1, 1, n_vocab]
+    last = kv_cache.next_logits((params, hparams), None, [ids])  # [1, 1, n_vocab]
     np.testing.assert_allclose(last[0, 0], full[0, -1], atol=1e-5)
-    last3 = gpt2.next_logits((params, hparams), None, [ids], n_logits=3)  # [1, 3, n_vocab]
+    last3 = kv_cache.next_logits((params, hparams), None, [ids], n_logits=3)  # [1, 3, n_vocab]
     np.testing.assert_allclose(last3[0], full[0, -3:], atol=1e-5)
 
 
@@ -53,7 +54,7 @@ def test_hot_path_stays_float32(tiny, reference):
 def test_greedy_generate_reproduces_transformers(reference, tiny):
     prompt = reference["input_ids"].tolist()
     for use_cache in (True, False):
-        out, stats = gpt2.generate(batching.requests([prompt], 20, GREEDY), (tiny[2], tiny[1]), use_cache)
+        out, stats = batching.generate(batching.requests([prompt], 20, GREEDY), (tiny[2], tiny[1]), use_cache)
         assert out[0] == reference["greedy_ids"].tolist()
         assert stats.n_tokens == 20 and stats.tokens_per_s > 0
 
@@ -61,10 +62,48 @@ def test_greedy_generate_reproduces_transformers(reference, tiny):
 def test_generate_stops_at_eos_and_streams(tiny, reference):
     _, hparams, params = tiny
     prompt = reference["input_ids"].tolist()
-    full, _ = gpt2.generate(batching.requests([prompt], 10, GREEDY), (params, hparams))
+    full, _ = batching.generate(batching.requests([prompt], 10, GREEDY), (params, hparams))
     eos = full[0][3]  # pretend the 4th greedy token is end-of-text
     seen = []
-    out, _ = gpt2.generate(batching.requests([prompt], 10, GREEDY, eos_id=eos), (params, hparams),
+    out, _ = batching.generate(batching.requests([prompt], 10, GREEDY, eos_id=eos), (params, hparams),
                            callback=lambda seq, tok, accepted, logits: seen.append((seq.index, tok, accepted)))
     assert out[0] == full[0][:full[0].index(eos) + 1]
     assert seen == [(0, t, False) for t in out[0]]
+
+
+def test_every_decoder_runs_the_model_that_section_1_teaches(tiny, monkeypatch):
+    """gpt2.gpt2 is what runs: with it replaced by a function that fails, every decoder fails
+    (plain, cached and uncached; speculative with a draft model, a vocabulary subset and
+    prompt lookup; beam search; the scheduler), so none has a way around it; with it
+    counted, each pass is a call."""
+    import beam_search
+    import speculative
+    from serving import scheduler
+    _, hparams, params = tiny
+    model = (params, hparams)
+    draft = (dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1))
+    reqs = batching.requests([[464, 2068, 7586, 21831, 625, 262, 16931, 3290, 13, 383, 11]], 6, GREEDY)
+    decoders = {
+        "plain": lambda: batching.generate(reqs, model),
+        "uncached": lambda: batching.generate(reqs, model, use_cache=False),
+        "draft model": lambda: speculative.speculative_generate(reqs, model, draft),
+        "vocabulary subset": lambda: speculative.speculative_generate(
+            reqs, model, draft, speculative.SpeculativeConfig(draft_vocab=1000)),
+        "prompt lookup": lambda: speculative.speculative_generate(reqs, model, "prompt_lookup"),
+        "beam search": lambda: beam_search.beam_search([reqs[0].prompt], model, 4),
+        "scheduler": lambda: list(scheduler.serve(reqs, scheduler.autoregressive(model))),
+    }
+    real, calls = gpt2.gpt2, []
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("gpt2.gpt2 was called")
+    for name, run in decoders.items():
+        monkeypatch.setattr(gpt2, "gpt2", failing)
+        try:
+            run()
+            raise AssertionError(f"{name} decoded without gpt2.gpt2")
+        except RuntimeError as e:
+            assert "gpt2.gpt2 was called" in str(e), name
+        monkeypatch.setattr(gpt2, "gpt2", lambda *a, **k: calls.append(name) or real(*a, **k))
+        run()
+        assert calls.count(name) >= 6 or name == "beam search" and calls.count(name) >= 4, name

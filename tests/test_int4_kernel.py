@@ -65,15 +65,15 @@ def test_the_kernel_is_the_exact_integer_sum_for_1_to_16_rows(k4, n_in, n_out, w
     if worst:
         w = np.where(w > 0, 1.0, -1.0).astype(np.float32)  # q = +-7 everywhere: u = 15 or 1
     layer = layout.kernel_blocks(w, "int4")
-    q = row_kernel.unblocked(k4.unpacked(layer["w"]), n_out)  # [n_in, n_out]
-    sw = row_kernel.unblocked(layer["scale"], n_out)  # [n_in / c, n_out]
+    q = row_kernel.unblocked(k4.unpacked(layer.stored), n_out)  # [n_in, n_out]
+    sw = row_kernel.unblocked(layer.scale, n_out)  # [n_in / c, n_out]
     x = rng.standard_normal((16, n_in), dtype=np.float32)
     if worst:
         x = np.ones((16, n_in), np.float32)  # x8 = 127 everywhere
     want = exact(k4, x, q, sw)  # [16, n_out]
     for R in range(1, 17):
         for first in {0, 16 - R}:
-            got = rowwise.matmul(x[first:first + R], layer["w"], n_out=n_out, scale=layer["scale"])
+            got = rowwise.matmul(x[first:first + R], layer.stored, n_out=n_out, scale=layer.scale)
             assert got.shape == (R, n_out) and got.dtype == np.float32
             assert np.array_equal(got, want[first:first + R]), f"{R} rows from {first}"
 
@@ -84,8 +84,8 @@ def test_the_first_outputs_read_only_their_blocks(k4):
     rng = np.random.default_rng(5)
     layer = layout.kernel_blocks(rng.standard_normal((768, 1000), dtype=np.float32), "int4")
     x = rng.standard_normal((3, 768), dtype=np.float32)
-    whole = rowwise.matmul(x, layer["w"], n_out=1000, scale=layer["scale"])
-    assert np.array_equal(rowwise.matmul(x, layer["w"], n_out=100, scale=layer["scale"]), whole[:, :100])
+    whole = rowwise.matmul(x, layer.stored, n_out=1000, scale=layer.scale)
+    assert np.array_equal(rowwise.matmul(x, layer.stored, n_out=100, scale=layer.scale), whole[:, :100])
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86's instruction names")

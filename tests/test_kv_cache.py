@@ -17,7 +17,7 @@ def new_cache(hparams, B, n_slots=None):
 
 
 def last_logits(model, cache, texts):
-    return gpt2.next_logits(model, cache, texts)[:, 0]  # [B, n_vocab]
+    return kv_cache.next_logits(model, cache, texts)[:, 0]  # [B, n_vocab]
 
 
 def test_cached_logits_equal_uncached_at_every_step_of_40_greedy_tokens(tiny):
@@ -38,8 +38,8 @@ def test_cached_logits_equal_uncached_at_every_step_of_40_greedy_tokens(tiny):
 def test_batched_greedy_equals_solo_greedy_for_prompts_of_different_lengths(tiny, use_cache):
     _, hparams, params = tiny
     model = (params, hparams)
-    solo = [gpt2.generate(batching.requests([p], 25, GREEDY), model, use_cache)[0][0] for p in PROMPTS]
-    batched, stats = gpt2.generate(batching.requests(PROMPTS, 25, GREEDY), model, use_cache)
+    solo = [batching.generate(batching.requests([p], 25, GREEDY), model, use_cache)[0][0] for p in PROMPTS]
+    batched, stats = batching.generate(batching.requests(PROMPTS, 25, GREEDY), model, use_cache)
     assert batched == solo
     assert stats.n_tokens == 25 * len(PROMPTS)
 
@@ -57,10 +57,10 @@ def test_rows_that_finish_leave_the_batch_and_the_rest_are_unchanged(tiny):
     """EOS ends rows at different steps; the last rows move into their places in the cache."""
     _, hparams, params = tiny
     model = (params, hparams)
-    solo = [gpt2.generate(batching.requests([p], 12, GREEDY), model)[0][0] for p in PROMPTS]
+    solo = [batching.generate(batching.requests([p], 12, GREEDY), model)[0][0] for p in PROMPTS]
     eos = solo[0][2]  # row 0 ends at its third token; others may meet it too
     want = [s[:s.index(eos) + 1] if eos in s else s for s in solo]
-    out, _ = gpt2.generate(batching.requests(PROMPTS, 12, GREEDY, eos_id=eos), model)
+    out, _ = batching.generate(batching.requests(PROMPTS, 12, GREEDY, eos_id=eos), model)
     assert out == want and len(out[0]) < 12 and max(map(len, out)) == 12
 
 
@@ -71,9 +71,9 @@ def test_rollback_then_reextend_equals_never_extended(tiny):
     cache = new_cache(hparams, 1)
     last_logits(model, cache, [prefix + junk])
     kv_cache.rollback(cache, [len(prefix)])
-    after = gpt2.next_logits(model, cache, [prefix + real], n_logits=2)
+    after = kv_cache.next_logits(model, cache, [prefix + real], n_logits=2)
     fresh = new_cache(hparams, 1)
-    want = gpt2.next_logits(model, fresh, [prefix + real], n_logits=2)
+    want = kv_cache.next_logits(model, fresh, [prefix + real], n_logits=2)
     np.testing.assert_allclose(after, want, atol=1e-5)
     assert cache["lengths"][0] == fresh["lengths"][0] == len(prefix) + len(real)
 
@@ -182,7 +182,7 @@ def test_generation_past_the_context_window_is_the_same_with_and_without_cache(t
     _, hparams, params = tiny
     model = (params, hparams)
     prompts = [PROMPTS[1], list(range(1000, 1070))]  # the second starts longer than the window
-    out, _ = gpt2.generate(batching.requests(prompts, 200, GREEDY), model, use_cache)
+    out, _ = batching.generate(batching.requests(prompts, 200, GREEDY), model, use_cache)
     assert [len(o) for o in out] == [200, 200]
     for prompt, o in zip(prompts, out):
         text = prompt + o
@@ -192,7 +192,7 @@ def test_generation_past_the_context_window_is_the_same_with_and_without_cache(t
             window = text[kv_cache.window_start(n, 64):n]
             assert len(window) <= 64 and text[n] == int(np.argmax(gpt2.gpt2(np.array([window]), **params,
                                                                               n_head=2)[0, -1]))
-    assert out == gpt2.generate(batching.requests(prompts, 200, GREEDY), model, not use_cache)[0]
+    assert out == batching.generate(batching.requests(prompts, 200, GREEDY), model, not use_cache)[0]
 
 
 def test_pending_inputs_restart_a_row_whose_window_moved(tiny):
@@ -209,7 +209,7 @@ def test_pending_inputs_restart_a_row_whose_window_moved(tiny):
 
 def test_generate_reports_the_cache_it_allocated(tiny):
     _, h, params = tiny
-    _, stats = gpt2.generate(batching.requests(PROMPTS, 5, GREEDY), (params, h))
+    _, stats = batching.generate(batching.requests(PROMPTS, 5, GREEDY), (params, h))
     slots = max(map(len, PROMPTS)) + 5  # sized to the longest row, not to n_ctx
     assert stats.kv_cache_bytes == 2 * h["n_layer"] * len(PROMPTS) * slots * h["n_embd"] * 4
-    assert gpt2.generate(batching.requests(PROMPTS, 5, GREEDY), (params, h), use_cache=False)[1].kv_cache_bytes == 0
+    assert batching.generate(batching.requests(PROMPTS, 5, GREEDY), (params, h), use_cache=False)[1].kv_cache_bytes == 0

@@ -14,7 +14,6 @@ import beam_search
 import checkpoint
 import cost_model
 import fileserver
-import gpt2
 import main
 import sampling
 import speculative
@@ -258,7 +257,7 @@ def test_stream_equals_the_printed_text_over_many_seeds(tiny):
     replaced = 0
     for seed in range(40):
         reqs = batching.requests([[464, 2068]], 30, s, seed)
-        streamed, printed = streamed_and_printed(tiny, model, lambda cb: gpt2.generate(reqs, model, callback=cb))
+        streamed, printed = streamed_and_printed(tiny, model, lambda cb: batching.generate(reqs, model, callback=cb))
         assert streamed == printed
         config = speculative.SpeculativeConfig(K=3)
         streamed, printed = streamed_and_printed(

@@ -40,36 +40,35 @@ def test_attention_sees_its_own_keys_up_to_itself_and_nothing_else():
     k = rng.standard_normal((B, H, 12, D), dtype=np.float32)[:, :, :S]  # the cache's first S slots
     v = rng.standard_normal((B, H, 12, D), dtype=np.float32)[:, :, :S]
     positions = np.array([[5, 6, 7], [2, 3, 4]])
-    out = attention(q, k, v, positions).reshape(B, T, H, D)  # heads side by side
+    out = attention(q, k, v, positions).transpose(0, 2, 1, 3)  # [B, T, H, D]
     for b, t in [(0, 0), (0, 1), (0, 2), (1, 0)]:
         for h in range(H):
             want = reference_attention(q[b, h, t], k[b, h], v[b, h], positions[b, t])
             np.testing.assert_allclose(out[b, t, h], want, rtol=1e-5, atol=1e-6)
-    alone = attention(q[1:, :, :1], k[1:, :, :3], v[1:, :, :3], positions[1:, :1]).reshape(1, 1, H, D)
+    alone = attention(q[1:, :, :1], k[1:, :, :3], v[1:, :, :3], positions[1:, :1]).transpose(0, 2, 1, 3)
     assert np.array_equal(alone[0, 0], out[1, 0])
     k[1, :, 3:] = np.nan  # slots past row 1's length never reach its real query
-    assert np.array_equal(attention(q, k, v, positions).reshape(B, T, H, D)[1, 0], out[1, 0])
+    assert np.array_equal(attention(q, k, v, positions).transpose(0, 2, 1, 3)[1, 0], out[1, 0])
 
 
 def test_a_kernel_pass_runs_them_and_stays_within_rounding_of_numpy(tiny, monkeypatch):
-    """The row kernel's layout makes cached passes fused (kv_cache.begin_pass); their logits
-    are within float rounding of the same pass with gpt2.py's NumPy layer norm and attention."""
+    """The row kernel's layout makes passes norm and attend through row_ops (kv_cache.begin_pass);
+    their logits are within float rounding of the same passes with gpt2.py's and kv_cache.attend's NumPy."""
     model = (layout.decode_layout(layout.plain_layout(tiny[2]), "numba"), tiny[1])
     assert rowwise.fuses(model) and not rowwise.fuses((layout.plain_layout(tiny[2]), tiny[1]))
     texts = [[464, 2068, 7586, 21831, 18045], [464, 3290]]
 
     def two_steps():
-        cache = kv_cache.init_cache(model[1], 2, 16, like=model[0]["wte"])
-        gpt2.next_logits(model, cache, texts)
-        return gpt2.next_logits(model, cache, [t + [11] for t in texts], n_logits=2)
+        cache = kv_cache.init_cache(model[1], 2, 16, like=model[0]["wpe"])
+        kv_cache.next_logits(model, cache, texts)
+        return kv_cache.next_logits(model, cache, [t + [11] for t in texts], n_logits=2)
 
     from kernels import row_ops
     calls = []
     for name in ("layer_norm", "attention"):
-        monkeypatch.setattr(row_ops, name, lambda *a, f=getattr(row_ops, name), name=name, **k: calls.append(name)
-                            or f(*a, **k))
+        monkeypatch.setattr(row_ops, name, lambda *a, f=getattr(row_ops, name), name=name: calls.append(name) or f(*a))
     fused = two_steps()
-    assert {"layer_norm", "attention"} <= set(calls)  # the cached passes ran through row_ops
+    assert {"layer_norm", "attention"} <= set(calls)  # the passes ran through row_ops
     calls.clear()
     monkeypatch.setattr(rowwise, "fuses", lambda model: False)
     np.testing.assert_allclose(fused, two_steps(), rtol=1e-5, atol=1e-5)

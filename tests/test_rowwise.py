@@ -9,7 +9,7 @@ import kv_cache
 import sampling
 import speculative
 from bench import common
-from kernels import layout, rowwise
+from kernels import layout, rowwise, weights
 from serving import scheduler
 
 WIDTHS = [(768, 2304), (1024, 4096), (4096, 1024), (1024, 50257)]  # GPT-2's matrices and its head
@@ -40,15 +40,8 @@ def test_each_row_is_bitwise_what_it_is_alone(n_in, n_out):
     np.testing.assert_allclose(alone[0], rows[0].astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
 
 
-def test_one_product_is_the_baseline_and_blas_threads_come_back():
-    rng = np.random.default_rng(3)
-    w = np.asfortranarray(rng.standard_normal((64, 96), dtype=np.float32))
-    rows = rng.standard_normal((5, 64), dtype=np.float32)
+def test_blas_threads_come_back():
     before = [blas.get_num_threads() for blas in rowwise._blas()]
-    with rowwise.strategy("product"):
-        np.testing.assert_array_equal(rowwise.matmul(rows, w), rows @ w)
-    assert rowwise.STRATEGY == "rows"
-    np.testing.assert_allclose(rowwise.matmul(rows, w), rows @ w, rtol=1e-5, atol=1e-5)
     assert [blas.get_num_threads() for blas in rowwise._blas()] == before
     with rowwise.blas_threads(1):
         assert all(blas.get_num_threads() == 1 for blas in rowwise._blas())
@@ -66,8 +59,8 @@ def wide():
 
 def passes(model, texts_per_step, n_logits_per_step):
     """Run next_logits step by step on one cache; returns each step's logits."""
-    cache = kv_cache.init_cache(model[1], len(texts_per_step[0]), 256, like=model[0]["wte"])
-    return [gpt2.next_logits(model, cache, texts, n_logits)
+    cache = kv_cache.init_cache(model[1], len(texts_per_step[0]), 256, like=model[0]["wpe"])
+    return [kv_cache.next_logits(model, cache, texts, n_logits)
             for texts, n_logits in zip(texts_per_step, n_logits_per_step)]
 
 
@@ -115,7 +108,7 @@ def assert_served_equals_alone(model, decoder, reqs, max_batches):
     draft = (dict(model[0], blocks=model[0]["blocks"][:1]), dict(model[1], n_layer=1))
     config = speculative.SpeculativeConfig(K=3)
     if decoder == "autoregressive":
-        serve_with, alone = scheduler.autoregressive(model), lambda r: gpt2.generate([r], model)[0][0]
+        serve_with, alone = scheduler.autoregressive(model), lambda r: batching.generate([r], model)[0][0]
     else:
         serve_with = scheduler.speculative_decoder(model, draft, config)
         alone = lambda r: speculative.speculative_generate([r], model, draft, config)[0][0]  # noqa: E731
@@ -186,26 +179,27 @@ def test_padded_head_columns_are_never_logits(tiny, dtype):
     """The head's blocks pad the vocabulary to a multiple of 64. Fill the padding with huge
     weights: if any padded column reached the logits it would win every argmax."""
     params, hparams = layout.decode_layout(layout.plain_layout(tiny[2]), "numba", dtype), tiny[1]
-    head = params["lm_head"]
-    assert head["w"].shape[0] * 64 > hparams["n_vocab"]
-    poisoned = {name: a.copy() for name, a in head.items()}
+    head = params["wte"].T  # a weights.Matrix
+    assert head.stored.shape[0] * 64 > hparams["n_vocab"]
+    w, scale = head.stored.copy(), None if head.scale is None else head.scale.copy()
     if dtype == "int4":  # the padded columns' nibbles all 15 (q = 7), their scales 1e6 in bfloat16
         from kernels import int4_kernel
-        q = int4_kernel.unpacked(poisoned["w"])
+        q = int4_kernel.unpacked(w)
         q[-1, :, hparams["n_vocab"] % 64:] = 7
-        poisoned["w"] = int4_kernel.packed(q)
-        poisoned["scale"][-1, :, hparams["n_vocab"] % 64:] = 0x4974
+        w = int4_kernel.packed(q)
+        scale[-1, :, hparams["n_vocab"] % 64:] = 0x4974
     else:
-        poisoned["w"][-1, :, hparams["n_vocab"] % 64:] = {"float32": 1e6, "bfloat16": 0x4974, "int8": 127}[dtype]
+        w[-1, :, hparams["n_vocab"] % 64:] = {"float32": 1e6, "bfloat16": 0x4974, "int8": 127}[dtype]
     if dtype == "int8":
-        poisoned["scale"][hparams["n_vocab"]:] = 1e6
+        scale[hparams["n_vocab"]:] = 1e6
+    poisoned = dict(params, wte=weights.Embedding(weights.Matrix(w, hparams["n_vocab"], scale)))
     ids = np.array([[464, 2068, 7586, 21831]])
     clean = gpt2.gpt2(ids, **params, n_head=hparams["n_head"])  # [1, 4, n_vocab]
-    logits = gpt2.gpt2(ids, **dict(params, lm_head=poisoned), n_head=hparams["n_head"])
+    logits = gpt2.gpt2(ids, **poisoned, n_head=hparams["n_head"])
     assert logits.shape == (1, 4, hparams["n_vocab"])
     np.testing.assert_array_equal(logits, clean)
-    cache = kv_cache.init_cache(hparams, 1, 16, like=params["wte"])
-    step = gpt2.next_logits((dict(params, lm_head=poisoned), hparams), cache, [ids[0].tolist()])
+    cache = kv_cache.init_cache(hparams, 1, 16, like=params["wpe"])
+    step = kv_cache.next_logits((poisoned, hparams), cache, [ids[0].tolist()])
     assert step.shape == (1, 1, hparams["n_vocab"]) and step.max() < 1e3
 
 

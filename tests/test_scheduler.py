@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 import batching
-import gpt2
 import sampling
 import speculative
 from kernels import rowwise
-from serving import scheduler
+from serving import prefix_cache, scheduler
 
 GREEDY = sampling.SamplingSettings(temperature=0.0)
 SAMPLED = sampling.SamplingSettings(temperature=1.0, top_k=40, repetition_penalty=1.2)
@@ -40,7 +39,7 @@ def served(reqs, decoder, **kw):
 
 def decoders(models):
     target, draft = models
-    return {"autoregressive": (scheduler.autoregressive(target), lambda r: gpt2.generate([r], target)[0][0]),
+    return {"autoregressive": (scheduler.autoregressive(target), lambda r: batching.generate([r], target)[0][0]),
             "speculative": (scheduler.speculative_decoder(target, draft, speculative.SpeculativeConfig(K=3)),
                             lambda r: speculative.speculative_generate([r], target, draft,
                                                                        speculative.SpeculativeConfig(K=3))[0][0])}
@@ -62,7 +61,7 @@ def test_text_is_the_same_as_alone_with_rows_joining_mid_run(models, decoder, se
 def test_greedy_equals_plain_greedy_and_the_static_baseline(models):
     target, _ = models
     reqs = mixed_requests(12, GREEDY)
-    want = gpt2.generate(reqs, target)[0]
+    want = batching.generate(reqs, target)[0]
     for static in (False, True):
         for decoder, _ in decoders(models).values():
             _, finished = served(reqs, decoder, max_batch=3, static=static)
@@ -73,7 +72,7 @@ def test_one_row_reused_many_times_gives_fresh_results(models):
     target, _ = models
     reqs = mixed_requests(8, SAMPLED, seed=4)
     _, finished = served(reqs, scheduler.autoregressive(target), max_batch=1)
-    assert [finished[i].tokens for i in range(8)] == [gpt2.generate([r], target)[0][0] for r in reqs]
+    assert [finished[i].tokens for i in range(8)] == [batching.generate([r], target)[0][0] for r in reqs]
 
 
 def test_requests_arriving_over_time(models):
@@ -91,7 +90,7 @@ def test_requests_arriving_over_time(models):
 def test_eos_and_max_tokens_end_a_row_and_free_it(models):
     target, _ = models
     prompt = (464, 2068, 7586)
-    full = gpt2.generate([batching.Request(prompt, 20, GREEDY)], target)[0][0]
+    full = batching.generate([batching.Request(prompt, 20, GREEDY)], target)[0][0]
     eos = full[4]
     reqs = [batching.Request(prompt, 20, GREEDY, eos_id=eos), batching.Request(prompt, 3, GREEDY),
             batching.Request(prompt, 20, GREEDY)]
@@ -190,7 +189,7 @@ def test_a_long_run_keeps_its_bookkeeping_flat():
     """200k steps of a stub decoder (no model: it emits token 1): the Stats, the finished
     requests and the scheduler's own state weigh the same at step 200k as at step 10k."""
     hparams = {"n_vocab": 8, "n_ctx": 64, "n_layer": 1, "n_head": 1, "n_embd": 2}
-    models = {"target": ({"wte": np.zeros((8, 2), np.float32)}, hparams)}
+    models = {"target": ({"wte": np.zeros((8, 2), np.float32), "wpe": np.zeros((64, 2), np.float32)}, hparams)}
     seen = {}
 
     def step(batch):
@@ -235,10 +234,10 @@ def lagging_intake(reqs, lags, cancel_at=None):
     return intake
 
 
-def serve_lagging(models, decoder, reqs, lags, max_batch, cancel_at=None):
+def serve_lagging(models, decoder, reqs, lags, max_batch, cancel_at=None, prefix=None):
     step, cached = decoders(models)[decoder][0]
     events = list(scheduler.serving(lagging_intake(reqs, lags, cancel_at), step, cached, max_batch,
-                                    models[0][1]["n_ctx"]))
+                                    models[0][1]["n_ctx"], prefix=prefix))
     return events, {e.index: e for e in events if e.kind == "finished"}
 
 
@@ -260,18 +259,21 @@ def test_a_lagging_client_gives_its_row_to_a_waiting_request_and_resumes_with_th
         assert i not in others and others & {2, 3, 4, 5}  # its row decoded for others meanwhile
 
 
-@pytest.mark.parametrize("decoder", ["autoregressive", "speculative"])
-def test_past_max_batch_a_paused_request_keeps_only_its_text_and_a_paused_request_can_be_cancelled(models, decoder):
+@pytest.mark.parametrize("decoder, prefix_mib", [("autoregressive", 0), ("speculative", 0), ("autoregressive", 4)])
+def test_past_max_batch_a_paused_request_keeps_only_its_text_and_a_paused_request_can_be_cancelled(models, decoder,
+                                                                                                   prefix_mib):
     """Requests 0-3 lag from the 2nd call to the 60th with 2 rows and 4 others waiting: 0 and 1
     are paused with their keys and values; 2 and 3 then lag in their rows and are paused too,
     keeping only their texts (their keys and values are computed again when they resume),
     where the kernels make a token's keys the same bits whatever the pass; with the NumPy
-    fallback they keep their rows (at most max_batch are paused). Request 0's client leaves
-    while it is paused: it finishes with the tokens it had, and never resumes. Every other
-    text is its text alone, bit for bit."""
+    fallback they keep their rows (at most max_batch are paused). With a prefix cache, what
+    it keeps of a paused text is copied back on resume, not computed. Request 0's client
+    leaves while it is paused: it finishes with the tokens it had, and never resumes. Every
+    other text is its text alone, bit for bit."""
     reqs = [dataclasses.replace(r, max_new_tokens=12) for r in mixed_requests(6, SAMPLED, seed=8)]
     lags = {i: (range(2, 60), False) for i in range(4)}
-    events, finished = serve_lagging(models, decoder, reqs, lags, max_batch=2, cancel_at={30: [0]})
+    prefix = prefix_cache.new_prefix_cache(prefix_mib << 20) if prefix_mib else None
+    events, finished = serve_lagging(models, decoder, reqs, lags, max_batch=2, cancel_at={30: [0]}, prefix=prefix)
     paused, most = set(), 0
     for e in events:
         paused = paused | {e.index} if e.kind == "paused" else paused - {e.index}
@@ -284,6 +286,8 @@ def test_past_max_batch_a_paused_request_keeps_only_its_text_and_a_paused_reques
     alone = [decoders(models)[decoder][1](r) for r in reqs]
     assert finished[0].tokens == alone[0][:len(finished[0].tokens)] and len(finished[0].tokens) < 12
     assert all(finished[i].tokens == alone[i] for i in range(1, 6))
+    if prefix is not None and recompute:  # the texts paused without their keys and values were kept
+        assert prefix["blocks"]
 
 
 @pytest.mark.parametrize("decoder", ["autoregressive", "speculative"])

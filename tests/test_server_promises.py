@@ -127,14 +127,14 @@ def test_a_prefix_cache_the_os_refuses_is_turned_off_and_every_request_answered(
 FAILING_ENGINE = """
 import sys
 sys.path.insert(0, {root!r})
-import gpt2
+import batching
 from serving import server
-step = gpt2.autoregressive_step
+step = batching.autoregressive_step
 def failing(batch, model):
     if any(len(seq.generated) >= 3 for seq in batch.seqs):
         raise RuntimeError("a bug in the step")
     return step(batch, model)
-gpt2.autoregressive_step = failing
+batching.autoregressive_step = failing
 sys.exit(server.entry(["--models_dir", {models!r}, "--target_model_size", "124M", "--port", "0"]))
 """
 

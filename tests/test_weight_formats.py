@@ -93,15 +93,15 @@ def widened(stored, n_out):
     """The float32 matrix [n_in, n_out] that stored blocks hold."""
     from kernels import int4_kernel, int8_kernel
     from kernels import row_kernel
-    wb = stored["w"]
+    wb = stored.stored
     if wb.dtype == np.uint8:
-        return row_kernel.unblocked(weight_formats.from_int4(int4_kernel.unpacked(wb), stored["scale"]), n_out)
+        return row_kernel.unblocked(weight_formats.from_int4(int4_kernel.unpacked(wb), stored.scale), n_out)
     if wb.ndim == 4:
         wb = int8_kernel.unpaired(wb)
     if wb.dtype == np.uint16:
         wb = weight_formats.from_bfloat16(wb)
     elif wb.dtype == np.int8:
-        wb = weight_formats.from_int8(wb, stored["scale"].reshape(wb.shape[0], -1), axis=1)
+        wb = weight_formats.from_int8(wb, stored.scale.reshape(wb.shape[0], -1), axis=1)
     return row_kernel.unblocked(wb, n_out)
 
 
@@ -112,7 +112,7 @@ def test_the_kernel_multiplies_the_stored_weights(dtype, n_in, n_out):
     rng = np.random.default_rng(n_in + n_out)
     st = narrow_blocks(rng.standard_normal((n_in, n_out), dtype=np.float32), dtype)
     rows = rng.standard_normal((5, n_in), dtype=np.float32)
-    got = rowwise.matmul(rows, st["w"], n_out=n_out, scale=st.get("scale"))
+    got = rowwise.matmul(rows, st.stored, n_out=n_out, scale=st.scale)
     assert got.dtype == np.float32 and got.shape == (5, n_out)
     w = widened(st, n_out).astype(np.float64)  # [n_in, n_out]
     want = rows.astype(np.float64) @ w
@@ -134,7 +134,7 @@ def test_a_narrow_row_is_bitwise_the_same_for_any_row_count_and_place(dtype, n_i
     rows = rng.standard_normal((16, n_in), dtype=np.float32)
 
     def mm(x):
-        return rowwise.matmul(x, st["w"], n_out=n_out, scale=st.get("scale"))
+        return rowwise.matmul(x, st.stored, n_out=n_out, scale=st.scale)
     alone = np.concatenate([mm(rows[i:i + 1]) for i in range(16)])  # [16, n_out]
     for n in range(2, 17):
         for first in {0, 16 - n}:
@@ -147,12 +147,12 @@ def test_embeddings_are_read_from_the_heads_stored_weights(tiny, dtype):
     _, hparams, params = tiny
     fast = layout.decode_layout(layout.plain_layout(params), "numba", dtype)
     ids = np.array([[0, 5, 63, 64, 50256], [1, 2, 3, 4, 40000]])
-    got = gpt2.embed(ids, fast["wte"], fast["lm_head"])  # [2, 5, n_embd]
-    want = widened(fast["lm_head"], hparams["n_vocab"]).T[ids]
+    got = fast["wte"][ids]  # [2, 5, n_embd]
+    want = widened(fast["wte"].T, hparams["n_vocab"]).T[ids]
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, want)
     if dtype == "float32":
-        np.testing.assert_array_equal(got, np.asarray(params["wte"])[ids])
+        np.testing.assert_array_equal(got, layout.plain_layout(params)["wte"][ids])
 
 
 @pytest.fixture(scope="module")
@@ -174,8 +174,8 @@ def test_a_narrow_models_logits_are_bitwise_the_same_in_any_company(wide_formats
     others = [rng.integers(0, 50257, n).tolist() for n in (3, 40, 1, 17)]
 
     def step(texts, n_logits):
-        cache = kv_cache.init_cache(model[1], len(texts), 256, like=model[0]["wte"])
-        return gpt2.next_logits(model, cache, texts, n_logits)
+        cache = kv_cache.init_cache(model[1], len(texts), 256, like=model[0]["wpe"])
+        return kv_cache.next_logits(model, cache, texts, n_logits)
     alone = step([A], np.array([3]))[0]
     for company in ([A] + others[:1], others[1:3] + [A], others + [A]):
         got = step(company, np.array([3 if t is A else 1 + len(t) % 4 for t in company]))
