@@ -13,25 +13,19 @@ included (as transformers does); --presence_penalty and --frequency_penalty the
 generated tokens only (as the OpenAI API and vLLM do), unless --penalize_prompt.
 """
 import argparse
-import codecs
 import sys
 import time
 
-from tqdm import tqdm
-
 import batching
 import beam_search
-import cost_model
 import kv_cache
 import sampling
 import speculative
 import utils
-from cli import flags, timing
-from kernels import rowwise
-from serving import prefix_cache, scheduler
+from cli import flags, printing, timing, warm
+from serving import scheduler
 
 DEFAULT_PROMPT = "Alan Turing theorized that computers would one day become"
-GREEN, RESET = "\033[32m", "\033[0m"
 def parse_args(argv=None):
     ap = flags.OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", action="append", help="a prompt ('' = unconditional); repeat the flag for a batch")
@@ -125,115 +119,6 @@ def tokenize(encoder, prompts, n_ctx):
     return ids
 
 
-def streamer(encoder, colour, write=sys.stdout.write):
-    """(show, finish) for one row: show(seq, token, accepted) writes a token's text as
-    soon as its UTF-8 bytes are complete, finish() writes whatever is left. Invalid bytes
-    become U+FFFD exactly as encoder.decode does, so the stream adds up to the final
-    text. Accepted draft tokens are written in colour on a terminal."""
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def show(seq, token, accepted=False, logits=None):
-        text = utf8.decode(encoder.decode_single_token_bytes(token))
-        if text:
-            write(f"{GREEN}{text}{RESET}" if accepted and colour else text)
-            sys.stdout.flush()
-
-    def finish():
-        write(utf8.decode(b"", final=True))
-    return show, finish
-
-
-def decode(title, generate, encoder, prompts, args):
-    """Print a banner, run generate(callback) (streaming if asked), then the texts and speed."""
-    print(f"\n=== {title} ===")
-    show, finish = streamer(encoder, sys.stdout.isatty()) if args.stream else (None, None)
-    if show:
-        print(prompts[0], end="")
-    compiled_before = rowwise.seconds_compiling()
-    out, stats = generate(show)
-    texts = [encoder.decode(o) for o in out]
-    if show:
-        finish()
-        print()
-    else:
-        for p, t in zip(prompts, texts):
-            print(f"{p}{t}" if len(prompts) == 1 else f"--- {p!r}\n{p}{t}")
-    print(f"{stats.n_tokens} tokens in {stats.seconds:.2f}s = {stats.tokens_per_s:.1f} tokens/s "
-          f"(first token after {stats.ttft_s * 1e3:.0f} ms; KV cache {stats.kv_cache_bytes / 2**20:.1f} MiB)")
-    say_compile_time(compiled_before)
-    if stats.target_passes:
-        print(f"acceptance rate {stats.acceptance_rate:.1%} (by draft position: {stats.acceptance_by_position}), "
-              f"{stats.tokens_per_target_pass:.2f} tokens per target pass, "
-              f"time drafting {stats.draft_s:.2f}s / verifying {stats.verify_s:.2f}s")
-    return {"texts": texts, "tokens": out, "tokens_per_s": stats.tokens_per_s, "stats": stats}
-
-
-def say_compile_time(compiled_before):
-    """The times above include a kernel's first compile where this run was the first to use a tile size."""
-    seconds = rowwise.seconds_compiling() - compiled_before
-    if seconds > 0.5:
-        print(f"(of that, {seconds:.1f}s compiling the kernels' loops this run used first: once a machine, later runs "
-              "load them from numba's cache)")
-
-
-def serve(title, decoder, reqs, encoder, args):
-    """Serve the requests with continuous batching, printing each one as it finishes."""
-    print(f"\n=== {title}, continuous batching of up to {args.max_batch} ===")
-    if flags.prefix_cache_note(args):
-        print(flags.prefix_cache_note(args))
-    compiled_before = rowwise.seconds_compiling()
-    out, finished, errors = [None] * len(reqs), [], []
-    with tqdm(total=len(reqs), unit="request", leave=False) as bar:
-        prefix = prefix_cache.new_prefix_cache(args.prefix_cache_mib << 20)
-        for e in scheduler.serve(reqs, decoder, args.max_batch, prefix=prefix):
-            if e.kind == "token":
-                continue
-            if e.kind == "error":
-                errors.append(e.error)
-                bar.write(f"--- request {e.index}: error: {e.error}")
-            else:
-                out[e.index] = e.tokens
-                finished.append(e)
-                m = e.metrics
-                bar.write(f"--- request {e.index}: {m['n_tokens']} tokens; queued {m['queue_s']:.2f}s, first token "
-                          f"after {m['ttft_s']:.2f}s, inter-token p50 {m['itl_ms_p50']:.0f} ms / p95 "
-                          f"{m['itl_ms_p95']:.0f} ms, done after {m['e2e_s']:.2f}s\n"
-                          f"{encoder.decode(list(reqs[e.index].prompt))}{encoder.decode(e.tokens)}")
-            bar.update()
-    s = scheduler.summarize(finished)
-    if finished:
-        print(f"{s['requests']} requests, {s['tokens']} tokens in {s['seconds']:.2f}s = {s['tokens_per_s']:.1f} "
-              f"tokens/s; first token p50 {s['ttft_s_p50']:.2f}s / p95 {s['ttft_s_p95']:.2f}s, "
-              f"request done p50 {s['e2e_s_p50']:.2f}s / p95 {s['e2e_s_p95']:.2f}s")
-    if prefix["hits"]:
-        print(f"prefix cache: {prefix['hits']} of {prefix['queries']} prompt tokens "
-              f"({prefix['hits'] / prefix['queries']:.0%}) were computed already, and copied")
-    say_compile_time(compiled_before)
-    if errors:
-        raise ValueError(f"{len(errors)} of {len(reqs)} requests were refused; the first: {errors[0]}")
-    return {"texts": [encoder.decode(o) if o is not None else None for o in out], "tokens": out,
-            "tokens_per_s": s["tokens_per_s"]}
-
-
-def advise_K(stats, target, drafter, config, self_draft=False):
-    """After a run: the K that this run's acceptance and costs measured now recommend, and a
-    narrower draft where it drafts in float32."""
-    if not stats.drafted:
-        return
-    alpha = cost_model.estimate_alpha(stats.accepted, stats.rejections)
-    draft = drafter if isinstance(drafter, tuple) else None
-    costs = timing.measure_costs(target, draft, config.K_max, config.draft_vocab)
-    K = cost_model.best_K(alpha, costs, config.K_max)
-    print(f"advice: at this run's acceptance (alpha = {alpha:.2f}) and costs measured now (a draft token "
-          f"{costs.draft:.2f} of a target step; verifying K+1 tokens {min(costs.verify[1:]):.2f}-"
-          f"{max(costs.verify[1:]):.2f} steps), K = {K} is expected fastest: "
-          f"{cost_model.speedup(alpha, K, costs):.2f}x plain decoding")
-    if draft and rowwise.in_blocks(draft[0]) and cost_model.weight_bytes(draft) == 4:
-        how = "--draft_dtype int8" if self_draft else "the default: leave out --draft_dtype"
-        print(f"advice: a draft in int8 ({how}) reads a quarter of its float32 bytes, so each draft "
-              "token costs less; the text stays the target's, only the acceptance may change")
-
-
 def beam_settings(args):
     """--num_beams > 1: the beam search settings, after refusing what beam search cannot combine with."""
     clash = [flag for flag, on in (("--mode speculative/both", args.mode not in (None, "autoregressive")),
@@ -277,38 +162,6 @@ def named(size, dtype):
     return size if dtype == "float32" else f"{size} {dtype}"
 
 
-def warm_rows(args, config, ids):
-    """The row counts of the passes this run will make, of the target and of a draft model
-    loaded apart (None without one): a lone prompt makes a pass over its tokens (over all
-    but the last, then the last, past kv_cache.ALONE_ABOVE), then one token a step; a draft
-    adds its two-token catch-up; verification (and the advice's timings) K + 1 tokens for
-    every K; a batch, any count."""
-    rows = {1}
-    for i in ids:
-        rows |= {len(i) - 1, 1} if len(i) - 1 > kv_cache.ALONE_ABOVE else {len(i)}
-    if len(ids) > 1 or args.max_batch:
-        rows = set(flags.EVERY_TILE)
-    if args.mode == "autoregressive":
-        return rows, None
-    verify = set(range(2, max(config.K, config.K_max or 7) + 2))
-    return rows | verify, (rows | {2} if flags.separate_draft(args) else None)
-
-
-def compiling_ahead(args, config, ids):
-    """A context in which the kernels' loops of this run's passes compile in other processes."""
-    target_rows, draft_rows = warm_rows(args, config, ids)
-    return flags.compiling_ahead(args, [(args.dtype, target_rows)] + ([(flags.draft_dtype(args), draft_rows)]
-                                                                      if draft_rows else []))
-
-
-def warm_up(args, config, target, drafter, ids):
-    """The kernels' loops of this run's passes, compiled (or loaded from numba's cache) before any is timed."""
-    target_rows, draft_rows = warm_rows(args, config, ids)
-    flags.warm_up(target, target_rows)
-    if draft_rows:
-        flags.warm_up(drafter, draft_rows)
-
-
 def run(args):
     settings, config, prompts = check_args(args)
     if args.num_beams != 1:
@@ -316,9 +169,9 @@ def run(args):
     args.mode = args.mode or "both"
     encoder, n_ctx = flags.tokenizer(args)
     ids = tokenize(encoder, prompts, n_ctx)
-    with compiling_ahead(args, config, ids):  # while the models load
+    with warm.compiling_ahead(args, config, ids):  # while the models load
         _, target, drafter = flags.load_models(args)
-    warm_up(args, config, target, drafter, ids)
+    warm.warm_up(args, config, target, drafter, ids)
     eos = None if args.ignore_eos else encoder.eot_token
     reqs = batching.requests(ids, args.n_tokens_to_generate, settings, args.seed, eos)
     use_cache = not args.no_kv_cache
@@ -340,11 +193,12 @@ def run(args):
                                lambda: scheduler.speculative_decoder(target, drafter, config))
     results = {}
     for name, (title, generate, decoder) in runs.items():
-        results[name] = (serve(title, decoder(), reqs, encoder, args) if args.max_batch
-                         else decode(title, generate, encoder, prompts, args))
+        results[name] = (printing.serve(title, decoder(), reqs, encoder, args) if args.max_batch
+                         else printing.decode(title, generate, encoder, prompts, args))
     if "speculative" in results and not args.max_batch:
-        advise_K(results["speculative"]["stats"], target, drafter, speculative.resolve(config, target, None),
-                 args.draft_model_size == args.target_model_size)
+        draft = drafter if isinstance(drafter, tuple) else None
+        timing.advise_K(results["speculative"]["stats"], target, drafter, speculative.resolve(config, target, draft),
+                        args.draft_model_size == args.target_model_size)
     if len(results) == 2:
         ar, sp = results["autoregressive"], results["speculative"]
         print(f"\nspeedup of speculative over autoregressive: {sp['tokens_per_s'] / ar['tokens_per_s']:.2f}x")

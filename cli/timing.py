@@ -7,6 +7,7 @@ import time
 import cost_model
 import kv_cache
 import speculative
+from kernels import rowwise
 
 
 def pass_seconds(model, context, T=1, reps=3, n_logits=None):
@@ -46,3 +47,22 @@ def measure_costs(target, draft, K_max, draft_vocab=0, context=CONTEXT):
     draft_step = pass_seconds(draft, context, reps=REPS)
     catch_up = pass_seconds(draft, context, 2, reps=REPS, n_logits=1) / draft_step
     return cost_model.Costs(draft_step / step, verify, catch_up)
+
+
+def advise_K(stats, target, drafter, config, self_draft=False):
+    """After a run: the K that this run's acceptance and costs measured now recommend, and a
+    narrower draft where it drafts in float32."""
+    if not stats.drafted:
+        return
+    alpha = cost_model.estimate_alpha(stats.accepted, stats.rejections)
+    draft = drafter if isinstance(drafter, tuple) else None
+    costs = measure_costs(target, draft, config.K_max, config.draft_vocab)
+    K = cost_model.best_K(alpha, costs, config.K_max)
+    print(f"advice: at this run's acceptance (alpha = {alpha:.2f}) and costs measured now (a draft token "
+          f"{costs.draft:.2f} of a target step; verifying K+1 tokens {min(costs.verify[1:]):.2f}-"
+          f"{max(costs.verify[1:]):.2f} steps), K = {K} is expected fastest: "
+          f"{cost_model.speedup(alpha, K, costs):.2f}x plain decoding")
+    if draft and rowwise.in_blocks(draft[0]) and cost_model.weight_bytes(draft) == 4:
+        how = "--draft_dtype int8" if self_draft else "the default: leave out --draft_dtype"
+        print(f"advice: a draft in int8 ({how}) reads a quarter of its float32 bytes, so each draft "
+              "token costs less; the text stays the target's, only the acceptance may change")

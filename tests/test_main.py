@@ -19,7 +19,7 @@ import sampling
 import speculative
 import utils
 from conftest import ROOT, make_model_dir
-from cli import timing
+from cli import printing, timing
 from kernels import rowwise
 
 GREEDY = ["--temperature", "0", "--n_tokens_to_generate", "12"]
@@ -66,7 +66,7 @@ def test_a_float32_draft_asked_for_is_advised_the_default(capsys, models_dir, mo
 
 NO_LOOP_FIRST_USED_WHILE_TIMED = """import json, sys
 import main
-from cli import timing
+from cli import printing, timing, warm
 from kernels import compiling
 timed = []
 def timing_no_compile(fn):
@@ -76,9 +76,9 @@ def timing_no_compile(fn):
         timed.append(compiling.first_uses[before:])
         return out
     return wrapped
-main.decode = timing_no_compile(main.decode)
+printing.decode = timing_no_compile(printing.decode)
 timing.measure_costs = timing_no_compile(timing.measure_costs)
-main.compiling_ahead = lambda *args: __import__('contextlib').nullcontext()  # the warm-up alone (test_compiling.py checks what compiles ahead)
+warm.compiling_ahead = lambda *args: __import__('contextlib').nullcontext()  # the warm-up alone (test_compiling.py checks what compiles ahead)
 assert main.main(sys.argv[1:]) == 0
 print(json.dumps({"timed": timed, "warmed": compiling.first_uses}))
 """
@@ -241,7 +241,7 @@ def streamed_and_printed(tiny, model, decode):
     """What the streamer writes, and the final decode of the same tokens."""
     encoder = tiny[0]
     written = []
-    show, finish = main.streamer(encoder, colour=False, write=written.append)
+    show, finish = printing.streamer(encoder, colour=False, write=written.append)
     out, _ = decode(show)
     finish()
     return "".join(written), encoder.decode(out[0])
@@ -276,7 +276,7 @@ def test_stream_prints_tokens_without_colour_when_not_a_terminal(capsys, models_
 def test_stream_colours_accepted_drafts_on_a_terminal(tiny):
     enc = tiny[0]
     written = []
-    show, finish = main.streamer(enc, colour=True, write=written.append)
+    show, finish = printing.streamer(enc, colour=True, write=written.append)
     for tok, acc in zip(enc.encode("Hello, world!"), [False, True, True, False]):
         show(None, tok, acc)
     for tok in enc.encode("🤖"):  # one emoji, several byte-level tokens
@@ -285,8 +285,8 @@ def test_stream_colours_accepted_drafts_on_a_terminal(tiny):
     show(None, enc.encode("😀")[0], False)  # a partial character at the end
     finish()
     text = "".join(written)
-    assert text == f"Hello{main.GREEN},{main.RESET}{main.GREEN} world{main.RESET}!🤖é\ufffd"
-    assert text.replace(main.GREEN, "").replace(main.RESET, "") == enc.decode(
+    assert text == f"Hello{printing.GREEN},{printing.RESET}{printing.GREEN} world{printing.RESET}!🤖é\ufffd"
+    assert text.replace(printing.GREEN, "").replace(printing.RESET, "") == enc.decode(
         enc.encode("Hello, world!🤖é") + enc.encode("😀")[:1])
 
 
