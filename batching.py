@@ -119,7 +119,6 @@ class Stats:
     first_verify_s: float = 0.0
     proposed_at: list = field(default_factory=list)  # [i]: drafts proposed at draft position i (i < K_max)
     accepted_at: list = field(default_factory=list)
-    K_trace: collections.deque = field(default_factory=lambda: collections.deque(maxlen=WINDOW))  # drafts per step
 
     def step_done(self):
         """A step of the decoder ended: its tokens are counted; when is kept for the latencies."""
@@ -142,7 +141,6 @@ class Stats:
             self.first_draft_s, self.first_verify_s = draft_s, verify_s
         self.drafted += int(k.sum())
         self.accepted += sum(n)
-        self.K_trace.append(int(k.max()))
         for kb, nb in zip(k, n):
             self.proposed_at += [0] * (kb - len(self.proposed_at))
             self.accepted_at += [0] * (kb - len(self.accepted_at))

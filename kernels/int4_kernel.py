@@ -264,15 +264,6 @@ def packed(q):
     return np.ascontiguousarray(u[..., 0] | (u[..., 1] << 4)).reshape(n_blocks, n_in // 4, 4, 32)
 
 
-def unpacked(qb):
-    """The inverse of `packed`: qb [n_blocks, n_in / 4, 4, 32] -> q [n_blocks, n_in, W] int8."""
-    n_blocks, quads, _, _ = qb.shape
-    u = qb.reshape(n_blocks, quads, 4, 8, 4)  # [n_blocks, quad, set, m, i]
-    both = np.stack([u & 15, u >> 4], axis=-1)  # [n_blocks, quad, set, m, i, half]
-    q = both.transpose(0, 1, 4, 2, 5, 3).reshape(n_blocks, 4 * quads, W)  # [n_blocks, n_in, W]
-    return q.astype(np.int8) - 8
-
-
 def matmul(rows, qb, n_out, sw):
     """rows [n, n_in] @ w -> [n, n_out] float32, w stored as int4 qb [n_blocks, n_in / 4, 4,
     32] with its group scales sw [n_blocks, n_in / c, W] (bfloat16 bits); only the blocks

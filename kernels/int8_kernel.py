@@ -146,12 +146,6 @@ def paired(q):
     return np.ascontiguousarray(q.reshape(n_blocks, n_in // 2, 2, w).transpose(0, 1, 3, 2))  # [n_blocks, n_in/2, W, 2]
 
 
-def unpaired(qb):
-    """The inverse of `paired`: [n_blocks, n_in / 2, W, 2] -> [n_blocks, n_in, W]."""
-    n_blocks, half, w, _ = qb.shape
-    return np.ascontiguousarray(qb.transpose(0, 1, 3, 2).reshape(n_blocks, 2 * half, w))  # [n_blocks, n_in, W]
-
-
 def block_size(n_in):
     """Inputs per activation block: C, or the largest power of two below it that divides
     n_in (the row kernel needs n_in a multiple of 8)."""

@@ -88,13 +88,6 @@ def to_int4(w):
     return np.clip(q, -7, 7).astype(np.int8).reshape(w.shape), sw
 
 
-def from_int4(q, sw):
-    """(q [..., n_in, n_out], sw [..., n_in / c, n_out]) -> float32 q * sw, the weights int4
-    decoding uses."""
-    c = q.shape[-2] // sw.shape[-2]
-    return q.astype(np.float32) * np.repeat(from_bfloat16(sw), c, axis=-2)
-
-
 def stored(wb, dtype):
     """Float32 blocks [n_blocks, n_in, W] (row_kernel.blocked) in the format `dtype`, as
     the params keep them: {"w": blocks} (uint16 for bfloat16), plus for int8 "scale"

@@ -5,6 +5,7 @@ import platform
 
 import numpy as np
 import pytest
+import readback
 
 from kernels import rowwise, weight_formats
 
@@ -65,7 +66,7 @@ def test_the_kernel_is_the_exact_integer_sum_for_1_to_16_rows(k4, n_in, n_out, w
     if worst:
         w = np.where(w > 0, 1.0, -1.0).astype(np.float32)  # q = +-7 everywhere: u = 15 or 1
     layer = layout.kernel_blocks(w, "int4")
-    q = row_kernel.unblocked(k4.unpacked(layer.stored), n_out)  # [n_in, n_out]
+    q = row_kernel.unblocked(readback.unpacked(layer.stored), n_out)  # [n_in, n_out]
     sw = row_kernel.unblocked(layer.scale, n_out)  # [n_in / c, n_out]
     x = rng.standard_normal((16, n_in), dtype=np.float32)
     if worst:

@@ -8,6 +8,7 @@ import gpt2
 import kv_cache
 import sampling
 import speculative
+import readback
 from bench import common
 from kernels import layout, rowwise, weights
 from serving import scheduler
@@ -184,7 +185,7 @@ def test_padded_head_columns_are_never_logits(tiny, dtype):
     w, scale = head.stored.copy(), None if head.scale is None else head.scale.copy()
     if dtype == "int4":  # the padded columns' nibbles all 15 (q = 7), their scales 1e6 in bfloat16
         from kernels import int4_kernel
-        q = int4_kernel.unpacked(w)
+        q = readback.unpacked(w)
         q[-1, :, hparams["n_vocab"] % 64:] = 7
         w = int4_kernel.packed(q)
         scale[-1, :, hparams["n_vocab"] % 64:] = 0x4974

@@ -12,6 +12,7 @@ import kv_cache
 import main
 import sampling
 import utils
+import readback
 from bench import common
 from kernels import rowwise, weight_formats
 from test_rowwise import assert_served_equals_alone, requests
@@ -67,7 +68,7 @@ def test_int4_is_symmetric_per_group_of_32_and_column_within_half_a_step():
     scale = weight_formats.from_bfloat16(sw)  # [10, 70]
     assert (scale[:, 3] == 0).all() and not q[:, 3].any() and np.abs(q).max() == 7
     np.testing.assert_array_equal(sw, weight_formats.to_bfloat16(np.abs(w).reshape(10, 32, 70).max(1) / 7))
-    back = weight_formats.from_int4(q, sw)
+    back = readback.from_int4(q, sw)
     step = np.repeat(scale, 32, axis=0)
     assert (np.abs(back - w) <= step / 2 * (1 + 1e-5) + 1e-12).all()  # half a step, each
     assert scale[1, 5] > 10 * np.delete(scale[:, 5], 1).max()  # the outlier's group alone
@@ -82,7 +83,7 @@ def test_int4_packs_two_weights_a_byte_where_the_kernel_reads_them():
     # quad 2 (inputs 8..11), set 1 (columns 16..31), column 16 + 5 (low nibble) and 16 + 8 + 5 (high)
     assert [qb[1, 2, 1, 4 * 5 + i] & 15 for i in range(4)] == [q[1, 8 + i, 21] + 8 for i in range(4)]
     assert [qb[1, 2, 1, 4 * 5 + i] >> 4 for i in range(4)] == [q[1, 8 + i, 29] + 8 for i in range(4)]
-    np.testing.assert_array_equal(int4_kernel.unpacked(qb), q)
+    np.testing.assert_array_equal(readback.unpacked(qb), q)
 
 
 def narrow_blocks(w, dtype):
@@ -91,13 +92,12 @@ def narrow_blocks(w, dtype):
 
 def widened(stored, n_out):
     """The float32 matrix [n_in, n_out] that stored blocks hold."""
-    from kernels import int4_kernel, int8_kernel
     from kernels import row_kernel
     wb = stored.stored
     if wb.dtype == np.uint8:
-        return row_kernel.unblocked(weight_formats.from_int4(int4_kernel.unpacked(wb), stored.scale), n_out)
+        return row_kernel.unblocked(readback.from_int4(readback.unpacked(wb), stored.scale), n_out)
     if wb.ndim == 4:
-        wb = int8_kernel.unpaired(wb)
+        wb = readback.unpaired(wb)
     if wb.dtype == np.uint16:
         wb = weight_formats.from_bfloat16(wb)
     elif wb.dtype == np.int8:
