@@ -41,29 +41,30 @@ class BeamSettings:
 
 
 def check(s):
-    """Settings beam search can run, or a ValueError naming the flag that is wrong."""
+    """Settings beam search can run, or a sampling.BadSetting naming the one that is wrong."""
     if not isinstance(s.num_beams, int) or s.num_beams < 1:
-        raise ValueError(f"--num_beams must be an integer >= 1, got {s.num_beams}")
+        raise sampling.BadSetting("num_beams", f"must be an integer >= 1, got {s.num_beams}")
     if not 1 <= s.num_return_sequences <= s.num_beams:
-        raise ValueError(f"--num_return_sequences must be in [1, num_beams = {s.num_beams}], "
-                         f"got {s.num_return_sequences}")
+        raise sampling.BadSetting("num_return_sequences", f"must be in [1, num_beams = {s.num_beams}], "
+                                  f"got {s.num_return_sequences}")
     if s.early_stopping not in (True, False, "never"):
-        raise ValueError(f"--early_stopping must be True, False or never, got {s.early_stopping}")
+        raise sampling.BadSetting("early_stopping", f"must be True, False or never, got {s.early_stopping}")
     if s.no_repeat_ngram_size < 0:
-        raise ValueError(f"--no_repeat_ngram_size must be >= 0, got {s.no_repeat_ngram_size}")
+        raise sampling.BadSetting("no_repeat_ngram_size", f"must be >= 0, got {s.no_repeat_ngram_size}")
     if not np.isfinite(s.length_penalty):
-        raise ValueError(f"--length_penalty must be a finite number, got {s.length_penalty}")
+        raise sampling.BadSetting("length_penalty", f"must be a finite number, got {s.length_penalty}")
     if not 0.01 <= s.repetition_penalty <= 100:
-        raise ValueError(f"--repetition_penalty must be in [0.01, 100], got {s.repetition_penalty}")
+        raise sampling.BadSetting("repetition_penalty", f"must be in [0.01, 100], got {s.repetition_penalty}")
 
 
 def check_window(n_ctx, prompts, max_new_tokens):
-    """Every beam stays inside the window, or a ValueError saying why it must."""
+    """Every beam stays inside the window, or a sampling.BadSetting saying why it must."""
     longest = max(len(p) for p in prompts) + max_new_tokens
     if longest > n_ctx:
-        raise ValueError(f"beam search keeps every beam inside GPT-2's {n_ctx}-token window (the window's restart "
-                         f"would re-prefill every beam each time): a prompt plus --n_tokens_to_generate needs "
-                         f"{longest}; generate fewer tokens or shorten the prompt")
+        raise sampling.BadSetting("max_new_tokens", f"{max_new_tokens} is too many: beam search keeps every beam "
+                                  f"inside GPT-2's {n_ctx}-token window (the window's restart would re-prefill "
+                                  f"every beam each time), and a prompt plus its new tokens needs {longest}; "
+                                  "generate fewer tokens or shorten the prompt")
 
 
 def beam_search(prompts, model, max_new_tokens, settings=BeamSettings(), eos_id=None, trace=None):
