@@ -262,32 +262,6 @@ def remove(batch, b):
     batch.seqs.pop()
 
 
-def pause(batch, b, keep_cache=True):
-    """Row b leaves before it has finished, and takes along all it needs to go on exactly
-    where it stood: its sequence (text, random stream, timings), its counts, and (keep_cache)
-    a copy of its cached keys and values, so that nothing is computed again; without one,
-    resume computes them again from its text, the same bits only where a token's keys do not
-    depend on the pass that computed them (kernels/rowwise.py)."""
-    kept = {"seq": batch.seqs[b], "counts": batch.counts[b].copy(), "prompt_counts": batch.prompt_counts[b].copy(),
-            "caches": {name: kv_cache.save_row(cache, b) for name, cache in batch.caches.items()} if keep_cache
-            else None}
-    remove(batch, b)
-    return kept
-
-
-def resume(batch, kept):
-    """A paused sequence takes the next free row, as it stood when it was paused (its keys
-    and values copied back, or, where it kept none, nothing cached: its next pass runs its text)."""
-    b = len(batch.seqs)
-    batch.seqs.append(kept["seq"])
-    batch.counts[b], batch.prompt_counts[b] = kept["counts"], kept["prompt_counts"]
-    for name, cache in batch.caches.items():
-        if kept["caches"] is None:
-            kv_cache.clear_row(cache, b)
-        else:
-            kv_cache.restore_row(cache, b, kept["caches"][name])
-
-
 def run(requests, models, step, use_cache=True, callback=None):
     """Decode requests as one batch: every request takes a row, then step(batch) until
     every row has finished (finished rows leave as they go). Returns (each request's new

@@ -97,17 +97,11 @@ def next_logits(model, cache, texts, n_logits=1):
         if cache is not None:
             prefill_alone(model, cache, texts, n_logits)
         inputs, n_new = pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
-        state = begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wpe"], kernels=kernels_for(model))
+        state = begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wpe"], kernels=rowwise.row_ops_for(model))
         logits = gpt2.gpt2(inputs, **params, n_head=hparams["n_head"], cache=state)  # [B, n, n_vocab]
         if cache is not None:
             advance(state)
         return logits
-
-
-def kernels_for(model):
-    """The kernels' layer norm and attention, where the model's layout has them (kernels/rowwise.py):
-    the same functions as gpt2.layer_norm and attend's, each row summed in a fixed order; else None."""
-    return (rowwise.layer_norm, rowwise.attention) if rowwise.fuses(model) else None
 
 
 def prefill_alone(model, cache, texts, n_logits):
@@ -120,7 +114,7 @@ def prefill_alone(model, cache, texts, n_logits):
     m = n_new - np.broadcast_to(n_logits, n_new.shape)  # [B]: tokens before the first that needs logits
     for b in np.nonzero(m > ALONE_ABOVE)[0]:
         state = begin_pass(rows(cache, b, b + 1), m[b:b + 1], int(m[b]), 0, like=params["wpe"],
-                           kernels=kernels_for(model))
+                           kernels=rowwise.row_ops_for(model))
         gpt2.gpt2(inputs[b:b + 1, :m[b]], **params, n_head=hparams["n_head"], cache=state)  # [1, 0, n_vocab]
         advance(state)
 

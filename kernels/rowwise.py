@@ -114,11 +114,14 @@ def in_blocks(params):
     return getattr(getattr(w, "stored", None), "ndim", 2) > 2
 
 
-def fuses(model):
-    """Whether a pass runs layer norm and attention as the kernels' loops (row_ops.py): in
-    the row kernel's layout, with heads a multiple of 8 floats wide."""
+def row_ops_for(model):
+    """The loops a pass of this model runs for layer norm and attention, (layer_norm,
+    attention) of row_ops.py, where the model is in the row kernel's layout with heads a
+    multiple of 8 floats wide; else None (gpt2.py's NumPy and kv_cache.attend's)."""
     params, hparams = model
-    return in_blocks(params) and hparams["n_embd"] // hparams["n_head"] % row_kernel.V == 0
+    if in_blocks(params) and hparams["n_embd"] // hparams["n_head"] % row_kernel.V == 0:
+        return layer_norm, attention
+    return None
 
 
 def warm_passes(row_counts, dtype):

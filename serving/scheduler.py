@@ -126,7 +126,7 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
 
     Preemption: a row whose client lags (it is not taking its tokens: a server knows, a list
     never lags) gives its row to a waiting request, or gives it up anyway if its tokens back
-    up, and is paused with all it needs to go on (batching.pause). Once its client has caught
+    up, and is paused with all it needs to go on (pause). Once its client has caught
     up it resumes into a row no waiting request needs (those whose clients keep up go first,
     as the fast should not wait behind the slow), its text bit for bit what it would have been.
     The first max_batch paused keep a copy of their keys and values (so they never hold more
@@ -144,7 +144,7 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
     sharing = prefix is not None and bool(batch.caches) and not static
     # every token's keys come out in the same bits whatever the pass: a paused request may drop
     # them (preempt), and
-    same_bits = bool(batch.caches) and all(rowwise.fuses(model) for model in models.values())
+    same_bits = bool(batch.caches) and all(rowwise.row_ops_for(model) is not None for model in models.values())
     # rows share any common beginning (prefix_cache.py); else, and with no memory for a cache,
     # only the same prompt
     exact = sharing and prefix["budget"] > 0 and same_bits
@@ -168,7 +168,7 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
             i = next((i for i in paused if i not in lagging), None)
             if i is not None:  # a client that caught up: its request goes on where it stopped
                 kept = paused.pop(i)
-                batching.resume(batch, kept)
+                resume(batch, kept)
                 if kept["caches"] is None and sharing and exact:  # what the prefix cache kept of its text
                     prefix_cache.reuse(prefix, kept["seq"].tokens, batch.caches, len(batch.seqs) - 1)
                 yield Event("resumed", i)
@@ -271,9 +271,35 @@ def preempt(batch, paused, lagging, n_waiting, max_batch, recompute, prefix=None
         b = batch.seqs.index(seq)
         if not keep_cache and prefix is not None:
             prefix_cache.store(prefix, seq.tokens, batch.caches, b)
-        paused[seq.index] = batching.pause(batch, b, keep_cache)
+        paused[seq.index] = pause(batch, b, keep_cache)
         n_waiting -= 1
         yield Event("paused", seq.index)
+
+
+def pause(batch, b, keep_cache=True):
+    """Row b leaves before it has finished, and takes along all it needs to go on exactly
+    where it stood: its sequence (text, random stream, timings), its counts, and (keep_cache)
+    a copy of its cached keys and values, so that nothing is computed again; without one,
+    resume computes them again from its text, the same bits only where a token's keys do not
+    depend on the pass that computed them (kernels/rowwise.py)."""
+    kept = {"seq": batch.seqs[b], "counts": batch.counts[b].copy(), "prompt_counts": batch.prompt_counts[b].copy(),
+            "caches": {name: kv_cache.save_row(cache, b) for name, cache in batch.caches.items()} if keep_cache
+            else None}
+    batching.remove(batch, b)
+    return kept
+
+
+def resume(batch, kept):
+    """A paused sequence takes the next free row, as it stood when it was paused (its keys
+    and values copied back, or, where it kept none, nothing cached: its next pass runs its text)."""
+    b = len(batch.seqs)
+    batch.seqs.append(kept["seq"])
+    batch.counts[b], batch.prompt_counts[b] = kept["counts"], kept["prompt_counts"]
+    for name, cache in batch.caches.items():
+        if kept["caches"] is None:
+            kv_cache.clear_row(cache, b)
+        else:
+            kv_cache.restore_row(cache, b, kept["caches"][name])
 
 
 def refusal(request, hparams, max_len):

@@ -52,10 +52,10 @@ def test_attention_sees_its_own_keys_up_to_itself_and_nothing_else():
 
 
 def test_a_kernel_pass_runs_them_and_stays_within_rounding_of_numpy(tiny, monkeypatch):
-    """The row kernel's layout makes passes norm and attend through row_ops (kv_cache.begin_pass);
+    """The row kernel's layout makes passes norm and attend through row_ops (rowwise.row_ops_for);
     their logits are within float rounding of the same passes with gpt2.py's and kv_cache.attend's NumPy."""
     model = (layout.decode_layout(layout.plain_layout(tiny[2]), "numba"), tiny[1])
-    assert rowwise.fuses(model) and not rowwise.fuses((layout.plain_layout(tiny[2]), tiny[1]))
+    assert rowwise.row_ops_for(model) and not rowwise.row_ops_for((layout.plain_layout(tiny[2]), tiny[1]))
     texts = [[464, 2068, 7586, 21831, 18045], [464, 3290]]
 
     def two_steps():
@@ -70,6 +70,6 @@ def test_a_kernel_pass_runs_them_and_stays_within_rounding_of_numpy(tiny, monkey
     fused = two_steps()
     assert {"layer_norm", "attention"} <= set(calls)  # the passes ran through row_ops
     calls.clear()
-    monkeypatch.setattr(rowwise, "fuses", lambda model: False)
+    monkeypatch.setattr(rowwise, "row_ops_for", lambda model: None)
     np.testing.assert_allclose(fused, two_steps(), rtol=1e-5, atol=1e-5)
     assert not calls

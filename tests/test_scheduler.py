@@ -278,7 +278,7 @@ def test_past_max_batch_a_paused_request_keeps_only_its_text_and_a_paused_reques
     for e in events:
         paused = paused | {e.index} if e.kind == "paused" else paused - {e.index}
         most = max(most, len(paused))
-    recompute = all(rowwise.fuses(model) for model in models)
+    recompute = all(rowwise.row_ops_for(model) is not None for model in models)
     assert most == (4 if recompute else 2)
     assert {e.index for e in events if e.kind == "paused"} == ({0, 1, 2, 3} if recompute else {0, 1})
     kinds = [(e.kind, e.index) for e in events]
