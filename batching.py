@@ -332,7 +332,7 @@ def ban_repeated_ngrams(batch, logits, drafts=None):
     for [B, n_vocab], with all of them (the text a draft model continues)."""
     logits = logits.copy()
     for b, seq in enumerate(batch.seqs):
-        n, extra = seq.request.settings.no_repeat_ngram_size, drafts[b] if drafts else []
+        n, extra = int(seq.request.settings.no_repeat_ngram_size), drafts[b] if drafts else []
         if not n:
             continue
         for i in range(logits.shape[1]) if logits.ndim == 3 else [None]:

@@ -6,20 +6,19 @@ is a decoder-only transformer: token + position embeddings, n_layer pre-norm
 blocks of causal multi-head attention and a GELU MLP, a final layer norm, and
 an output head tied to the token embedding. The functions below are the whole
 model; they follow picoGPT (https://github.com/jaymody/picoGPT), extended to a
-batch [B, T] and to a KV cache: `gpt2(..., cache=...)` runs only the tokens the
-cache has not seen and each attention layer reads the rest from it (kv_cache.py).
-Every decoder's every pass is a call of `gpt2`.
+batch [B, T] of rows of different lengths, and to a KV cache: given a pass's state
+(kv_cache.py), `gpt2` runs only the tokens it is given while each attention layer
+reads the earlier ones' keys and values from the cache. Every decoder's every pass is
+a call of `gpt2`.
 
 Activations keep the weights' dtype (float32 on the CPU): a float64 scalar such
 as np.sqrt(d) would silently promote them to float64 and halve the speed, so
 constants are Python floats, which NumPy keeps at the array's precision.
 
-Nothing here says which hardware runs it: the arrays do. NumPy's functions hand
-CuPy arrays to CuPy (the __array_ufunc__ / __array_function__ protocols, NEP 13
-and 18), so with the weights on a GPU every step runs there. On a CPU the weights
-are laid out once at load as objects that multiply themselves (`x @ w`, `wte[tokens]`
-and `wte.T` then run compiled loops: README section 4), and a pass may bring its own
-layer norm and attention, the same functions summed in a fixed order per row (kv_cache.py).
+Nothing here says which hardware runs it: the arrays do. CuPy's arrays take NumPy's
+functions over (NEP 13 and 18), so with the weights on a GPU every step runs there; on
+a CPU the weights laid out at load run compiled loops through the same `x @ w`
+(README section 4).
 """
 import numpy as np
 
@@ -36,8 +35,7 @@ def softmax(x):
 
 
 def layer_norm(x, g, b, eps=1e-5):
-    """g * (x - mean) / sqrt(variance + eps) + b over the last axis. (x.sum skips np.mean's
-    wrapper: at batch 1 each of a step's hundreds of small ops costs microseconds of overhead.)"""
+    """g * (x - mean) / sqrt(variance + eps) + b over the last axis."""
     n = x.shape[-1]
     h = x.astype(np.float32, copy=False)  # float16 activations: statistics in float32 (float32: no copy)
     h = h - h.sum(axis=-1, keepdims=True) / n  # x - mean
@@ -85,23 +83,25 @@ def mha(x, c_attn, c_proj, n_head, attend=None):
 
 
 def transformer_block(x, mlp, attn, ln_1, ln_2, n_head, attend=None, norm=layer_norm):
+    """A pre-norm block: x + attention, then x + MLP, each on a normalized x. norm: the
+    layer norm a pass runs (gpt2's own, or the same function as a compiled loop)."""
     x = x + mha(norm(x, **ln_1), **attn, n_head=n_head, attend=attend)  # [B, T, n_embd]
     x = x + ffn(norm(x, **ln_2), **mlp)  # [B, T, n_embd]
     return x
 
 
-def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, cache=None):
+def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, state=None):
     """Logits of a batch of token ids inputs [B, T]: [B, T, n_vocab] at every position, as
-    picoGPT. With cache (a kv_cache.Pass: each token's position, each layer's attend, the
+    picoGPT. With state (a kv_cache.Pass: each token's position, each layer's attend, the
     layer norm the pass runs, and where logits are needed), [B, n, n_vocab] at each row's
     last few real tokens only, since the 50257-wide head is the largest product of a step."""
-    if cache is None:
+    if state is None:
         positions, attends, norm = np.arange(inputs.shape[1]), [None] * len(blocks), layer_norm  # [T]
     else:
-        positions, attends, norm = cache.positions, cache.attends, cache.layer_norm  # [B, T]
+        positions, attends, norm = state.positions, state.attends, state.layer_norm  # [B, T]
     x = wte[inputs] + wpe[positions]  # [B, T, n_embd]
     for block, attend in zip(blocks, attends):
         x = transformer_block(x, **block, n_head=n_head, attend=attend, norm=norm)  # [B, T, n_embd]
-    if cache is not None:
-        x = x[np.arange(x.shape[0])[:, None], cache.logits_at]  # [B, n, n_embd]
-    return norm(x, **ln_f) @ wte.T  # [B, n, n_vocab]: the head is the token embedding again
+    if state is not None:
+        x = x[np.arange(x.shape[0])[:, None], state.logits_at]  # [B, n, n_embd]: only where logits are needed
+    return norm(x, **ln_f) @ wte.T  # [B, T or n, n_vocab]: the head is the token embedding again

@@ -88,17 +88,20 @@ ALONE_ABOVE = 8
 
 
 def next_logits(model, cache, texts, n_logits=1):
-    """One pass of gpt2.gpt2 that brings every text up to date: with a cache, only the
-    tokens it has not seen; without, the whole window again. Returns logits [B, n, n_vocab]
-    at each row's last n_logits[b] tokens (n = the largest n_logits). Every row comes out
-    bitwise as it would alone (the weights' kernels and `attend`), whatever shares the pass."""
+    """Bring every text up to date with gpt2.gpt2: with a cache, only the tokens it has not
+    seen (a row's long run of tokens that need no logits first in passes of its own:
+    prefill_alone), then one pass over all rows; without, the whole window again. Returns
+    logits [B, n, n_vocab] at each row's last n_logits[b] tokens, n = the largest n_logits
+    (a row with fewer repeats its last). On the CPU every row comes out bitwise as it would
+    alone (the weights' kernels and `attend`), whatever shares the pass; rowwise.kernel_pass
+    holds BLAS to one thread while numba's threads run the kernels."""
     params, hparams = model
     with rowwise.kernel_pass(params):
         if cache is not None:
             prefill_alone(model, cache, texts, n_logits)
         inputs, n_new = pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
-        state = begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wpe"], kernels=rowwise.row_ops_for(model))
-        logits = gpt2.gpt2(inputs, **params, n_head=hparams["n_head"], cache=state)  # [B, n, n_vocab]
+        state = begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wpe"], loops=rowwise.row_ops_for(model))
+        logits = gpt2.gpt2(inputs, **params, n_head=hparams["n_head"], state=state)  # [B, n, n_vocab]
         if cache is not None:
             advance(state)
         return logits
@@ -106,16 +109,16 @@ def next_logits(model, cache, texts, n_logits=1):
 
 def prefill_alone(model, cache, texts, n_logits):
     """Cache each row's tokens that need no logits in a pass of the row's own, where
-    there are more than ALONE_ABOVE of them; the batch's pass then runs only the rest. A
-    token's keys and values come out the same bits whichever pass computes them (what
-    serving/prefix_cache.py relies on)."""
+    there are more than ALONE_ABOVE of them; the batch's pass then runs only the rest. With
+    the kernels' loops a token's keys and values come out the same bits whichever pass
+    computes them (what serving/prefix_cache.py relies on)."""
     params, hparams = model
     inputs, n_new = pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
     m = n_new - np.broadcast_to(n_logits, n_new.shape)  # [B]: tokens before the first that needs logits
     for b in np.nonzero(m > ALONE_ABOVE)[0]:
         state = begin_pass(rows(cache, b, b + 1), m[b:b + 1], int(m[b]), 0, like=params["wpe"],
-                           kernels=rowwise.row_ops_for(model))
-        gpt2.gpt2(inputs[b:b + 1, :m[b]], **params, n_head=hparams["n_head"], cache=state)  # [1, 0, n_vocab]
+                           loops=rowwise.row_ops_for(model))
+        gpt2.gpt2(inputs[b:b + 1, :m[b]], **params, n_head=hparams["n_head"], state=state)  # [1, 0, n_vocab]
         advance(state)
 
 
@@ -143,27 +146,27 @@ def pad_right(rows, pad=0):
 
 @dataclass
 class Pass:
-    """What one model pass needs to know besides its tokens (begin_pass builds it); gpt2.gpt2
-    reads positions, attends and logits_at."""
+    """What one model pass needs to know besides its tokens (begin_pass builds it): gpt2.gpt2
+    reads positions, attends, layer_norm and logits_at; attend reads the rest."""
     positions: np.ndarray  # [B, T]: each token's position, which is also its slot in the cache
-    mask: np.ndarray  # [B, 1, T, S]: 0 where a query may see a key, -inf where it may not
+    mask: np.ndarray  # [B, 1, T, S]: 0 where a query may see a key, -inf where it may not (None with loops)
     groups: list  # [(S, rows)]: the rows whose texts are S tokens long attend over S keys
     logits_at: np.ndarray  # [B, n]: which of each row's T tokens need logits
     n_new: np.ndarray  # [B]: each row's real tokens (the rest of its T is padding)
     cache: dict = None  # where the keys and values go and come from (None: no cache)
     where: object = None  # where each real token's keys and values go (write_slots)
     S: int = 0  # the slots attention reads
-    kernels: object = None  # the kernels' (layer_norm, attention) loops (kernels/row_ops.py), or None: NumPy's
-    attends: list = None  # [n_layer]: attend(q, k, v) of each layer, for gpt2.mha
-    layer_norm: object = gpt2.layer_norm  # the layer norm gpt2.gpt2 runs in this pass
+    layer_norm: object = gpt2.layer_norm  # the layer norm of this pass: gpt2's, or the kernels' loop
+    attention: object = None  # the kernels' attention loop attention(q, k, v, positions), or None: attend's NumPy
+    attends: object = None  # attend(q, k, v) of each layer, for gpt2.mha (one per cached layer; else repeated)
 
 
-def begin_pass(cache, n_new, T, n_logits, like, kernels=None):
+def begin_pass(cache, n_new, T, n_logits, like, loops=None):
     """The Pass over inputs [B, T] (row b: n_new[b] real tokens): each token's position,
     the causal mask, where each layer stores its keys and values (with a cache), and which
     positions need logits: row b's last n_logits[b] real tokens, the rest of its
     n_logits.max() entries repeating its last token (n_logits 0: none, the pass only
-    caches). kernels: the kernels' (layer_norm, attention), or None (NumPy's).
+    caches). loops: the kernels' (layer_norm, attention) (rowwise.row_ops_for), or None.
 
     A worked example: a verify pass for two rows, row 0 with 5 tokens cached and 3 new
     (2 drafts + its last token), row 1 with 2 cached and 1 new; logits at 3 and 1 tokens.
@@ -177,16 +180,20 @@ def begin_pass(cache, n_new, T, n_logits, like, kernels=None):
     start = cache["lengths"] if cache is not None else np.zeros(B, dtype=np.int64)
     slots = start[:, None] + np.arange(T)  # [B, T]: a token's position is its slot
     S = int((start + n_new).max()) if cache is not None else T  # slots attention reads
-    after = np.arange(S)[None, None, :] > slots[:, :, None]  # [B, T, S]: keys after the query
-    mask = np.where(after, np.float32(-np.inf), np.float32(0.0))[:, None]  # [B, 1, T, S]
-    mask = np.asarray(mask, like=like)  # built on the host, used where the weights are
+    mask = None
+    if loops is None:  # the kernels' attention reads positions instead
+        after = np.arange(S)[None, None, :] > slots[:, :, None]  # [B, T, S]: keys after the query
+        mask = np.where(after, np.float32(-np.inf), np.float32(0.0))[:, None]  # [B, 1, T, S]
+        mask = np.asarray(mask, like=like)  # built on the host, used where the weights are
     n_logits = np.broadcast_to(n_logits, (B,))
     at = n_new[:, None] - n_logits[:, None] + np.arange(n_logits.max())  # [B, n_logits.max()]
-    state = Pass(np.minimum(slots, max(S, 1) - 1), mask, row_groups(start + n_new),
-                 np.clip(at, 0, (n_new - 1).clip(0)[:, None]), n_new, cache,
-                 write_slots(start, n_new, T) if cache is not None else None, S, kernels)
-    if kernels is not None:
-        state.layer_norm = kernels[0]
+    state = Pass(
+        # a padding token's slot may lie past the cache (and wpe): kept at the last slot read, its output unused
+        positions=np.minimum(slots, max(S, 1) - 1), mask=mask, groups=row_groups(start + n_new),
+        logits_at=np.clip(at, 0, (n_new - 1).clip(0)[:, None]), n_new=n_new, cache=cache,
+        where=write_slots(start, n_new, T) if cache is not None else None, S=S)
+    if loops is not None:
+        state.layer_norm, state.attention = loops
     if cache is None:  # every layer attends the same way, storing nothing
         state.attends = itertools.repeat(functools.partial(attend, state, None))
     else:
@@ -237,8 +244,8 @@ def attend(state, layer, q, k, v):
     a row comes out bitwise as it would alone. With the kernels, one loop does it all."""
     if layer is not None:
         k, v = append(state, layer, k, v)  # [B, n_head, S, d_head]
-    if state.kernels is not None:
-        return state.kernels[1](q, k, v, state.positions)  # [B, n_head, T, d_head]
+    if state.attention is not None:
+        return state.attention(q, k, v, state.positions)  # [B, n_head, T, d_head]
     out = np.empty_like(q)  # [B, n_head, T, d_head]
     for S, rows in state.groups:
         q1 = q[rows][..., None, :]  # [b, n_head, T, 1, d_head]: one query at a time

@@ -150,7 +150,7 @@ def draft_with_model(batch, model, k, vocab=0):
 
 
 def vocab_subset(model, texts, N):
-    """The model with its head over the N most frequent tokens and the texts' (VocabSubset);
+    """The model with its head over the first N token ids and the texts' (VocabSubset);
     N = 0: the model itself."""
     if not N:
         return model
@@ -160,10 +160,12 @@ def vocab_subset(model, texts, N):
 
 class VocabSubset:
     """A draft's wte with a cheaper head: wte[tokens] as ever, but wte.T gives logits only
-    for the N most frequent tokens (GPT-2's BPE ranks its tokens by merge order, so those
-    are the ids below N) and the tokens already in each row's text; -inf (q = 0) for the
-    rest. Speculative sampling stays exact for any q: a token the draft cannot propose
-    still comes from the residual max(0, p - q) = p there."""
+    for the first N token ids (GPT-2's BPE numbers its tokens in the order it learned its
+    merges, most frequent pair first, so those are mostly common words; the 256 single bytes
+    among them are not: a proxy for frequency, cheap and the same for every text) and the
+    tokens already in each row's text; -inf (q = 0) for the rest. Speculative sampling
+    stays exact for any q: a token the draft cannot propose still comes from the residual
+    max(0, p - q) = p there."""
 
     def __init__(self, wte, N, texts):
         self.wte, self.N, self.texts, self.T = wte, N, texts, VocabSubsetHead(self)

@@ -60,8 +60,9 @@ except ValueError as e:  # main.py and server.py print it as one line
 
 def use(kernel):
     """Run `kernel` from now on (the commands' --kernel, before any model is loaded: a model's
-    layout at load decides which kernel runs it). "numpy": gpt2.py's own NumPy functions for
-    every pass, the reference a reader can trust; "numba": the kernels, where numba imports."""
+    layout at load decides which kernel runs it). "numpy": gpt2.py's own NumPy layer norm
+    and kv_cache.attend's NumPy attention, each product a gemv per row (gemv_rows), the
+    reference a reader can trust; "numba": the kernels, where numba imports."""
     global KERNEL, KERNEL_ERROR
     if kernel == "numba" and row_kernel is None:
         raise ValueError("--kernel numba needs numba: pip install numba (or use --kernel numpy)")

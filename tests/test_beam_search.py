@@ -90,6 +90,8 @@ def test_no_repeat_ngram_size_in_every_decoder_is_transformers_greedy(model, cas
     unbanned = batching.generate(batching.requests(case["prompts"], case["max_new_tokens"],
                                                sampling.SamplingSettings(temperature=0.0)), model)[0]
     assert unbanned != plain
+    whole = sampling.SamplingSettings(temperature=0.0, no_repeat_ngram_size=float(case["no_repeat_ngram_size"]))
+    assert batching.generate(batching.requests(case["prompts"], case["max_new_tokens"], whole), model)[0] == plain
 
 
 @pytest.mark.parametrize("n", [2, 3])
