@@ -347,7 +347,7 @@ def uniforms(batch, n):
     """[B, max(n)] draws from U(0, 1]: row b takes n[b] from its own generator (an int n:
     the same for every row); the entries past n[b] are 1 and never read."""
     n = np.broadcast_to(n, (len(batch.seqs),))
-    u = np.ones((len(batch.seqs), max(int(n.max()), 1)))
+    u = np.ones((len(batch.seqs), max(int(n.max()), 1)))  # [B, max(n)]
     for b, seq in enumerate(batch.seqs):
         u[b, :n[b]] = 1.0 - seq.rng.random(n[b])
     return u

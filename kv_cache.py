@@ -80,48 +80,6 @@ def room(n, n_ctx):
     return n_ctx - (n - window_start(n, n_ctx))
 
 
-# A row's tokens that need no logits (a prompt but its last token, a window refilled
-# after a restart) run in a pass of the row's own when there are more than this: its
-# product over many tokens costs less per token than a pass over few, and it keeps the
-# batch's pass's T (every row's padding) short.
-ALONE_ABOVE = 8
-
-
-def next_logits(model, cache, texts, n_logits=1):
-    """Bring every text up to date with gpt2.gpt2: with a cache, only the tokens it has not
-    seen (a row's long run of tokens that need no logits first in passes of its own:
-    prefill_alone), then one pass over all rows; without, the whole window again. Returns
-    logits [B, n, n_vocab] at each row's last n_logits[b] tokens, n = the largest n_logits
-    (a row with fewer repeats its last). On the CPU every row comes out bitwise as it would
-    alone (the weights' kernels and `attend`), whatever shares the pass; rowwise.kernel_pass
-    holds BLAS to one thread while numba's threads run the kernels."""
-    params, hparams = model
-    with rowwise.kernel_pass(params):
-        if cache is not None:
-            prefill_alone(model, cache, texts, n_logits)
-        inputs, n_new = pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
-        state = begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wpe"], loops=rowwise.row_ops_for(model))
-        logits = gpt2.gpt2(inputs, **params, n_head=hparams["n_head"], state=state)  # [B, n, n_vocab]
-        if cache is not None:
-            advance(state)
-        return logits
-
-
-def prefill_alone(model, cache, texts, n_logits):
-    """Cache each row's tokens that need no logits in a pass of the row's own, where
-    there are more than ALONE_ABOVE of them; the batch's pass then runs only the rest. With
-    the kernels' loops a token's keys and values come out the same bits whichever pass
-    computes them (what serving/prefix_cache.py relies on)."""
-    params, hparams = model
-    inputs, n_new = pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
-    m = n_new - np.broadcast_to(n_logits, n_new.shape)  # [B]: tokens before the first that needs logits
-    for b in np.nonzero(m > ALONE_ABOVE)[0]:
-        state = begin_pass(rows(cache, b, b + 1), m[b:b + 1], int(m[b]), 0, like=params["wpe"],
-                           loops=rowwise.row_ops_for(model))
-        gpt2.gpt2(inputs[b:b + 1, :m[b]], **params, n_head=hparams["n_head"], state=state)  # [1, 0, n_vocab]
-        advance(state)
-
-
 def pending_inputs(cache, texts, n_ctx):
     """The tokens of each text that this pass must run, as a right-padded [B, T] batch
     with n_new[b] real tokens per row: without a cache, the whole window; with one, only
@@ -217,7 +175,7 @@ def write_slots(lengths, n_new, T):
     same slots (the common case: views, no index arrays), else (row, token, slot) triples."""
     if (n_new == T).all() and (lengths == lengths[0]).all():
         return slice(int(lengths[0]), int(lengths[0]) + T)
-    b_idx, t_idx = np.nonzero(np.arange(T)[None, :] < n_new[:, None])  # real tokens only
+    b_idx, t_idx = np.nonzero(np.arange(T)[None, :] < n_new[:, None])  # [n_real] each: real tokens only
     return b_idx, t_idx, lengths[b_idx] + t_idx
 
 
@@ -252,6 +210,49 @@ def attend(state, layer, q, k, v):
         k1, v1 = k[rows, :, None, :S], v[rows, :, None, :S]  # [b, n_head, 1, S, d_head]
         out[rows] = gpt2.attention(q1, k1, v1, state.mask[rows][..., None, :S])[..., 0, :]  # [b, n_head, T, d_head]
     return out
+
+
+# A row's tokens that need no logits (a prompt but its last token, a window refilled
+# after a restart) run in a pass of the row's own when there are more than this: its
+# product over many tokens costs less per token than a pass over few, and it keeps the
+# batch's pass's T (every row's padding) short.
+ALONE_ABOVE = 8
+
+
+def next_logits(model, cache, texts, n_logits=1):
+    """Bring every text up to date with gpt2.gpt2: with a cache, only the tokens it has not
+    seen (a row's long run of tokens that need no logits first in passes of its own:
+    prefill_alone), then one pass over all rows; without, the whole window again. Returns
+    logits [B, n, n_vocab] at each row's last n_logits[b] tokens, n = the largest n_logits
+    (a row with fewer repeats its last). On the CPU every row comes out bitwise as it would
+    alone (the weights' kernels and `attend`), whatever shares the pass; rowwise.kernel_pass
+    holds BLAS to one thread while numba's threads run the kernels."""
+    params, hparams = model
+    with rowwise.kernel_pass(params):
+        if cache is not None:
+            prefill_alone(model, cache, texts, n_logits)
+        inputs, n_new = pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
+        state = begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wpe"],
+                           loops=rowwise.row_ops_for(model))
+        logits = gpt2.gpt2(inputs, **params, n_head=hparams["n_head"], state=state)  # [B, n, n_vocab]
+        if cache is not None:
+            advance(state)
+        return logits
+
+
+def prefill_alone(model, cache, texts, n_logits):
+    """Cache each row's tokens that need no logits in a pass of the row's own, where
+    there are more than ALONE_ABOVE of them; the batch's pass then runs only the rest. With
+    the kernels' loops a token's keys and values come out the same bits whichever pass
+    computes them (what serving/prefix_cache.py relies on)."""
+    params, hparams = model
+    inputs, n_new = pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
+    m = n_new - np.broadcast_to(n_logits, n_new.shape)  # [B]: tokens before the first that needs logits
+    for b in np.nonzero(m > ALONE_ABOVE)[0]:
+        state = begin_pass(rows(cache, b, b + 1), m[b:b + 1], int(m[b]), 0, like=params["wpe"],
+                           loops=rowwise.row_ops_for(model))
+        gpt2.gpt2(inputs[b:b + 1, :m[b]], **params, n_head=hparams["n_head"], state=state)  # [1, 0, n_vocab]
+        advance(state)
 
 
 def advance(state):

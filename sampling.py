@@ -144,9 +144,9 @@ def apply_top_p(logits, top_p):
     """Keep the smallest set of tokens whose probability sums to at least top_p."""
     if top_p >= 1.0:
         return logits
-    order = np.argsort(logits, axis=-1, kind="stable")  # ascending, as transformers does
-    sorted_logits = np.take_along_axis(logits, order, axis=-1)
-    cumulative = np.cumsum(softmax(sorted_logits), axis=-1)
+    order = np.argsort(logits, axis=-1, kind="stable")  # [B, n_vocab]: ascending, as transformers does
+    sorted_logits = np.take_along_axis(logits, order, axis=-1)  # [B, n_vocab]
+    cumulative = np.cumsum(softmax(sorted_logits), axis=-1)  # [B, n_vocab]
     remove_sorted = cumulative <= 1.0 - top_p
     remove_sorted[..., -1] = False  # always keep the most likely token
     remove = np.empty_like(remove_sorted)

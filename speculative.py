@@ -53,16 +53,16 @@ def verify(p, q, drafts, k, u, v):
     """
     B, K = drafts.shape
     q, drafts, k, u = (np.asarray(a, like=p) for a in (q, drafts, k, u))  # to p's device (NumPy: no copy)
-    rows = np.arange(B, like=p)
-    i = np.arange(K, like=p)
+    rows = np.arange(B, like=p)  # [B]
+    i = np.arange(K, like=p)  # [K]
     p_d = p[rows[:, None], i, drafts]  # [B, K]: p_i(d_i)
     q_d = q[rows[:, None], i, drafts]  # [B, K]: q_i(d_i)
     accept = (u * q_d < p_d) & (i < k[:, None])  # u < p/q without dividing by q = 0
     n = np.cumprod(accept, axis=1).sum(axis=1)  # [B]: accepted before the first rejection
     p_n = p[rows, n]  # [B, n_vocab]
-    q_n = np.where((n < k)[:, None], q[rows, np.minimum(n, K - 1)] if K else 0.0, 0.0)
+    q_n = np.where((n < k)[:, None], q[rows, np.minimum(n, K - 1)] if K else 0.0, 0.0)  # [B, n_vocab]
     residual = np.maximum(p_n - q_n, 0.0)  # [B, n_vocab]: equals p_n where all drafts passed
-    mass = residual.sum(axis=-1, keepdims=True)
+    mass = residual.sum(axis=-1, keepdims=True)  # [B, 1]
     residual = np.where(mass > 0, residual, p_n)  # p == q up to rounding: rejection had ~0 chance
     return n, sampling.sample(residual, v)
 
@@ -186,7 +186,8 @@ class VocabSubsetHead:
         logits = np.full_like(x, -np.inf, dtype=np.float32, shape=(*x.shape[:2], wte.shape[0]))  # [B, n, n_vocab]
         logits[..., :N] = x @ wte[:N].T  # [B, n, N]: reads the weights of the first N tokens only
         for b, text in enumerate(self.subset.texts):
-            extra = np.asarray(np.unique(np.asarray(text)[np.asarray(text) >= N]), like=x)  # the text's rarer tokens
+            text = np.asarray(text)  # [len]
+            extra = np.asarray(np.unique(text[text >= N]), like=x)  # [n_extra]: the text's rarer tokens
             if extra.size and x.shape[1]:
                 logits[b][:, extra] = x[b] @ wte[extra].T  # [n, n_extra]
         return logits
@@ -196,7 +197,7 @@ def draft_deterministic(batch, propose_fn, k):
     """Drafts from a deterministic drafter such as prompt lookup: q is one-hot at each
     draft, so d_i is accepted with probability p_i(d_i)."""
     drafts = [propose_fn(seq.tokens, kb)[:kb] if kb else [] for seq, kb in zip(batch.seqs, k)]
-    q = np.zeros((len(drafts), max(map(len, drafts)), batch.counts.shape[1]), dtype=np.float32)
+    q = np.zeros((len(drafts), max(map(len, drafts)), batch.counts.shape[1]), dtype=np.float32)  # [B, K, n_vocab]
     for b, d in enumerate(drafts):
         q[b, np.arange(len(d)), d] = 1.0
     return drafts, q
@@ -218,7 +219,7 @@ def prompt_lookup_draft(seq, K, max_ngram=3):
 def score_with_target(batch, model, drafts):
     """The target's logits and distributions p [B, K+1, n_vocab] after each prefix of every
     row's drafts (row b: its first k[b]+1 entries), all from ONE forward pass."""
-    n_logits = np.array([len(d) + 1 for d in drafts])
+    n_logits = np.array([len(d) + 1 for d in drafts])  # [B]
     logits = kv_cache.next_logits(model, batching.cache(batch, "target"), batching.token_ids(batch, drafts), n_logits)
     counts = None
     if batching.penalized(batch):
