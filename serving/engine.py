@@ -225,6 +225,11 @@ def backlog(engine, box):
     if backed_up != box["backed_up"]:
         box["backed_up"] = backed_up
         tell_lag(engine, box)
+        connection = box.get("connection")
+        if connection is not None:  # watched on its window's edge while its events are held back
+            connection.held = backed_up
+            if backed_up:
+                connection.watch_writes()
 
 
 def tell_lag(engine, box):

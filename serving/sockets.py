@@ -141,6 +141,7 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
             super().connection_made(transport)
             self.header_deadline = self.write_deadline = self.on_half_close = None
             self.half_closed, self.window, self.first_edge, self.refused = False, 0, 0, False
+            self.held = False  # the server holds events back for this client (its stream backed up: engine.backlog)
             self.reserved = len(self.connections) > max_connections
             if len(self.connections) > max_connections + RESERVED:
                 self.refuse()
@@ -230,10 +231,10 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
                 await asyncio.sleep(LAG_CHECK_S)
 
         def watch_writes(self):
-            """While the client is behind, cut it off once it has read nothing for
-            write_timeout_s: the right edge of its window has not moved, as its kernel said
-            after that time (a probe asks within PROBE_S; PROBE_S past it at most); where the kernel does not say the
-            window: nothing acknowledged while the buffers stay full."""
+            """While the client is behind, or its events are held back, cut it off once it has
+            read nothing for write_timeout_s: the right edge of its window has not moved, as its
+            kernel said after that time (a probe asks within PROBE_S; PROBE_S past it at most);
+            where the kernel does not say the window: nothing acknowledged while the buffers stay full."""
             if self.write_deadline is None:
                 self.taken, self.taken_at = bytes_taken(self.transport)[0], self.loop.time()
                 self.write_deadline = self.loop.call_later(LAG_CHECK_S, self.check_writes)
@@ -248,7 +249,7 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
             overdue = now - self.taken_at - write_timeout_s  # seconds past the deadline
             if overdue >= 0 and (heard_s_ago is None or heard_s_ago <= overdue or overdue >= PROBE_S):
                 self.reset()
-            elif self.flow.write_paused or self.behind():
+            elif self.flow.write_paused or self.held or self.behind():
                 self.write_deadline = self.loop.call_later(LAG_CHECK_S, self.check_writes)
 
         def reset(self):
