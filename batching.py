@@ -89,9 +89,9 @@ class Sequence:
         return len(self.tokens) - len(self.request.prompt)
 
 
-# Latency percentiles read the gaps between the latest WINDOW steps: a server runs for
+# Latency percentiles read the gaps between the RECENT_STEPS latest steps: a server runs for
 # days, and its bookkeeping must cost the same and weigh the same at step 10 and step 10^7.
-WINDOW = 4096
+RECENT_STEPS = 4096
 
 
 @dataclass
@@ -104,7 +104,7 @@ class Stats:
     first_step_at: float = 0.0  # time.perf_counter() when the first step ended (the prefill) ...
     first_step_tokens: int = 0  # ... and the tokens it had emitted
     last_step_at: float = 0.0
-    step_gaps_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
+    step_gaps_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_STEPS))
     n_tokens: int = 0
     kv_cache_bytes: int = 0  # as allocated
     target_passes: int = 0
@@ -321,8 +321,8 @@ def distributions(batch, logits, counts=None, drafts=None):
     if len(groups) == 1:
         return sampling.probabilities(logits, counts, next(iter(groups)), prompt_counts)
     p = np.empty(logits.shape, dtype=np.float32, like=logits)
-    for s, rows in groups.items():
-        p[rows] = sampling.probabilities(logits[rows], counts[rows], s, prompt_counts[rows])
+    for s, members in groups.items():  # the rows that share one request's settings
+        p[members] = sampling.probabilities(logits[members], counts[members], s, prompt_counts[members])
     return p
 
 

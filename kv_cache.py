@@ -205,10 +205,10 @@ def attend(state, layer, q, k, v):
     if state.attention is not None:
         return state.attention(q, k, v, state.positions)  # [B, n_head, T, d_head]
     out = np.empty_like(q)  # [B, n_head, T, d_head]
-    for S, rows in state.groups:
-        q1 = q[rows][..., None, :]  # [b, n_head, T, 1, d_head]: one query at a time
-        k1, v1 = k[rows, :, None, :S], v[rows, :, None, :S]  # [b, n_head, 1, S, d_head]
-        out[rows] = gpt2.attention(q1, k1, v1, state.mask[rows][..., None, :S])[..., 0, :]  # [b, n_head, T, d_head]
+    for S, group in state.groups:
+        q1 = q[group][..., None, :]  # [b, n_head, T, 1, d_head]: one query at a time
+        k1, v1 = k[group, :, None, :S], v[group, :, None, :S]  # [b, n_head, 1, S, d_head]
+        out[group] = gpt2.attention(q1, k1, v1, state.mask[group][..., None, :S])[..., 0, :]  # [b, n_head, T, d_head]
     return out
 
 

@@ -208,7 +208,7 @@ def test_a_long_run_keeps_its_bookkeeping_flat():
         tracemalloc.stop()
     assert n_finished == len(reqs) and sorted(seen) == [10_000, 200_000]
     (sizes_early, bytes_early), (sizes_late, bytes_late) = seen[10_000], seen[200_000]
-    assert sizes_early == sizes_late and max(sizes_late.values()) <= batching.WINDOW
+    assert sizes_early == sizes_late and max(sizes_late.values()) <= batching.RECENT_STEPS
     assert bytes_late - bytes_early < 256 << 10  # the old per-step lists grew by ~30 bytes a step: 5.7 MB here
 
 
