@@ -86,4 +86,3 @@ class Embedding:
         tokens = np.asarray(tokens)
         rows = self.T.columns(tokens.reshape(-1))  # [n, n_embd]
         return rows.reshape(*tokens.shape, rows.shape[-1])  # [*tokens.shape, n_embd]
-

@@ -142,11 +142,11 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
     start = batch.stats.start
     waiting, joined, paused, closed, lagging = collections.deque(), {}, {}, False, {}
     sharing = prefix is not None and bool(batch.caches) and not static
-    # every token's keys come out in the same bits whatever the pass: a paused request may drop
-    # them (preempt), and
+    # every token's keys come out in the same bits whatever the pass (the kernels' loops), so a
+    # paused request may drop them and compute them again (preempt)
     same_bits = bool(batch.caches) and all(rowwise.row_ops_for(model) is not None for model in models.values())
-    # rows share any common beginning (prefix_cache.py); else, and with no memory for a cache,
-    # only the same prompt
+    # and rows share any common beginning (prefix_cache.py); else, and with no memory for a
+    # cache, only the same prompt
     exact = sharing and prefix["budget"] > 0 and same_bits
     if sharing and prefix.setdefault("models", models) is not models:
         raise ValueError("a prefix cache holds one decoder's keys and values: give each decoder its own")
