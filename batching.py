@@ -103,6 +103,7 @@ class Stats:
     n_steps: int = 0
     first_step_at: float = 0.0  # time.perf_counter() when the first step ended (the prefill) ...
     first_step_tokens: int = 0  # ... and the tokens it had emitted
+    prefill_waiting: int = 0  # serving: prompt tokens not yet computed (waiting, or being prefilled in chunks)
     last_step_at: float = 0.0
     step_gaps_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_STEPS))
     n_tokens: int = 0
@@ -253,13 +254,17 @@ def leave(batch):
 
 def remove(batch, b):
     """Row b leaves; the last row moves into its place, so the rows stay packed."""
-    last = len(batch.seqs) - 1
-    if b != last:
-        batch.seqs[b] = batch.seqs[last]
-        batch.counts[b], batch.prompt_counts[b] = batch.counts[last], batch.prompt_counts[last]
-        for cache in batch.caches.values():
-            kv_cache.move_row(cache, last, b)
+    move(batch, len(batch.seqs) - 1, b)
     batch.seqs.pop()
+
+
+def move(batch, src, dst):
+    """Row dst becomes row src (its sequence, counts and cached keys and values); src is left as it was."""
+    if src != dst:
+        batch.seqs[dst] = batch.seqs[src]
+        batch.counts[dst], batch.prompt_counts[dst] = batch.counts[src], batch.prompt_counts[src]
+        for cache in batch.caches.values():
+            kv_cache.move_row(cache, src, dst)
 
 
 def run(requests, models, step, use_cache=True, callback=None):

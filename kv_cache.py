@@ -245,13 +245,28 @@ def prefill_alone(model, cache, texts, n_logits):
     there are more than ALONE_ABOVE of them; the batch's pass then runs only the rest. With
     the kernels' loops a token's keys and values come out the same bits whichever pass
     computes them (what serving/prefix_cache.py relies on)."""
-    params, hparams = model
-    inputs, n_new = pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
+    inputs, n_new = pending_inputs(cache, texts, model[1]["n_ctx"])  # [B, T]
     m = n_new - np.broadcast_to(n_logits, n_new.shape)  # [B]: tokens before the first that needs logits
     for b in np.nonzero(m > ALONE_ABOVE)[0]:
-        state = begin_pass(rows(cache, b, b + 1), m[b:b + 1], int(m[b]), 0, like=params["wpe"],
-                           loops=rowwise.row_ops_for(model))
-        gpt2.gpt2(inputs[b:b + 1, :m[b]], **params, n_head=hparams["n_head"], state=state)  # [1, 0, n_vocab]
+        cache_tokens(model, rows(cache, b, b + 1), texts[b], int(m[b]))
+
+
+def uncached(cache, text, n_ctx):
+    """How many tokens of the text's window a one-row cache does not hold yet."""
+    start = window_start(len(text), n_ctx)
+    return len(text) - start - (int(cache["lengths"][0]) if cache["starts"][0] == start else 0)
+
+
+def cache_tokens(model, cache, text, n):
+    """Cache the next n tokens of a text's window in a one-row cache (rows(cache, b, b + 1)),
+    in a pass of its own that computes no logits: prefill_alone's pass, and one chunk of a
+    long prompt that a server spreads over its steps (serving/scheduler.py). The window is
+    the whole text's (kv_cache.window_start), whatever part of it is cached so far."""
+    params, hparams = model
+    with rowwise.kernel_pass(params):
+        inputs, _ = pending_inputs(cache, [text], hparams["n_ctx"])  # [1, T]: restarts the row if its window moved
+        state = begin_pass(cache, np.array([n]), n, 0, like=params["wpe"], loops=rowwise.row_ops_for(model))
+        gpt2.gpt2(inputs[:, :n], **params, n_head=hparams["n_head"], state=state)  # [1, 0, n_vocab]
         advance(state)
 
 

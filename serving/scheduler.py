@@ -71,21 +71,23 @@ def speculative_decoder(target, drafter, config=speculative.SpeculativeConfig())
     return (lambda batch: speculative.speculative_step(batch, target, drafter, config)), models
 
 
-def serve(requests, decoder, max_batch=8, max_len=None, static=False, prefix=None):
+def serve(requests, decoder, max_batch=8, max_len=None, static=False, prefix=None, max_prefill_tokens=None):
     """Answer requests (batching.Request, each with its arrival_s) as they arrive, with
     at most max_batch in flight; yields Events as tokens come and requests finish.
     max_len: the most tokens (prompt + new) a row holds; at the window (the default)
     every request fits, a longer text sliding its window as in every other path.
     prefix: a prefix cache (prefix_cache.new_prefix_cache) to keep computed beginnings in.
-    A request that cannot be served gets an "error" event at once; the others go on.
-    max_batch and max_len are checked here, before the first event is asked for."""
+    max_prefill_tokens: chunked prefill's budget per iteration (serving); None: prompts run whole.
+    A request that cannot be served gets an "error" event at once; the others go on. max_batch,
+    max_len and max_prefill_tokens are checked here, before the first event is asked for."""
     step, models = decoder
     max_len = check_limits(models["target"][1], max_batch, max_len)
+    check_prefill_budget(max_prefill_tokens, max_batch)
     problems = [refusal(r, models["target"][1], max_len) for r in requests]
     errors = [Event("error", i, error=problem) for i, problem in enumerate(problems) if problem]
     good = sorted((i for i, problem in enumerate(problems) if not problem), key=lambda i: requests[i].arrival_s)
     return itertools.chain(errors, serving(from_list(requests, good), step, models, max_batch, max_len, static,
-                                           prefix=prefix))
+                                           prefix=prefix, max_prefill_tokens=max_prefill_tokens))
 
 
 def check_limits(hparams, max_batch, max_len):
@@ -114,7 +116,8 @@ def from_list(requests, order):
     return intake
 
 
-def serving(intake, step, models, max_batch, max_len, static=False, stats=None, prefix=None):
+def serving(intake, step, models, max_batch, max_len, static=False, stats=None, prefix=None,
+            max_prefill_tokens=None):
     """The loop: take in what has arrived, admit it into free rows, run one step, let finished
     rows leave. intake(now, idle) -> (arrivals [(index, request)], indices cancelled, whether
     no more will come, lagging {index: whether its tokens back up} of the requests whose
@@ -133,7 +136,17 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
     memory than the batch's own caches); beyond them a paused request keeps only its text, and
     its keys and values are computed again when it resumes, as vLLM's "recompute" preemption
     does: only where they come out in the same bits whatever the pass (exact, below), so with
-    the NumPy fallback at most max_batch are paused."""
+    the NumPy fallback at most max_batch are paused.
+
+    Chunked prefill (max_prefill_tokens, checked by check_prefill_budget): a joining request
+    no longer runs its whole prompt while every stream waits. Each iteration computes at most
+    max_prefill_tokens tokens, each decoding row counting one: what the decoding rows leave
+    goes to the prompts still being prefilled, oldest request first, each prompt's next chunk
+    in a pass of its own (kv_cache.cache_tokens, every model's cache); a prompt cached but for
+    its last token joins the decoding rows and gets its first token in this iteration's step,
+    as vLLM's scheduler does with max_num_batched_tokens. The rows still being prefilled are
+    the batch's last (filling). Only where keys come out the same bits whatever the pass
+    (exact, below): elsewhere, and with None, every prompt runs whole, as the step's prefill."""
     events = []
     batch = batching.new_batch(models, max_batch, max_len, stats=stats,
                                callback=lambda seq, token, accepted, logits: events.append(
@@ -148,6 +161,8 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
     # and rows share any common beginning (prefix_cache.py); else, and with no memory for a
     # cache, only the same prompt
     exact = sharing and prefix["budget"] > 0 and same_bits
+    chunked = max_prefill_tokens is not None and same_bits and not static
+    filling = set()  # chunked: the indices of the rows whose prompts are still being prefilled (the last rows)
     if sharing and prefix.setdefault("models", models) is not models:
         raise ValueError("a prefix cache holds one decoder's keys and values: give each decoder its own")
     while True:
@@ -162,44 +177,141 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
             if i in paused:
                 batch.done.append(paused.pop(i)["seq"])
         if not static:
-            yield from preempt(batch, paused, lagging, len(waiting), max_batch, same_bits, prefix if exact else None)
+            yield from preempt(batch, paused, lagging, len(waiting), max_batch, same_bits, prefix if exact else None,
+                               filling)
         n_before = len(batch.seqs)
         while len(batch.seqs) < max_batch and not (static and n_before):
             i = next((i for i in paused if i not in lagging), None)
             if i is not None:  # a client that caught up: its request goes on where it stopped
                 kept = paused.pop(i)
-                resume(batch, kept)
+                resume(batch, kept, filling if chunked else None)
                 if kept["caches"] is None and sharing and exact:  # what the prefix cache kept of its text
                     prefix_cache.reuse(prefix, kept["seq"].tokens, batch.caches, len(batch.seqs) - 1)
                 yield Event("resumed", i)
             elif waiting:
-                if sharing and shares_with(waiting[0][1], batch, n_before, exact):
+                first_new = len(batch.seqs) - len(filling) if chunked else n_before
+                if sharing and shares_with(waiting[0][1], batch, first_new, exact):
                     break  # it joins once they are prefilled, and copies what they share
                 i, request = waiting.popleft()
                 batching.join(batch, request, i)
                 joined[i] = time.perf_counter()
+                if chunked:
+                    filling.add(i)
                 if sharing:
                     share_prefix(batch, len(batch.seqs) - 1, prefix, exact)
             else:
                 break
-        if len(batch.seqs) > n_before:
+        if closed and not (waiting or batch.seqs or paused):
+            return
+        if chunked:
+            decoding = len(batch.seqs) - len(filling)  # each counts one token of the budget
+            prefilled = prefill_chunks(batch, models, filling, max_prefill_tokens - decoding)
+            n_dec = len(batch.seqs) - len(filling)
+            if n_dec and not any(seq.finished for seq in batch.seqs[:n_dec]):
+                step(batching.rows(batch, 0, n_dec))  # decode, and the first token of each prompt just prefilled
+                for seq in prefilled if exact else ():
+                    if seq in batch.seqs:
+                        prefix_cache.store(prefix, seq.tokens, batch.caches, batch.seqs.index(seq))
+        elif len(batch.seqs) > n_before:
             step(batching.rows(batch, n_before, len(batch.seqs)))  # prefill: the new rows alone
             for b in range(n_before, len(batch.seqs)) if sharing and exact else ():
                 prefix_cache.store(prefix, batch.seqs[b].tokens, batch.caches, b)
         elif batch.seqs and not any(seq.finished for seq in batch.seqs):
             step(batch)  # decode: every row one step
-        elif closed and not waiting and not batch.seqs and not paused:
-            return
+        batch.stats.prefill_waiting = prefill_waiting(batch, models, waiting, filling)
         yield from events
         events.clear()
         for b, seq in enumerate(batch.seqs) if sharing and exact else ():
             if seq.finished:  # its whole text, for a conversation that sends it back with a new turn
                 prefix_cache.store(prefix, seq.tokens, batch.caches, b)
-        batching.leave(batch)
+        leave(batch, filling)
         for seq in batch.done:  # a finished request takes its tokens and timings with it
             yield Event("finished", seq.index, tokens=seq.generated,
                         metrics=metrics(seq, start, joined.pop(seq.index)))
         batch.done.clear()
+
+
+def check_prefill_budget(max_prefill_tokens, max_batch):
+    """max_prefill_tokens as serving uses it (None: every prompt whole), or a ValueError: at
+    least max_batch, so that a prompt being prefilled (it holds a row) always gets a token."""
+    if max_prefill_tokens is not None and (not sampling.is_int(max_prefill_tokens)
+                                           or max_prefill_tokens < max(max_batch, 1)):
+        raise ValueError(f"max_prefill_tokens must be an integer >= max_batch ({max_batch}: each decoding row "
+                         f"counts one token of it), got {max_prefill_tokens!r}")
+    return max_prefill_tokens
+
+
+def still_to_prefill(batch, models, b):
+    """{model: how many tokens of row b's text its cache still lacks, but its last} (the
+    last runs in the step that gives the row its next token)."""
+    seq = batch.seqs[b]
+    return {name: kv_cache.uncached(kv_cache.rows(cache, b, b + 1), seq.tokens, models[name][1]["n_ctx"]) - 1
+            for name, cache in batch.caches.items()}
+
+
+def prefill_chunks(batch, models, filling, budget):
+    """Spend up to budget tokens on the prompts being prefilled (the filling rows), the oldest
+    request's first: its next chunk in a pass of its own, in every model's cache. The rows
+    whose prompts are now cached but their last token join the decoding rows (moved before
+    the filling ones); returns their sequences."""
+    first = len(batch.seqs) - len(filling)
+    for b in sorted(range(first, len(batch.seqs)), key=lambda b: batch.seqs[b].index):
+        seq = batch.seqs[b]
+        todo = still_to_prefill(batch, models, b)
+        n = min(max(todo.values()), budget)
+        if seq.finished or n <= 0:
+            continue
+        for name, cache in batch.caches.items():
+            if min(todo[name], n) > 0:
+                kv_cache.cache_tokens(models[name], kv_cache.rows(cache, b, b + 1), seq.tokens, min(todo[name], n))
+        budget -= n
+    prefilled = [seq for b, seq in enumerate(batch.seqs) if b >= first and not seq.finished
+                 and max(still_to_prefill(batch, models, b).values()) <= 0]
+    for seq in sorted(prefilled, key=lambda seq: seq.index):
+        b, n_dec = batch.seqs.index(seq), len(batch.seqs) - len(filling)
+        swap(batch, b, n_dec)
+        filling.discard(seq.index)
+    return prefilled
+
+
+def prefill_waiting(batch, models, waiting, filling):
+    """Prompt tokens not yet computed: of the requests waiting for a row, and of the rows
+    still being prefilled (/metrics: gpt2_prefill_tokens_waiting)."""
+    first = len(batch.seqs) - len(filling)
+    return (sum(len(request.prompt) for _, request in waiting)
+            + sum(still_to_prefill(batch, models, b)["target"] + 1 for b in range(first, len(batch.seqs))))
+
+
+def swap(batch, a, b):
+    """Rows a and b trade places (their sequences, counts and cached keys and values)."""
+    if a == b:
+        return
+    batch.seqs[a], batch.seqs[b] = batch.seqs[b], batch.seqs[a]
+    for counts in (batch.counts, batch.prompt_counts):
+        counts[[a, b]] = counts[[b, a]]
+    for cache in batch.caches.values():
+        saved = kv_cache.save_row(cache, a)
+        kv_cache.move_row(cache, b, a)
+        kv_cache.restore_row(cache, b, saved)
+
+
+def remove(batch, b, filling):
+    """Row b leaves, the rows staying packed with the filling ones last: a decoding row's place
+    is taken by the last decoding row, whose place the last filling row takes."""
+    filling.discard(batch.seqs[b].index)
+    n_dec = len(batch.seqs) - len(filling)
+    if b < n_dec - 1:
+        batching.move(batch, n_dec - 1, b)
+        b = n_dec - 1
+    batching.remove(batch, b)
+
+
+def leave(batch, filling):
+    """Finished rows leave the batch (batching.leave, keeping the filling rows last)."""
+    for b in reversed(range(len(batch.seqs))):
+        if batch.seqs[b].finished:
+            batch.done.append(batch.seqs[b])
+            remove(batch, b, filling)
 
 
 def share_prefix(batch, b, prefix, exact):
@@ -256,13 +368,14 @@ def common_length(a, b):
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def preempt(batch, paused, lagging, n_waiting, max_batch, recompute, prefix=None):
+def preempt(batch, paused, lagging, n_waiting, max_batch, recompute, prefix=None, filling=None):
     """Pause rows whose clients lag: every one whose tokens back up (lagging[index]), and
     others, one for each request waiting for a row still. Each keeps its keys and values
     while fewer than max_batch paused do; past that it keeps none (recompute), or is not
     paused. prefix: a prefix cache that keeps what it can of a text paused without its keys
     and values, so that its resume computes only the rest (as vLLM's freed blocks stay in
-    its prefix cache until evicted). Yields a "paused" event for each."""
+    its prefix cache until evicted). filling: the rows still being prefilled (never lagging:
+    they have sent nothing yet). Yields a "paused" event for each."""
     lags = [seq for seq in batch.seqs if seq.index in lagging and not seq.finished]
     for seq in sorted(lags, key=lambda seq: not lagging[seq.index]):  # backed up first
         keep_cache = sum(kept["caches"] is not None for kept in paused.values()) < max_batch
@@ -271,27 +384,29 @@ def preempt(batch, paused, lagging, n_waiting, max_batch, recompute, prefix=None
         b = batch.seqs.index(seq)
         if not keep_cache and prefix is not None:
             prefix_cache.store(prefix, seq.tokens, batch.caches, b)
-        paused[seq.index] = pause(batch, b, keep_cache)
+        paused[seq.index] = pause(batch, b, keep_cache, set() if filling is None else filling)
         n_waiting -= 1
         yield Event("paused", seq.index)
 
 
-def pause(batch, b, keep_cache=True):
+def pause(batch, b, keep_cache, filling):
     """Row b leaves before it has finished, and takes along all it needs to go on exactly
     where it stood: its sequence (text, random stream, timings), its counts, and (keep_cache)
     a copy of its cached keys and values, so that nothing is computed again; without one,
     resume computes them again from its text, the same bits only where a token's keys do not
-    depend on the pass that computed them (kernels/rowwise.py)."""
+    depend on the pass that computed them (kernels/rowwise.py). filling: as remove's."""
     kept = {"seq": batch.seqs[b], "counts": batch.counts[b].copy(), "prompt_counts": batch.prompt_counts[b].copy(),
             "caches": {name: kv_cache.save_row(cache, b) for name, cache in batch.caches.items()} if keep_cache
             else None}
-    batching.remove(batch, b)
+    remove(batch, b, filling)
     return kept
 
 
-def resume(batch, kept):
+def resume(batch, kept, filling=None):
     """A paused sequence takes the next free row, as it stood when it was paused (its keys
-    and values copied back, or, where it kept none, nothing cached: its next pass runs its text)."""
+    and values copied back, or, where it kept none, nothing cached: its next pass runs its text).
+    filling: with chunked prefill, the rows being prefilled, which stay last: a row that kept
+    its keys goes before them, one that kept none joins them (its text is prefilled again)."""
     b = len(batch.seqs)
     batch.seqs.append(kept["seq"])
     batch.counts[b], batch.prompt_counts[b] = kept["counts"], kept["prompt_counts"]
@@ -300,6 +415,10 @@ def resume(batch, kept):
             kv_cache.clear_row(cache, b)
         else:
             kv_cache.restore_row(cache, b, kept["caches"][name])
+    if filling is not None and kept["caches"] is None:
+        filling.add(kept["seq"].index)
+    elif filling:
+        swap(batch, b, b - len(filling))
 
 
 def refusal(request, hparams, max_len):
