@@ -53,6 +53,7 @@ def parse_args(argv=None):
                     help="serve the prompts with continuous batching, at most this many at once, and print each "
                          "request with its timings as it finishes")
     flags.add_prefix_cache_flag(ap)
+    flags.add_prefill_flag(ap)
     ap.add_argument("--num_beams", type=int, default=1, help="> 1: beam search with this many beams (deterministic)")
     ap.add_argument("--length_penalty", type=float, default=1.0,
                     help="beam search: a finished text scores sum(log p) / length ** this (> 0 favours long texts)")
@@ -90,6 +91,7 @@ def check_args(args):
             raise ValueError("--max_batch serves with the KV cache and prints whole requests: "
                              "leave out --stream and --no_kv_cache")
     flags.check_prefix_cache(args)
+    flags.check_prefill(args)
     return settings, config, prompts
 
 

@@ -25,6 +25,7 @@ import sys
 import utils
 from bench import plots, report
 from bench.beams import bench_beams
+from bench.chunked import bench_chunked
 from bench.common import SHAPES, bandwidth_probe, in_format, load_or_random, machine_info, measure_bandwidth
 from bench.decode import bench_context, bench_decode, bench_layout, time_memmap_load
 from bench.formats import bench_formats, tiny_model_agreement
@@ -60,8 +61,8 @@ def parse_args(argv=None):
                     "only runs)")
     ap.add_argument("--only", nargs="+",
                     choices=["decode", "formats", "kernels", "rows", "speculative", "serving", "breakdown", "http",
-                             "beams", "ceiling", "prefix"],
-                    help="run only these parts (default: all but breakdown, ceiling and prefix)")
+                             "beams", "ceiling", "prefix", "chunked"],
+                    help="run only these parts (default: all but breakdown, ceiling, prefix and chunked)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--models_dir", default="models")
     ap.add_argument("--out", default="benchmark_results")
@@ -86,6 +87,13 @@ def parse_args(argv=None):
     ap.add_argument("--prefix_max_batch", type=int, default=8, help="prefix: rows in flight")
     ap.add_argument("--prefix_workloads", nargs="+", choices=["templates", "choices", "unique"],
                     default=["templates", "choices", "unique"], help="prefix: the workloads")
+    ap.add_argument("--chunked_sizes", nargs="+", choices=list(SHAPES), default=["124M", "355M"],
+                    help="chunked: the models")
+    ap.add_argument("--chunked_budgets", nargs="+", type=int, default=[16, 32, 64],
+                    help="chunked: the --max_prefill_tokens measured, each in its turn")
+    ap.add_argument("--chunked_long_prompts", type=int, default=4, help="chunked: long prompts a turn")
+    ap.add_argument("--chunked_long_len", type=int, default=1000, help="chunked: tokens of a long prompt")
+    ap.add_argument("--chunked_stream_tokens", type=int, default=256, help="chunked: new tokens of a stream")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few tokens: a smoke test")
     args = ap.parse_args(argv)
     gpu = args.backend == "cupy"
@@ -108,6 +116,8 @@ def parse_args(argv=None):
         args.K, args.K_max, args.e2e_alphas, args.draft_vocabs, args.draft_vocab = 2, 2, [0.8], [1000], 1000
         args.n_requests, args.max_batches, args.format_batches, args.self_draft_alphas = 6, [2], [1, 2], [0.9]
         args.prefix_sizes, args.prefix_len, args.question_len, args.prefix_new_tokens = ["tiny"], 40, 6, 3
+        args.chunked_sizes, args.chunked_budgets, args.chunked_long_prompts = ["tiny"], [8], 2
+        args.chunked_long_len, args.chunked_stream_tokens = 40, 8
     return args
 
 
@@ -148,6 +158,7 @@ def wanted_sizes(args):
     wanted += [args.target, args.draft] if {"speculative", "breakdown"} & set(args.only) else []
     wanted += args.serve_sizes if {"serving", "http", "beams"} & set(args.only) else []
     wanted += args.prefix_sizes if "prefix" in args.only else []
+    wanted += args.chunked_sizes if "chunked" in args.only else []
     return list(dict.fromkeys(wanted))
 
 
@@ -214,6 +225,11 @@ def run_sections(results, loaded, weights, args, probe):
         results["beams"] = bench_beams(loaded[args.serve_sizes[0]], args, args.serve_sizes[0])
     if "prefix" in args.only:
         results["prefix"] = [row for size in args.prefix_sizes for row in bench_prefix(loaded[size], args, size)]
+    if "chunked" in args.only:
+        if rowwise.KERNEL != "numba":
+            print("chunked: skipped (prompts run whole without the numba kernels: chunks would change bits)")
+        else:
+            results["chunked"] = [bench_chunked(loaded[size], args, size) for size in args.chunked_sizes]
 
 
 def write_results(results, table, args):

@@ -88,6 +88,31 @@ def prefix_cache_note(args):
     return None
 
 
+MAX_PREFILL_TOKENS = 32  # chunked prefill's default budget per iteration (README section 7 says how it was chosen)
+
+
+def add_prefill_flag(ap):
+    """--max_prefill_tokens (main.py's --max_batch and server.py: serving/scheduler.py)."""
+    ap.add_argument("--max_prefill_tokens", type=int, default=MAX_PREFILL_TOKENS,
+                    help="chunked prefill: tokens computed per step, each decoding request counting one; what "
+                         "they leave goes to prompts, oldest first, so a long prompt is spread over steps and "
+                         "never stalls the streams in flight (at least --max_batch)")
+
+
+def check_prefill(args):
+    if args.max_prefill_tokens < max(args.max_batch or 1, 1):
+        raise ValueError(f"--max_prefill_tokens must be >= --max_batch ({args.max_batch}: each decoding request "
+                         f"counts one token of it), got {args.max_prefill_tokens}")
+
+
+def chunked_prefill_note(args):
+    """Why a run computes every prompt whole (None where it chunks them)."""
+    if rowwise.KERNEL != "numba" or args.backend == "cupy":
+        return ("note: prompts run whole (no chunked prefill) without the CPU's numba kernels: a prompt computed "
+                "in chunks is rounded differently from one computed whole, and chunks must not change a bit")
+    return None
+
+
 def add_model_flags(ap):
     """Where the models come from and what runs them (main.py and server.py share these)."""
     ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy",

@@ -70,14 +70,15 @@ def say_compile_time(compiled_before):
 def serve(title, decoder, reqs, encoder, args):
     """Serve the requests with continuous batching, printing each one as it finishes."""
     print(f"\n=== {title}, continuous batching of up to {args.max_batch} ===")
-    note = flags.prefix_cache_note(args)
-    if note:
-        print(note)
+    for note in (flags.prefix_cache_note(args), flags.chunked_prefill_note(args)):
+        if note:
+            print(note)
     compiled_before = rowwise.seconds_compiling()
     out, finished, errors = [None] * len(reqs), [], []
     with tqdm(total=len(reqs), unit="request", leave=False) as bar:
         prefix = prefix_cache.new_prefix_cache(args.prefix_cache_mib << 20)
-        for e in scheduler.serve(reqs, decoder, args.max_batch, prefix=prefix):
+        for e in scheduler.serve(reqs, decoder, args.max_batch, prefix=prefix,
+                                 max_prefill_tokens=None if flags.chunked_prefill_note(args) else args.max_prefill_tokens):
             if e.kind == "token":
                 continue
             if e.kind == "error":

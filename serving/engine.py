@@ -116,8 +116,10 @@ def serve_requests(engine):
 
     n_ctx = engine["hparams"]["n_ctx"]
     last_token_at, prefix = {}, engine["prefix_cache"]
-    for e in scheduler.serving(intake, step, models, engine["args"].max_batch, n_ctx, stats=engine["stats"],
-                               prefix=engine["prefix_cache"]):
+    args = engine["args"]
+    budget = None if flags.chunked_prefill_note(args) else args.max_prefill_tokens
+    for e in scheduler.serving(intake, step, models, args.max_batch, n_ctx, stats=engine["stats"],
+                               prefix=engine["prefix_cache"], max_prefill_tokens=budget):
         now, n_top = time.perf_counter(), None
         with engine["lock"]:
             box = engine["outboxes"].get(e.index)  # None once its handler has let it go
@@ -289,7 +291,8 @@ def prometheus(engine):
         for name in ("running", "waiting", "paused"):
             lines += [f"# TYPE gpt2_num_requests_{name} gauge", f"gpt2_num_requests_{name} {len(engine[name])}"]
         prefix = engine["prefix_cache"]  # its budget drops to 0 where the OS refuses it memory
-        for name, value in (("prefix_cache_bytes", prefix["bytes"]), ("prefix_cache_budget_bytes", prefix["budget"])):
+        for name, value in (("prefix_cache_bytes", prefix["bytes"]), ("prefix_cache_budget_bytes", prefix["budget"]),
+                            ("prefill_tokens_waiting", stats.prefill_waiting)):
             lines += [f"# TYPE gpt2_{name} gauge", f"gpt2_{name} {value}"]
         counters = {name: m[name] for name in ("prompt_tokens_total", "generation_tokens_total",
                                                "num_preemptions_total")}

@@ -57,6 +57,7 @@ def parse_args(argv=None):
     ap.add_argument("--max_batch", type=int, default=8, help="requests decoded at once (continuous batching)")
     ap.add_argument("--max_queue", type=int, default=256, help="requests waiting for a row; more get 503")
     flags.add_prefix_cache_flag(ap)
+    flags.add_prefill_flag(ap)
     ap.add_argument("--max_model_len", type=int,
                     help="prompt + max_tokens a request may ask for (default: the model's window, 1024); "
                          "more slides the window, as main.py does")
@@ -277,6 +278,7 @@ def check(args):
     sockets.enough_files(args.max_connections)
     flags.check_dtypes(args)
     flags.check_prefix_cache(args)
+    flags.check_prefill(args)
     speculative.check(speculative.SpeculativeConfig(K=args.K, adaptive=args.adaptive_K, K_max=args.K_max,
                                                     draft_vocab=args.draft_vocab))
 
@@ -290,8 +292,9 @@ def serve_until_stopped(argv=None):
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop_asked.set())
     print(f"serving {engine['model']} ({args.mode}) at http://{host}:{port}/v1 - Ctrl-C stops", flush=True)
-    if flags.prefix_cache_note(args):
-        print(flags.prefix_cache_note(args), file=sys.stderr)
+    for note in (flags.prefix_cache_note(args), flags.chunked_prefill_note(args)):
+        if note:
+            print(note, file=sys.stderr)
     while not stop_asked.wait(1.0) and httpd.thread.is_alive() and not engine["failed"]:
         pass
     print(f"error: {engine['failed']}: stopping" if engine["failed"] else "stopping", file=sys.stderr)
