@@ -194,6 +194,9 @@ class Batch:
     stats: Stats
     callback: object = None  # callback(seq, token, accepted, logits) sees each token as it is emitted
     done: list = field(default_factory=list)  # finished sequences
+    # model name -> chunks of other rows' prompts that the step's first pass of that model caches
+    # too (kv_cache.ride_along: chunked prefill, serving/scheduler.py); a pass takes them
+    riders: dict = field(default_factory=dict)
 
 
 def new_batch(models, max_rows, n_slots, use_cache=True, callback=None, stats=None):
@@ -362,7 +365,8 @@ def uniforms(batch, n):
 
 def autoregressive_step(batch, model):
     """Every row gains one token, sampled from the model's next-token distribution."""
-    logits = kv_cache.next_logits(model, cache(batch, "target"), token_ids(batch))[:, 0]  # [B, n_vocab]
+    logits = kv_cache.next_logits(model, cache(batch, "target"), token_ids(batch),
+                                  riders=batch.riders.pop("target", ()))[:, 0]  # [B, n_vocab]
     p = distributions(batch, logits)  # [B, n_vocab]
     tokens = sampling.sample(p, uniforms(batch, 1)[:, 0]).tolist()  # [B]: only these leave a GPU
     for b, token in enumerate(tokens):

@@ -117,6 +117,7 @@ class Pass:
     layer_norm: object = gpt2.layer_norm  # the layer norm of this pass: gpt2's, or the kernels' loop
     attention: object = None  # the kernels' attention loop attention(q, k, v, positions), or None: attend's NumPy
     attends: object = None  # attend(q, k, v) of each layer, for gpt2.mha (one per cached layer; else repeated)
+    parts: list = None  # a packed pass (ride_along): [(Pass, first token, B, T)] of the passes it packs
 
 
 def begin_pass(cache, n_new, T, n_logits, like, loops=None):
@@ -219,14 +220,15 @@ def attend(state, layer, q, k, v):
 ALONE_ABOVE = 8
 
 
-def next_logits(model, cache, texts, n_logits=1):
+def next_logits(model, cache, texts, n_logits=1, riders=()):
     """Bring every text up to date with gpt2.gpt2: with a cache, only the tokens it has not
     seen (a row's long run of tokens that need no logits first in passes of its own:
     prefill_alone), then one pass over all rows; without, the whole window again. Returns
     logits [B, n, n_vocab] at each row's last n_logits[b] tokens, n = the largest n_logits
     (a row with fewer repeats its last). On the CPU every row comes out bitwise as it would
     alone (the weights' kernels and `attend`), whatever shares the pass; rowwise.kernel_pass
-    holds BLAS to one thread while numba's threads run the kernels."""
+    holds BLAS to one thread while numba's threads run the kernels. riders: chunks of other
+    rows' prompts that this pass caches too (ride_along)."""
     params, hparams = model
     with rowwise.kernel_pass(params):
         if cache is not None:
@@ -234,6 +236,8 @@ def next_logits(model, cache, texts, n_logits=1):
         inputs, n_new = pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
         state = begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wpe"],
                            loops=rowwise.row_ops_for(model))
+        if riders:
+            inputs, state = ride_along(model, riders, inputs, state)  # [1, B*T + the riders' tokens]
         logits = gpt2.gpt2(inputs, **params, n_head=hparams["n_head"], state=state)  # [B, n, n_vocab]
         if cache is not None:
             advance(state)
@@ -259,20 +263,70 @@ def uncached(cache, text, n_ctx):
 
 def cache_tokens(model, cache, text, n):
     """Cache the next n tokens of a text's window in a one-row cache (rows(cache, b, b + 1)),
-    in a pass of its own that computes no logits: prefill_alone's pass, and one chunk of a
-    long prompt that a server spreads over its steps (serving/scheduler.py). The window is
-    the whole text's (kv_cache.window_start), whatever part of it is cached so far."""
+    in a pass of its own that computes no logits (prefill_alone's pass)."""
+    cache_riders(model, [(cache, text, n)])
+
+
+def cache_riders(model, riders):
+    """The riders' chunks (ride_along) in one pass of their own, computing no logits."""
     params, hparams = model
     with rowwise.kernel_pass(params):
-        inputs, _ = pending_inputs(cache, [text], hparams["n_ctx"])  # [1, T]: restarts the row if its window moved
-        state = begin_pass(cache, np.array([n]), n, 0, like=params["wpe"], loops=rowwise.row_ops_for(model))
-        gpt2.gpt2(inputs[:, :n], **params, n_head=hparams["n_head"], state=state)  # [1, 0, n_vocab]
+        inputs, state = ride_along(model, riders)  # [1, the riders' tokens]
+        gpt2.gpt2(inputs, **params, n_head=hparams["n_head"], state=state)  # [0, 0, n_vocab]
         advance(state)
 
 
+def ride_along(model, riders, inputs=None, state=None):
+    """Pack chunks of other rows' texts into one pass with the batch's (inputs [B, T] and its
+    Pass state; None: the chunks alone). riders: [(a one-row cache (rows(cache, b, b + 1)),
+    its text, n)]: cache the next n tokens of the text's window (window_start: the whole
+    text's, whatever part of it is cached so far), computing no logits. This is how a server
+    spreads a long prompt over its steps (chunked prefill, serving/scheduler.py): the chunks
+    ride in the step's pass, so the weights are read once for both.
+
+    Packed, not padded: the pass runs inputs [1, N], every row's tokens one after another
+    (the batch's B*T first), since layer norm, the MLP and every product treat each token
+    alone; only attention needs to know whose token is whose: each part attends as its own
+    Pass would (attend_packed). With the kernels a token's outputs do not depend on the
+    tokens beside it, so each part comes out the same bits as in a pass of its own."""
+    params, hparams = model
+    loops = rowwise.row_ops_for(model)
+    parts, tokens = [], []
+    if state is not None:
+        parts.append((state, 0) + inputs.shape)
+        tokens.append(inputs.reshape(-1))  # [B*T]
+    for cache, text, n in riders:
+        ids, _ = pending_inputs(cache, [text], hparams["n_ctx"])  # [1, >= n]: restarts the row if its window moved
+        first = sum(B * T for _, _, B, T in parts)
+        parts.append((begin_pass(cache, np.array([n]), n, 0, like=params["wpe"], loops=loops), first, 1, n))
+        tokens.append(ids[0, :n])  # [n]
+    B, T = inputs.shape if state is not None else (0, 1)
+    logits_at = state.logits_at + T * np.arange(B)[:, None] if state is not None else np.zeros((1, 0), np.int64)
+    packed = Pass(positions=np.concatenate([p.positions.reshape(-1) for p, _, _, _ in parts])[None],  # [1, N]
+                  mask=None, groups=[], logits_at=logits_at, n_new=None, parts=parts,  # logits_at [B, n]: in N
+                  layer_norm=parts[0][0].layer_norm)
+    packed.attends = [functools.partial(attend_packed, packed, i) for i in range(hparams["n_layer"])]
+    return np.concatenate(tokens)[None], packed  # [1, N]
+
+
+def attend_packed(packed, i, q, k, v):
+    """Layer i's attention in a packed pass: q, k, v [1, n_head, N, d_head], each part's
+    tokens unpacked to its own [B, n_head, T, d_head] and attended as its Pass attends."""
+    out = np.empty_like(q)  # [1, n_head, N, d_head]
+    H, D = q.shape[1], q.shape[3]
+    for state, first, B, T in packed.parts:
+        span = slice(first, first + B * T)
+        q1, k1, v1 = (x[0, :, span].reshape(H, B, T, D).transpose(1, 0, 2, 3) for x in (q, k, v))  # [B, H, T, D]
+        out[0, :, span] = state.attends[i](q1, k1, v1).transpose(1, 0, 2, 3).reshape(H, B * T, D)  # [H, B*T, D]
+    return out
+
+
 def advance(state):
-    """After the Pass state: each row now holds its n_new more tokens."""
-    state.cache["lengths"] += state.n_new
+    """After the Pass state: each row now holds its n_new more tokens (each part of a packed pass)."""
+    if state.parts is None:
+        state.cache["lengths"] += state.n_new
+    for part in state.parts or ():
+        advance(part[0])
 
 
 def rollback(cache, n_valid):

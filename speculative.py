@@ -137,7 +137,7 @@ def draft_with_model(batch, model, k, vocab=0):
     for i in range(K):
         texts = batching.token_ids(batch, drafts)
         logits = kv_cache.next_logits(vocab_subset(model, texts, vocab), batching.cache(batch, "draft"),
-                                      texts)[:, 0]  # [B, n_vocab]
+                                      texts, riders=batch.riders.pop("draft", ()))[:, 0]  # [B, n_vocab]
         q[:, i] = batching.distributions(batch, logits, counts, drafts)  # [B, n_vocab]
         drafting = [int(kb > i) for kb in k]
         tokens = sampling.sample(q[:, i], batching.uniforms(batch, drafting)[:, 0]).tolist()  # [B]
@@ -220,7 +220,8 @@ def score_with_target(batch, model, drafts):
     """The target's logits and distributions p [B, K+1, n_vocab] after each prefix of every
     row's drafts (row b: its first k[b]+1 entries), all from ONE forward pass."""
     n_logits = np.array([len(d) + 1 for d in drafts])  # [B]
-    logits = kv_cache.next_logits(model, batching.cache(batch, "target"), batching.token_ids(batch, drafts), n_logits)
+    logits = kv_cache.next_logits(model, batching.cache(batch, "target"), batching.token_ids(batch, drafts), n_logits,
+                                  riders=batch.riders.pop("target", ()))
     counts = None
     if batching.penalized(batch):
         counts = counts_along_drafts(batch.counts[:len(drafts)], drafts, logits.shape[1])  # [B, K+1, n_vocab]

@@ -100,9 +100,10 @@ def add_prefill_flag(ap):
 
 
 def check_prefill(args):
-    if args.max_prefill_tokens < max(args.max_batch or 1, 1):
-        raise ValueError(f"--max_prefill_tokens must be >= --max_batch ({args.max_batch}: each decoding request "
-                         f"counts one token of it), got {args.max_prefill_tokens}")
+    least = max(args.max_batch or 1, 1)
+    if args.max_prefill_tokens < least:
+        raise ValueError(f"--max_prefill_tokens must be >= {least} (--max_batch: each decoding request counts one "
+                         f"token of it), got {args.max_prefill_tokens}")
 
 
 def chunked_prefill_note(args):

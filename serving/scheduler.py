@@ -141,10 +141,10 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
     Chunked prefill (max_prefill_tokens, checked by check_prefill_budget): a joining request
     no longer runs its whole prompt while every stream waits. Each iteration computes at most
     max_prefill_tokens tokens, each decoding row counting one: what the decoding rows leave
-    goes to the prompts still being prefilled, oldest request first, each prompt's next chunk
-    in a pass of its own (kv_cache.cache_tokens, every model's cache); a prompt cached but for
-    its last token joins the decoding rows and gets its first token in this iteration's step,
-    as vLLM's scheduler does with max_num_batched_tokens. The rows still being prefilled are
+    goes to the prompts still being prefilled, the shortest left first, each prompt's next chunk
+    riding in the step's pass (kv_cache.ride_along, every model's cache), as vLLM's scheduler
+    fills max_num_batched_tokens; a prompt cached but for its last token joins the decoding
+    rows and gets its first token in the next step. The rows still being prefilled are
     the batch's last (filling). Only where keys come out the same bits whatever the pass
     (exact, below): elsewhere, and with None, every prompt runs whole, as the step's prefill."""
     events = []
@@ -204,14 +204,19 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
         if closed and not (waiting or batch.seqs or paused):
             return
         if chunked:
-            decoding = len(batch.seqs) - len(filling)  # each counts one token of the budget
-            prefilled = prefill_chunks(batch, models, filling, max_prefill_tokens - decoding)
-            n_dec = len(batch.seqs) - len(filling)
+            demote(batch, models, filling)  # texts whose window restarts: it is prefilled again, in chunks
+            promote(batch, models, filling)  # prompts cached already (copied, or a token long)
+            n_dec = len(batch.seqs) - len(filling)  # each counts one token of the budget
+            riders = prefill_chunks(batch, models, filling, max_prefill_tokens - n_dec)
             if n_dec and not any(seq.finished for seq in batch.seqs[:n_dec]):
-                step(batching.rows(batch, 0, n_dec))  # decode, and the first token of each prompt just prefilled
-                for seq in prefilled if exact else ():
-                    if seq in batch.seqs:
-                        prefix_cache.store(prefix, seq.tokens, batch.caches, batch.seqs.index(seq))
+                decoding = batching.rows(batch, 0, n_dec)
+                decoding.riders = riders  # the chunks ride in the step's passes (each model's first)
+                step(decoding)
+            for name, chunks in riders.items():  # those no pass of the step took
+                if chunks:
+                    kv_cache.cache_riders(models[name], chunks)
+            for seq in promote(batch, models, filling) if exact else ():
+                prefix_cache.store(prefix, seq.tokens, batch.caches, batch.seqs.index(seq))
         elif len(batch.seqs) > n_before:
             step(batching.rows(batch, n_before, len(batch.seqs)))  # prefill: the new rows alone
             for b in range(n_before, len(batch.seqs)) if sharing and exact else ():
@@ -250,26 +255,44 @@ def still_to_prefill(batch, models, b):
 
 
 def prefill_chunks(batch, models, filling, budget):
-    """Spend up to budget tokens on the prompts being prefilled (the filling rows), the oldest
-    request's first: its next chunk in a pass of its own, in every model's cache. The rows
-    whose prompts are now cached but their last token join the decoding rows (moved before
-    the filling ones); returns their sequences."""
+    """Spend up to budget tokens on the prompts being prefilled (the filling rows), those with
+    the fewest tokens left first (then the oldest), so a short prompt never waits behind a
+    long one, and a long one gets what the short ones leave. Returns each model's riders
+    (kv_cache.ride_along): the chunks, to ride in the step's pass."""
     first = len(batch.seqs) - len(filling)
-    for b in sorted(range(first, len(batch.seqs)), key=lambda b: batch.seqs[b].index):
-        seq = batch.seqs[b]
-        todo = still_to_prefill(batch, models, b)
-        n = min(max(todo.values()), budget)
+    todo = {b: still_to_prefill(batch, models, b) for b in range(first, len(batch.seqs))}
+    riders = {name: [] for name in batch.caches}
+    for b in sorted(todo, key=lambda b: (max(todo[b].values()), batch.seqs[b].index)):
+        seq, n = batch.seqs[b], min(max(todo[b].values()), budget)
         if seq.finished or n <= 0:
             continue
         for name, cache in batch.caches.items():
-            if min(todo[name], n) > 0:
-                kv_cache.cache_tokens(models[name], kv_cache.rows(cache, b, b + 1), seq.tokens, min(todo[name], n))
+            if min(todo[b][name], n) > 0:
+                riders[name].append((kv_cache.rows(cache, b, b + 1), seq.tokens, min(todo[b][name], n)))
         budget -= n
+    return {name: chunks for name, chunks in riders.items() if chunks}
+
+
+def demote(batch, models, filling):
+    """The decoding rows whose window has restarted (kv_cache.window_start: its text outgrew it)
+    join the filling rows: the window's tokens are computed again, in chunks as a prompt's."""
+    for b in reversed(range(len(batch.seqs) - len(filling))):
+        seq = batch.seqs[b]
+        if any(cache["starts"][b] != kv_cache.window_start(len(seq.tokens), models[name][1]["n_ctx"])
+               for name, cache in batch.caches.items()):
+            swap(batch, b, len(batch.seqs) - len(filling) - 1)
+            filling.add(seq.index)
+
+
+def promote(batch, models, filling):
+    """The filling rows whose prompts are now cached but their last token join the decoding
+    rows (moved before the filling ones), to get their first token in the next step; returns
+    their sequences."""
+    first = len(batch.seqs) - len(filling)
     prefilled = [seq for b, seq in enumerate(batch.seqs) if b >= first and not seq.finished
                  and max(still_to_prefill(batch, models, b).values()) <= 0]
     for seq in sorted(prefilled, key=lambda seq: seq.index):
-        b, n_dec = batch.seqs.index(seq), len(batch.seqs) - len(filling)
-        swap(batch, b, n_dec)
+        swap(batch, batch.seqs.index(seq), len(batch.seqs) - len(filling))
         filling.discard(seq.index)
     return prefilled
 
@@ -368,15 +391,15 @@ def common_length(a, b):
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def preempt(batch, paused, lagging, n_waiting, max_batch, recompute, prefix=None, filling=None):
+def preempt(batch, paused, lagging, n_waiting, max_batch, recompute, prefix=None, filling=frozenset()):
     """Pause rows whose clients lag: every one whose tokens back up (lagging[index]), and
     others, one for each request waiting for a row still. Each keeps its keys and values
     while fewer than max_batch paused do; past that it keeps none (recompute), or is not
     paused. prefix: a prefix cache that keeps what it can of a text paused without its keys
     and values, so that its resume computes only the rest (as vLLM's freed blocks stay in
-    its prefix cache until evicted). filling: the rows still being prefilled (never lagging:
-    they have sent nothing yet). Yields a "paused" event for each."""
-    lags = [seq for seq in batch.seqs if seq.index in lagging and not seq.finished]
+    its prefix cache until evicted). filling: the rows still being prefilled, which are not
+    paused (they have nothing new to send). Yields a "paused" event for each."""
+    lags = [seq for seq in batch.seqs if seq.index in lagging and not seq.finished and seq.index not in filling]
     for seq in sorted(lags, key=lambda seq: not lagging[seq.index]):  # backed up first
         keep_cache = sum(kept["caches"] is not None for kept in paused.values()) < max_batch
         if not (keep_cache or recompute) or not (lagging[seq.index] or n_waiting > 0):
@@ -384,7 +407,7 @@ def preempt(batch, paused, lagging, n_waiting, max_batch, recompute, prefix=None
         b = batch.seqs.index(seq)
         if not keep_cache and prefix is not None:
             prefix_cache.store(prefix, seq.tokens, batch.caches, b)
-        paused[seq.index] = pause(batch, b, keep_cache, set() if filling is None else filling)
+        paused[seq.index] = pause(batch, b, keep_cache, filling)
         n_waiting -= 1
         yield Event("paused", seq.index)
 

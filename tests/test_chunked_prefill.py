@@ -1,0 +1,165 @@
+"""Chunked prefill (scheduler.serving's max_prefill_tokens): a prompt spread over
+iterations changes no bit of any text or logprob, and no iteration computes more than
+its budget."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+import batching
+import kv_cache
+import sampling
+import speculative
+from cli import flags
+from kernels import layout
+from serving import prefix_cache, scheduler
+
+GREEDY = sampling.SamplingSettings(temperature=0.0)
+SAMPLED = sampling.SamplingSettings(temperature=1.0, top_k=40, repetition_penalty=1.2)
+
+
+@pytest.fixture(scope="module")
+def models(tiny):
+    _, hparams, params = tiny
+    return (params, hparams), (dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1))
+
+
+def decoder(models, name):
+    target, draft = models
+    if name == "autoregressive":
+        return scheduler.autoregressive(target)
+    return scheduler.speculative_decoder(target, draft, speculative.SpeculativeConfig(K=3))
+
+
+def random_requests(n, seed, n_ctx):
+    """Prompts of 1 to 2.5 windows (the tiny model's is 64 tokens), some beginning alike
+    (the prefix cache's blocks), greedy or sampled, arriving over a few iterations."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, 50000, 2 * n_ctx).tolist()
+    reqs = []
+    for i in range(n):
+        length = int(rng.integers(1, int(2.5 * n_ctx)))
+        head = int(rng.integers(0, length + 1)) if rng.random() < 0.5 else 0
+        prompt = shared[:head] + rng.integers(0, 50000, length - head).tolist()
+        reqs.append(batching.Request(tuple(prompt[:length]), int(rng.integers(1, 24)),
+                                     GREEDY if rng.random() < 0.5 else SAMPLED, seed=i,
+                                     arrival_s=float(rng.uniform(0, 0.02))))
+    return reqs
+
+
+def run(reqs, dec, **kw):
+    """{index: (new tokens, the logits each was drawn after)}."""
+    events = list(scheduler.serve(reqs, dec, **kw))
+    logits = {}
+    for e in events:
+        if e.kind == "token":
+            logits.setdefault(e.index, []).append(np.array(e.logits))
+    return {e.index: (e.tokens, logits[e.index]) for e in events if e.kind == "finished"}
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(a[i][0] == b[i][0] and len(a[i][1]) == len(b[i][1])
+                                        and all(np.array_equal(x, y) for x, y in zip(a[i][1], b[i][1])) for i in a)
+
+
+@pytest.mark.parametrize("name", ["autoregressive", "speculative"])
+@pytest.mark.parametrize("prefix_mib", [None, 0.06], ids=["no prefix cache", "a prefix cache that evicts"])
+def test_chunked_is_bitwise_unchunked_over_random_requests(models, name, prefix_mib, monkeypatch):
+    """220 requests a run, 880 in all: prompts past the window's edge, shared beginnings (and a
+    prefix cache too small for them, so blocks are evicted), greedy and sampled; budgets from
+    the smallest allowed (max_batch) up. Every token and every logits row is the same bits as
+    with prompts run whole; and prompts were really spread over several chunks."""
+    dec, n_ctx = decoder(models, name), models[0][1]["n_ctx"]
+    passes = riding(monkeypatch)
+    for seed, (n, budget) in enumerate([(110, 4), (55, 7), (55, 23)]):
+        reqs = random_requests(n, seed, n_ctx)
+        whole = run(reqs, dec, max_batch=4)
+        prefix = None if prefix_mib is None else prefix_cache.new_prefix_cache(int(prefix_mib * (1 << 20)))
+        passes.clear()
+        chunked = run(reqs, dec, max_batch=4, prefix=prefix, max_prefill_tokens=budget)
+        assert same(chunked, whole) and len(chunked) == len(reqs)
+        assert max(map(sum, passes)) <= budget and sum(map(len, passes)) > 2 * len(reqs)
+        if prefix is not None:
+            assert prefix["hits"] and prefix["next_id"] - 1 > len(prefix["blocks"])  # blocks were evicted
+
+
+def riding(monkeypatch):
+    """[the tokens of each chunk in a pass] for every pass that chunks ride in, from now on."""
+    passes, ride_along = [], kv_cache.ride_along
+
+    def counted(model, riders, *args):
+        passes.append([n for _, _, n in riders])
+        return ride_along(model, riders, *args)
+    monkeypatch.setattr(kv_cache, "ride_along", counted)
+    return passes
+
+
+def test_an_iteration_never_computes_more_than_its_budget(models, monkeypatch):
+    """Each iteration's chunks add up to at most the budget less one token per decoding row,
+    the prompt with the fewest tokens left first (ties: the oldest), and ride in the step's
+    pass; every prompt longer than the budget is spread over iterations; texts past the
+    window, whose window restarts as they decode, are computed again in chunks too."""
+    seen, prefill_chunks = [], scheduler.prefill_chunks
+
+    def planned(batch, models, filling, budget):
+        decoding = len(batch.seqs) - len(filling)
+        left = {batch.seqs[b].index: max(scheduler.still_to_prefill(batch, models, b).values())
+                for b in range(decoding, len(batch.seqs))}
+        riders = prefill_chunks(batch, models, filling, budget)
+        seen.append((decoding, budget, riders.get("target", []), min(left, key=lambda i: (left[i], i), default=None)))
+        return riders
+    monkeypatch.setattr(scheduler, "prefill_chunks", planned)
+    passes = riding(monkeypatch)
+    lengths = [60, 60, 5, 60, 20, 60, 3, 60]
+    reqs = [batching.Request(tuple(range(100 + i, 100 + i + n)), 20 + 40 * (i == 1), SAMPLED, seed=i,
+                             arrival_s=0.01 * i) for i, n in enumerate(lengths)]
+    got = run(reqs, decoder(models, "autoregressive"), max_batch=3, max_prefill_tokens=16)
+    assert max(map(sum, passes)) <= 16 and len(passes) >= sum(n - 1 for n in lengths) // 16
+    assert all(got[i][0] == batching.generate([r], models[0])[0][0] for i, r in enumerate(reqs))
+    assert all(decoding + budget == 16 for decoding, budget, _, _ in seen)
+    assert all(sum(n for _, _, n in riders) <= budget for _, budget, riders, _ in seen)
+    assert sum(1 for _, _, riders, _ in seen if riders) >= sum(n - 1 for n in lengths) // 16
+    for _, _, riders, first in seen:
+        if riders:
+            assert riders[0][1][:len(reqs[first].prompt)] == list(reqs[first].prompt)
+    restarted = [riders for _, _, riders, _ in seen if any(len(text) > 64 for _, text, _ in riders)]
+    assert restarted  # request 1's text outgrew the window of 64 while it decoded
+
+
+def test_the_fallback_runs_prompts_whole(models, monkeypatch):
+    """With gpt2.py's NumPy layer norm and attention (the fallback), a prompt computed in
+    chunks would round differently: the budget is ignored and no chunk runs."""
+    target = (layout.plain_layout(models[0][0]), models[0][1])
+    calls = []
+    monkeypatch.setattr(scheduler, "prefill_chunks", lambda *a: calls.append(a) or {})
+    reqs = random_requests(6, 0, target[1]["n_ctx"])
+    got = run(reqs, scheduler.autoregressive(target), max_batch=2, max_prefill_tokens=2)
+    assert not calls and same(got, run(reqs, scheduler.autoregressive(target), max_batch=2))
+
+
+def test_chunked_prefill_composes_with_preemption(models):
+    """A lagging request is paused (keeping its keys and values, and past max_batch only its
+    text, which is then prefilled again in chunks) while long prompts are chunked: every text
+    is its text alone."""
+    from test_scheduler import lagging_intake
+    reqs = [dataclasses.replace(r, max_new_tokens=12) for r in random_requests(6, 3, 64)]
+    dec = decoder(models, "autoregressive")
+    lags = {i: (range(2, 40), False) for i in range(4)}
+    events = list(scheduler.serving(lagging_intake(reqs, lags), *dec, 2, 64, max_prefill_tokens=5))
+    finished = {e.index: e.tokens for e in events if e.kind == "finished"}
+    assert len({e.index for e in events if e.kind == "paused"}) > 2  # past max_batch 2: one kept only its text
+    assert all(finished[i] == batching.generate([r], models[0])[0][0] for i, r in enumerate(reqs))
+
+
+@pytest.mark.parametrize("budget, max_batch", [(0, 1), (-3, 1), (3, 4), (2.5, 1), ("8", 1)])
+def test_a_bad_budget_is_refused(models, budget, max_batch):
+    with pytest.raises(ValueError, match="max_prefill_tokens must be an integer >= max_batch"):
+        scheduler.serve(random_requests(2, 0, 64), decoder(models, "autoregressive"), max_batch=max_batch,
+                        max_prefill_tokens=budget)
+
+
+def test_the_flag_says_its_least_value():
+    class Args:
+        max_batch, max_prefill_tokens = 8, 7
+    with pytest.raises(ValueError, match=r"--max_prefill_tokens must be >= 8 \(--max_batch"):
+        flags.check_prefill(Args)
