@@ -1,13 +1,13 @@
 """`--only chunked`: chunked prefill (scheduler.serving's max_prefill_tokens) against
 prompts run whole, in turns.
 
-The workload (issue 59's): 7 streams decode short prompts (16 tokens, --chunked_stream_tokens
-new tokens each, 256; when one ends the next starts, so 7 are in flight) while
---chunked_long_prompts long prompts (--chunked_long_len tokens, 1000, and 16 new tokens
-each) arrive at seeded Poisson times, on average every LONG_EVERY prefills of one such
-prompt (measured first on this machine, so the load is the same share of the CPU
-whatever its speed). Plain decoding, greedy, max_batch 8.
-Three turns: "whole" (every prompt in one pass, the streams waiting for it), "chunked"
+The workload (issue 59's): --chunked_streams streams (21) decode short prompts (16 tokens,
+--chunked_stream_tokens new tokens each, 256), 7 at a time (when one ends the next
+starts), while --chunked_long_prompts long prompts (--chunked_long_len tokens, 1000, and
+16 new tokens each) arrive at seeded Poisson times, on average every LONG_EVERY prefills
+of one such prompt (measured first on this machine, so the load is the same share of the
+CPU whatever its speed). Every turn does the same work, so tokens/s compare. Plain
+decoding, greedy, max_batch 8. Three turns: "whole" (every prompt in one pass, the streams waiting for it), "chunked"
 (--chunked_budgets, each in its turn), and "quiet" (the streams alone: no long prompts),
 whose inter-token latency is what a stream sees with nobody else's prompt in its way.
 """
@@ -36,10 +36,10 @@ def prefill_seconds(model, n):
     return min(times)
 
 
-def run_turn(model, long_at, max_prefill_tokens, seed, long_len, stream_tokens):
-    """One turn of the workload: long prompts arrive at times long_at (s after the start).
-    Returns the streams' gaps between tokens (s), the long prompts' first-token times (s),
-    every generated token, and the seconds it took."""
+def run_turn(model, long_at, max_prefill_tokens, seed, long_len, stream_tokens, n_streams):
+    """One turn of the workload: n_streams streams, 7 at a time, while long prompts arrive at
+    times long_at (s after the start). Returns the streams' gaps between tokens (s), the long
+    prompts' first-token times (s), every generated token, and the seconds it took."""
     rng = np.random.default_rng(seed)
     reqs, kinds, sent = {}, {}, [0]
     active, arrived_long, start = [0], [0], time.perf_counter()
@@ -51,17 +51,18 @@ def run_turn(model, long_at, max_prefill_tokens, seed, long_len, stream_tokens):
         kinds[i] = kind
         return i, reqs[i]
 
-    def intake(now, idle):  # scheduler.serving's: the streams keep 7 in flight until the last long prompt
+    def intake(now, idle):  # scheduler.serving's: a stream that ends is followed by the next, 7 in flight
+        if idle and sent[0] == n_streams and arrived_long[0] < len(long_at):  # nothing runs: wait for the next
+            time.sleep(max(0.0, long_at[arrived_long[0]] - (time.perf_counter() - start)))
         arrivals = []
         while arrived_long[0] < len(long_at) and long_at[arrived_long[0]] <= time.perf_counter() - start:
             arrivals.append(new("long", long_len, LONG_TOKENS))
             arrived_long[0] += 1
-        more_streams = arrived_long[0] < len(long_at) or not long_at and sent[0] < 2 * STREAMS
-        while more_streams and active[0] < STREAMS:
+        while sent[0] < n_streams and active[0] < STREAMS:
             arrivals.append(new("stream", STREAM_PROMPT, stream_tokens))
             active[0] += 1
             sent[0] += 1
-        return arrivals, (), not more_streams and arrived_long[0] == len(long_at), {}
+        return arrivals, (), sent[0] == n_streams and arrived_long[0] == len(long_at), {}
 
     last, gaps, ttft, tokens = {}, [], [], 0
     for e in scheduler.serving(intake, scheduler.autoregressive(model)[0], {"target": model}, STREAMS + 1,
@@ -93,9 +94,10 @@ def bench_chunked(model, args, size):
         for way, budget in ways.items():
             settle()
             gaps, ttft, tokens, seconds = run_turn(model, [] if way == "quiet" else long_at, budget, rep,
-                                                   args.chunked_long_len, args.chunked_stream_tokens)
+                                                   args.chunked_long_len, args.chunked_stream_tokens,
+                                                   args.chunked_streams)
             runs[way].append({"itl_ms_p50": 1e3 * float(np.percentile(gaps, 50)),
-                              "itl_ms_p99": 1e3 * float(np.percentile(gaps, 99)),
+                              "itl_ms_p99": 1e3 * float(np.percentile(gaps, 99)), "itl_ms_max": 1e3 * max(gaps),
                               "ttft_s": float(np.median(ttft)) if ttft else None,
                               "ttft_s_max": max(ttft) if ttft else None, "tokens_per_s": tokens / seconds})
             print(f"  chunked prefill {size} rep {rep} {way}: {runs[way][-1]}", flush=True)
@@ -103,7 +105,8 @@ def bench_chunked(model, args, size):
     for way, budget in ways.items():
         r = runs[way]
         row = {"size": size, "way": way, "budget": budget, "reps": r,
-               **{key: float(np.median([x[key] for x in r])) for key in ("itl_ms_p50", "itl_ms_p99", "tokens_per_s")}}
+               **{key: float(np.median([x[key] for x in r]))
+                  for key in ("itl_ms_p50", "itl_ms_p99", "itl_ms_max", "tokens_per_s")}}
         row["p99_over_quiet_p50"] = float(np.median([x["itl_ms_p99"] / q["itl_ms_p50"]
                                                      for x, q in zip(r, runs["quiet"])]))
         if way != "quiet":

@@ -94,6 +94,7 @@ def parse_args(argv=None):
     ap.add_argument("--chunked_long_prompts", type=int, default=4, help="chunked: long prompts a turn")
     ap.add_argument("--chunked_long_len", type=int, default=1000, help="chunked: tokens of a long prompt")
     ap.add_argument("--chunked_stream_tokens", type=int, default=256, help="chunked: new tokens of a stream")
+    ap.add_argument("--chunked_streams", type=int, default=21, help="chunked: streams a turn, 7 at a time")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few tokens: a smoke test")
     args = ap.parse_args(argv)
     gpu = args.backend == "cupy"
@@ -117,7 +118,7 @@ def parse_args(argv=None):
         args.n_requests, args.max_batches, args.format_batches, args.self_draft_alphas = 6, [2], [1, 2], [0.9]
         args.prefix_sizes, args.prefix_len, args.question_len, args.prefix_new_tokens = ["tiny"], 40, 6, 3
         args.chunked_sizes, args.chunked_budgets, args.chunked_long_prompts = ["tiny"], [8], 2
-        args.chunked_long_len, args.chunked_stream_tokens = 40, 8
+        args.chunked_long_len, args.chunked_stream_tokens, args.chunked_streams = 40, 8, 14
     return args
 
 

@@ -290,14 +290,15 @@ def prefix_table(rows):
 def chunked_table(runs):
     lines = ["", f"### Chunked prefill: 7 streams ({runs[0]['stream_tokens']} new tokens each) while "
              f"{runs[0]['long_len']}-token prompts arrive (Poisson), prompts whole vs chunked (--max_prefill_tokens), "
-             "and the streams alone (quiet); max_batch 8, in turns", "", "| model | way | streams' inter-token p50 / p99 ms | p99 over quiet p50 | long prompts' TTFT s "
+             "and the streams alone (quiet); max_batch 8, in turns", "", "| model | way | streams' inter-token p50 / p99 / max ms | p99 over quiet p50 | long prompts' TTFT s "
              "| TTFT over whole | tok/s | over whole |", "|---|---|---|---|---|---|---|---|"]
     for run in runs:
         for r in run["rows"]:
             ttft = f"{r['ttft_s']:.2f}" if "ttft_s" in r else "-"
             over = {key: "-" if key not in r else " / ".join(f"{x:.2f}" for x in r[key])
                     for key in ("ttft_over_whole", "tokens_per_s_over_whole")}
-            lines.append(f"| {run['size']} | {r['way']} | {r['itl_ms_p50']:.0f} / {r['itl_ms_p99']:.0f} | "
+            lines.append(f"| {run['size']} | {r['way']} | {r['itl_ms_p50']:.0f} / {r['itl_ms_p99']:.0f} / "
+                         f"{r['itl_ms_max']:.0f} | "
                          f"{r['p99_over_quiet_p50']:.1f}x | {ttft} | {over['ttft_over_whole']} | "
                          f"{r['tokens_per_s']:.1f} | {over['tokens_per_s_over_whole']} |")
         lines.append(f"| {run['size']} | (one long prompt's prefill alone: {run['prefill_s']:.2f} s; arrivals at "

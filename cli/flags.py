@@ -88,7 +88,7 @@ def prefix_cache_note(args):
     return None
 
 
-MAX_PREFILL_TOKENS = 32  # chunked prefill's default budget per iteration (README section 7 says how it was chosen)
+MAX_PREFILL_TOKENS = 24  # chunked prefill's default budget per step (README section 7 says how it was chosen)
 
 
 def add_prefill_flag(ap):

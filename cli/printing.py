@@ -9,6 +9,7 @@ import sys
 
 from tqdm import tqdm
 
+import batching
 from cli import flags
 from kernels import rowwise
 from serving import prefix_cache, scheduler
@@ -76,9 +77,9 @@ def serve(title, decoder, reqs, encoder, args):
     compiled_before = rowwise.seconds_compiling()
     out, finished, errors = [None] * len(reqs), [], []
     with tqdm(total=len(reqs), unit="request", leave=False) as bar:
-        prefix = prefix_cache.new_prefix_cache(args.prefix_cache_mib << 20)
-        for e in scheduler.serve(reqs, decoder, args.max_batch, prefix=prefix,
-                                 max_prefill_tokens=None if flags.chunked_prefill_note(args) else args.max_prefill_tokens):
+        prefix, stats = prefix_cache.new_prefix_cache(args.prefix_cache_mib << 20), batching.Stats()
+        budget = None if flags.chunked_prefill_note(args) else args.max_prefill_tokens
+        for e in scheduler.serve(reqs, decoder, args.max_batch, prefix=prefix, max_prefill_tokens=budget, stats=stats):
             if e.kind == "token":
                 continue
             if e.kind == "error":
@@ -97,7 +98,8 @@ def serve(title, decoder, reqs, encoder, args):
     if finished:
         print(f"{s['requests']} requests, {s['tokens']} tokens in {s['seconds']:.2f}s = {s['tokens_per_s']:.1f} "
               f"tokens/s; first token p50 {s['ttft_s_p50']:.2f}s / p95 {s['ttft_s_p95']:.2f}s, "
-              f"request done p50 {s['e2e_s_p50']:.2f}s / p95 {s['e2e_s_p95']:.2f}s")
+              f"request done p50 {s['e2e_s_p50']:.2f}s / p95 {s['e2e_s_p95']:.2f}s; between steps (what a stream in "
+              f"flight waits for its next token) p50 {stats.itl_ms(50):.0f} ms / p99 {stats.itl_ms(99):.0f} ms")
     if prefix["hits"]:
         print(f"prefix cache: {prefix['hits']} of {prefix['queries']} prompt tokens "
               f"({prefix['hits'] / prefix['queries']:.0%}) were computed already, and copied")

@@ -8,12 +8,15 @@ https://arxiv.org/abs/2309.06180) schedules per iteration instead: a finished
 request leaves at once, and a waiting one takes its row at the next iteration.
 
 `serve` keeps up to max_batch rows in flight in one fixed set of KV-cache rows
-(batching.py). Each iteration does one of two things:
-- prefill: the requests that just arrived take the free rows and run a pass of
-  their own over their prompts (the decoder's step on those rows alone), which
-  also gives each its first token;
-- decode: one step of the decoder for every row in flight.
-Then finished rows leave (the last rows move into their places). A joining row's
+(batching.py). Requests that arrive take the free rows, and each iteration is one step
+of the decoder for every row whose prompt is computed, with the next chunks of the
+prompts still being computed riding in its pass (chunked prefill, Sarathi-Serve,
+Agrawal et al. OSDI 2024, https://arxiv.org/abs/2403.02310): at most
+max_prefill_tokens tokens an iteration, so a long prompt never stalls the streams in
+flight. Without a budget (or where chunks could change a bit) an iteration either
+prefills the rows that just joined, in a pass of their own that also gives each its
+first token, or decodes every row. Then finished rows leave (the last rows move into
+their places). A joining row's
 cache starts with the longest beginning of its prompt already computed, copied from
 a row in flight or the prefix cache (share_prefix, prefix_cache.py), or empty; no
 other row's cache is touched.
@@ -41,7 +44,7 @@ import kv_cache
 import sampling
 import speculative
 from kernels import rowwise
-from serving import prefix_cache
+from serving import chunking, prefix_cache
 
 
 @dataclass
@@ -71,23 +74,25 @@ def speculative_decoder(target, drafter, config=speculative.SpeculativeConfig())
     return (lambda batch: speculative.speculative_step(batch, target, drafter, config)), models
 
 
-def serve(requests, decoder, max_batch=8, max_len=None, static=False, prefix=None, max_prefill_tokens=None):
+def serve(requests, decoder, max_batch=8, max_len=None, static=False, prefix=None, max_prefill_tokens=None,
+          stats=None):
     """Answer requests (batching.Request, each with its arrival_s) as they arrive, with
     at most max_batch in flight; yields Events as tokens come and requests finish.
     max_len: the most tokens (prompt + new) a row holds; at the window (the default)
     every request fits, a longer text sliding its window as in every other path.
     prefix: a prefix cache (prefix_cache.new_prefix_cache) to keep computed beginnings in.
     max_prefill_tokens: chunked prefill's budget per iteration (serving); None: prompts run whole.
+    stats: a batching.Stats to count in (its itl_ms: the gaps between steps, what a stream sees).
     A request that cannot be served gets an "error" event at once; the others go on. max_batch,
     max_len and max_prefill_tokens are checked here, before the first event is asked for."""
     step, models = decoder
     max_len = check_limits(models["target"][1], max_batch, max_len)
-    check_prefill_budget(max_prefill_tokens, max_batch)
+    chunking.check_budget(max_prefill_tokens, max_batch)
     problems = [refusal(r, models["target"][1], max_len) for r in requests]
     errors = [Event("error", i, error=problem) for i, problem in enumerate(problems) if problem]
     good = sorted((i for i, problem in enumerate(problems) if not problem), key=lambda i: requests[i].arrival_s)
     return itertools.chain(errors, serving(from_list(requests, good), step, models, max_batch, max_len, static,
-                                           prefix=prefix, max_prefill_tokens=max_prefill_tokens))
+                                           stats=stats, prefix=prefix, max_prefill_tokens=max_prefill_tokens))
 
 
 def check_limits(hparams, max_batch, max_len):
@@ -138,14 +143,14 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
     does: only where they come out in the same bits whatever the pass (exact, below), so with
     the NumPy fallback at most max_batch are paused.
 
-    Chunked prefill (max_prefill_tokens, checked by check_prefill_budget): a joining request
+    Chunked prefill (max_prefill_tokens, checked by chunking.check_budget): a joining request
     no longer runs its whole prompt while every stream waits. Each iteration computes at most
     max_prefill_tokens tokens, each decoding row counting one: what the decoding rows leave
     goes to the prompts still being prefilled, the shortest left first, each prompt's next chunk
     riding in the step's pass (kv_cache.ride_along, every model's cache), as vLLM's scheduler
     fills max_num_batched_tokens; a prompt cached but for its last token joins the decoding
     rows and gets its first token in the next step. The rows still being prefilled are
-    the batch's last (filling). Only where keys come out the same bits whatever the pass
+    the batch's last (filling; serving/chunking.py). Only where keys come out the same bits whatever the pass
     (exact, below): elsewhere, and with None, every prompt runs whole, as the step's prefill."""
     events = []
     batch = batching.new_batch(models, max_batch, max_len, stats=stats,
@@ -204,10 +209,10 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
         if closed and not (waiting or batch.seqs or paused):
             return
         if chunked:
-            demote(batch, models, filling)  # texts whose window restarts: it is prefilled again, in chunks
-            promote(batch, models, filling)  # prompts cached already (copied, or a token long)
+            chunking.demote(batch, models, filling)  # texts whose window restarts: it is prefilled again, in chunks
+            chunking.promote(batch, models, filling)  # prompts cached already (copied, or a token long)
             n_dec = len(batch.seqs) - len(filling)  # each counts one token of the budget
-            riders = prefill_chunks(batch, models, filling, max_prefill_tokens - n_dec)
+            riders = chunking.prefill_chunks(batch, models, filling, max_prefill_tokens - n_dec)
             if n_dec and not any(seq.finished for seq in batch.seqs[:n_dec]):
                 decoding = batching.rows(batch, 0, n_dec)
                 decoding.riders = riders  # the chunks ride in the step's passes (each model's first)
@@ -215,7 +220,7 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
             for name, chunks in riders.items():  # those no pass of the step took
                 if chunks:
                     kv_cache.cache_riders(models[name], chunks)
-            for seq in promote(batch, models, filling) if exact else ():
+            for seq in chunking.promote(batch, models, filling) if exact else ():
                 prefix_cache.store(prefix, seq.tokens, batch.caches, batch.seqs.index(seq))
         elif len(batch.seqs) > n_before:
             step(batching.rows(batch, n_before, len(batch.seqs)))  # prefill: the new rows alone
@@ -223,118 +228,17 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
                 prefix_cache.store(prefix, batch.seqs[b].tokens, batch.caches, b)
         elif batch.seqs and not any(seq.finished for seq in batch.seqs):
             step(batch)  # decode: every row one step
-        batch.stats.prefill_waiting = prefill_waiting(batch, models, waiting, filling)
+        batch.stats.prefill_waiting = chunking.prefill_waiting(batch, models, waiting, filling)
         yield from events
         events.clear()
         for b, seq in enumerate(batch.seqs) if sharing and exact else ():
             if seq.finished:  # its whole text, for a conversation that sends it back with a new turn
                 prefix_cache.store(prefix, seq.tokens, batch.caches, b)
-        leave(batch, filling)
+        chunking.leave(batch, filling)
         for seq in batch.done:  # a finished request takes its tokens and timings with it
             yield Event("finished", seq.index, tokens=seq.generated,
                         metrics=metrics(seq, start, joined.pop(seq.index)))
         batch.done.clear()
-
-
-def check_prefill_budget(max_prefill_tokens, max_batch):
-    """max_prefill_tokens as serving uses it (None: every prompt whole), or a ValueError: at
-    least max_batch, so that a prompt being prefilled (it holds a row) always gets a token."""
-    if max_prefill_tokens is not None and (not sampling.is_int(max_prefill_tokens)
-                                           or max_prefill_tokens < max(max_batch, 1)):
-        raise ValueError(f"max_prefill_tokens must be an integer >= max_batch ({max_batch}: each decoding row "
-                         f"counts one token of it), got {max_prefill_tokens!r}")
-    return max_prefill_tokens
-
-
-def still_to_prefill(batch, models, b):
-    """{model: how many tokens of row b's text its cache still lacks, but its last} (the
-    last runs in the step that gives the row its next token)."""
-    seq = batch.seqs[b]
-    return {name: kv_cache.uncached(kv_cache.rows(cache, b, b + 1), seq.tokens, models[name][1]["n_ctx"]) - 1
-            for name, cache in batch.caches.items()}
-
-
-def prefill_chunks(batch, models, filling, budget):
-    """Spend up to budget tokens on the prompts being prefilled (the filling rows), those with
-    the fewest tokens left first (then the oldest), so a short prompt never waits behind a
-    long one, and a long one gets what the short ones leave. Returns each model's riders
-    (kv_cache.ride_along): the chunks, to ride in the step's pass."""
-    first = len(batch.seqs) - len(filling)
-    todo = {b: still_to_prefill(batch, models, b) for b in range(first, len(batch.seqs))}
-    riders = {name: [] for name in batch.caches}
-    for b in sorted(todo, key=lambda b: (max(todo[b].values()), batch.seqs[b].index)):
-        seq, n = batch.seqs[b], min(max(todo[b].values()), budget)
-        if seq.finished or n <= 0:
-            continue
-        for name, cache in batch.caches.items():
-            if min(todo[b][name], n) > 0:
-                riders[name].append((kv_cache.rows(cache, b, b + 1), seq.tokens, min(todo[b][name], n)))
-        budget -= n
-    return {name: chunks for name, chunks in riders.items() if chunks}
-
-
-def demote(batch, models, filling):
-    """The decoding rows whose window has restarted (kv_cache.window_start: its text outgrew it)
-    join the filling rows: the window's tokens are computed again, in chunks as a prompt's."""
-    for b in reversed(range(len(batch.seqs) - len(filling))):
-        seq = batch.seqs[b]
-        if any(cache["starts"][b] != kv_cache.window_start(len(seq.tokens), models[name][1]["n_ctx"])
-               for name, cache in batch.caches.items()):
-            swap(batch, b, len(batch.seqs) - len(filling) - 1)
-            filling.add(seq.index)
-
-
-def promote(batch, models, filling):
-    """The filling rows whose prompts are now cached but their last token join the decoding
-    rows (moved before the filling ones), to get their first token in the next step; returns
-    their sequences."""
-    first = len(batch.seqs) - len(filling)
-    prefilled = [seq for b, seq in enumerate(batch.seqs) if b >= first and not seq.finished
-                 and max(still_to_prefill(batch, models, b).values()) <= 0]
-    for seq in sorted(prefilled, key=lambda seq: seq.index):
-        swap(batch, batch.seqs.index(seq), len(batch.seqs) - len(filling))
-        filling.discard(seq.index)
-    return prefilled
-
-
-def prefill_waiting(batch, models, waiting, filling):
-    """Prompt tokens not yet computed: of the requests waiting for a row, and of the rows
-    still being prefilled (/metrics: gpt2_prefill_tokens_waiting)."""
-    first = len(batch.seqs) - len(filling)
-    return (sum(len(request.prompt) for _, request in waiting)
-            + sum(still_to_prefill(batch, models, b)["target"] + 1 for b in range(first, len(batch.seqs))))
-
-
-def swap(batch, a, b):
-    """Rows a and b trade places (their sequences, counts and cached keys and values)."""
-    if a == b:
-        return
-    batch.seqs[a], batch.seqs[b] = batch.seqs[b], batch.seqs[a]
-    for counts in (batch.counts, batch.prompt_counts):
-        counts[[a, b]] = counts[[b, a]]
-    for cache in batch.caches.values():
-        saved = kv_cache.save_row(cache, a)
-        kv_cache.move_row(cache, b, a)
-        kv_cache.restore_row(cache, b, saved)
-
-
-def remove(batch, b, filling):
-    """Row b leaves, the rows staying packed with the filling ones last: a decoding row's place
-    is taken by the last decoding row, whose place the last filling row takes."""
-    filling.discard(batch.seqs[b].index)
-    n_dec = len(batch.seqs) - len(filling)
-    if b < n_dec - 1:
-        batching.move(batch, n_dec - 1, b)
-        b = n_dec - 1
-    batching.remove(batch, b)
-
-
-def leave(batch, filling):
-    """Finished rows leave the batch (batching.leave, keeping the filling rows last)."""
-    for b in reversed(range(len(batch.seqs))):
-        if batch.seqs[b].finished:
-            batch.done.append(batch.seqs[b])
-            remove(batch, b, filling)
 
 
 def share_prefix(batch, b, prefix, exact):
@@ -421,7 +325,7 @@ def pause(batch, b, keep_cache, filling):
     kept = {"seq": batch.seqs[b], "counts": batch.counts[b].copy(), "prompt_counts": batch.prompt_counts[b].copy(),
             "caches": {name: kv_cache.save_row(cache, b) for name, cache in batch.caches.items()} if keep_cache
             else None}
-    remove(batch, b, filling)
+    chunking.remove(batch, b, filling)
     return kept
 
 
@@ -441,7 +345,7 @@ def resume(batch, kept, filling=None):
     if filling is not None and kept["caches"] is None:
         filling.add(kept["seq"].index)
     elif filling:
-        swap(batch, b, b - len(filling))
+        chunking.swap(batch, b, b - len(filling))
 
 
 def refusal(request, hparams, max_len):

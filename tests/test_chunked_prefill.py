@@ -11,8 +11,8 @@ import kv_cache
 import sampling
 import speculative
 from cli import flags
-from kernels import layout
-from serving import prefix_cache, scheduler
+from kernels import layout, rowwise
+from serving import chunking, prefix_cache, scheduler
 
 GREEDY = sampling.SamplingSettings(temperature=0.0)
 SAMPLED = sampling.SamplingSettings(temperature=1.0, top_k=40, repetition_penalty=1.2)
@@ -22,6 +22,11 @@ SAMPLED = sampling.SamplingSettings(temperature=1.0, top_k=40, repetition_penalt
 def models(tiny):
     _, hparams, params = tiny
     return (params, hparams), (dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1))
+
+
+def chunks_or_skip(models):
+    if rowwise.row_ops_for(models[0]) is None:
+        pytest.skip("the NumPy fallback runs prompts whole (test_the_fallback_runs_prompts_whole)")
 
 
 def decoder(models, name):
@@ -69,6 +74,7 @@ def test_chunked_is_bitwise_unchunked_over_random_requests(models, name, prefix_
     prefix cache too small for them, so blocks are evicted), greedy and sampled; budgets from
     the smallest allowed (max_batch) up. Every token and every logits row is the same bits as
     with prompts run whole; and prompts were really spread over several chunks."""
+    chunks_or_skip(models)
     dec, n_ctx = decoder(models, name), models[0][1]["n_ctx"]
     passes = riding(monkeypatch)
     for seed, (n, budget) in enumerate([(110, 4), (55, 7), (55, 23)]):
@@ -99,16 +105,17 @@ def test_an_iteration_never_computes_more_than_its_budget(models, monkeypatch):
     the prompt with the fewest tokens left first (ties: the oldest), and ride in the step's
     pass; every prompt longer than the budget is spread over iterations; texts past the
     window, whose window restarts as they decode, are computed again in chunks too."""
-    seen, prefill_chunks = [], scheduler.prefill_chunks
+    chunks_or_skip(models)
+    seen, prefill_chunks = [], chunking.prefill_chunks
 
     def planned(batch, models, filling, budget):
         decoding = len(batch.seqs) - len(filling)
-        left = {batch.seqs[b].index: max(scheduler.still_to_prefill(batch, models, b).values())
+        left = {batch.seqs[b].index: max(chunking.still_to_prefill(batch, models, b).values())
                 for b in range(decoding, len(batch.seqs))}
         riders = prefill_chunks(batch, models, filling, budget)
         seen.append((decoding, budget, riders.get("target", []), min(left, key=lambda i: (left[i], i), default=None)))
         return riders
-    monkeypatch.setattr(scheduler, "prefill_chunks", planned)
+    monkeypatch.setattr(chunking, "prefill_chunks", planned)
     passes = riding(monkeypatch)
     lengths = [60, 60, 5, 60, 20, 60, 3, 60]
     reqs = [batching.Request(tuple(range(100 + i, 100 + i + n)), 20 + 40 * (i == 1), SAMPLED, seed=i,
@@ -131,7 +138,7 @@ def test_the_fallback_runs_prompts_whole(models, monkeypatch):
     chunks would round differently: the budget is ignored and no chunk runs."""
     target = (layout.plain_layout(models[0][0]), models[0][1])
     calls = []
-    monkeypatch.setattr(scheduler, "prefill_chunks", lambda *a: calls.append(a) or {})
+    monkeypatch.setattr(chunking, "prefill_chunks", lambda *a: calls.append(a) or {})
     reqs = random_requests(6, 0, target[1]["n_ctx"])
     got = run(reqs, scheduler.autoregressive(target), max_batch=2, max_prefill_tokens=2)
     assert not calls and same(got, run(reqs, scheduler.autoregressive(target), max_batch=2))
@@ -141,6 +148,7 @@ def test_chunked_prefill_composes_with_preemption(models):
     """A lagging request is paused (keeping its keys and values, and past max_batch only its
     text, which is then prefilled again in chunks) while long prompts are chunked: every text
     is its text alone."""
+    chunks_or_skip(models)
     from test_scheduler import lagging_intake
     reqs = [dataclasses.replace(r, max_new_tokens=12) for r in random_requests(6, 3, 64)]
     dec = decoder(models, "autoregressive")
@@ -149,6 +157,17 @@ def test_chunked_prefill_composes_with_preemption(models):
     finished = {e.index: e.tokens for e in events if e.kind == "finished"}
     assert len({e.index for e in events if e.kind == "paused"}) > 2  # past max_batch 2: one kept only its text
     assert all(finished[i] == batching.generate([r], models[0])[0][0] for i, r in enumerate(reqs))
+
+
+def test_the_prompt_tokens_waiting_are_counted(models):
+    """stats.prefill_waiting (/metrics: gpt2_prefill_tokens_waiting): prompt tokens of the requests
+    waiting for a row and of the rows still being prefilled, as each iteration ends."""
+    reqs = [batching.Request(tuple(range(200 * i, 200 * i + 60)), 3, GREEDY, seed=i) for i in range(3)]
+    stats, seen = batching.Stats(), {}
+    for e in scheduler.serve(reqs, decoder(models, "autoregressive"), max_batch=1, max_prefill_tokens=8,
+                             stats=stats):
+        seen.setdefault((e.kind, e.index), stats.prefill_waiting)
+    assert seen[("token", 0)] == 120 and seen[("token", 1)] == 60 and seen[("token", 2)] == 0
 
 
 @pytest.mark.parametrize("budget, max_batch", [(0, 1), (-3, 1), (3, 4), (2.5, 1), ("8", 1)])

@@ -357,6 +357,8 @@ def odd_vocab_models(tmp_path_factory):
     (["--draft_vocab", "-5"], "--draft_vocab must be >= 0"),
     (["--max_batch", "4", "--stream"], "leave out --stream and --no_kv_cache"),
     (["--prefix_cache_mib", "-1"], "--prefix_cache_mib must be >= 0"),
+    (["--max_prefill_tokens", "0"], "--max_prefill_tokens must be >= 1"),
+    (["--max_batch", "8", "--max_prefill_tokens", "4"], "--max_prefill_tokens must be >= 8 (--max_batch"),
     (["--num_beams", "0"], "--num_beams must be an integer >= 1"),
     (["--num_beams", "2", "--num_return_sequences", "3"], "--num_return_sequences must be in [1, num_beams = 2]"),
     (["--num_beams", "2", "--mode", "speculative"], "leave out --mode speculative/both"),

@@ -273,6 +273,7 @@ def test_models_health_and_metrics(running):
     assert values["gpt2_generation_tokens_total"] >= 5 and values["gpt2_prompt_tokens_total"] >= 1
     assert values['gpt2_time_to_first_token_seconds_bucket{le="+Inf"}'] >= 1
     assert values["gpt2_e2e_request_latency_seconds_count"] >= 1 and "gpt2_num_requests_running" in values
+    assert values["gpt2_prefill_tokens_waiting"] == 0  # nothing waits: every prompt was computed
     if mode == "speculative":
         assert 0 < values["gpt2_spec_decode_num_accepted_tokens_total"] <= values[
             "gpt2_spec_decode_num_draft_tokens_total"]
@@ -416,6 +417,14 @@ def test_sigint_and_sigterm_end_requests_in_flight_and_exit_0(models_dir, sig):
         assert whole[0][0] == 503 and "shutting down" in whole[0][1]["error"]["message"]
     finally:
         proc.kill()
+
+
+@pytest.mark.parametrize("budget", ["0", "-2", "7"])
+def test_a_prefill_budget_below_max_batch_is_one_line_before_anything_loads(capsys, tmp_path, budget):
+    assert server.entry(["--max_prefill_tokens", budget, "--max_batch", "8", "--models_dir", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == (f"error: --max_prefill_tokens must be >= 8 (--max_batch: each decoding request counts "
+                           f"one token of it), got {budget}") and not os.listdir(tmp_path)
 
 
 def test_a_negative_prefix_cache_is_one_line_before_anything_loads(capsys, tmp_path):
