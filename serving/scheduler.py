@@ -146,12 +146,12 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
     Chunked prefill (max_prefill_tokens, checked by chunking.check_budget): a joining request
     no longer runs its whole prompt while every stream waits. Each iteration computes at most
     max_prefill_tokens tokens, each decoding row counting one: what the decoding rows leave
-    goes to the prompts still being prefilled, the shortest left first, each prompt's next chunk
-    riding in the step's pass (kv_cache.ride_along, every model's cache), as vLLM's scheduler
-    fills max_num_batched_tokens; a prompt cached but for its last token joins the decoding
-    rows and gets its first token in the next step. The rows still being prefilled are
-    the batch's last (filling; serving/chunking.py). Only where keys come out the same bits whatever the pass
-    (exact, below): elsewhere, and with None, every prompt runs whole, as the step's prefill."""
+    goes to the prompts still being prefilled, the fewest tokens left first, each prompt's
+    next chunk riding in the step's pass (kv_cache.ride_along, every model's cache), as vLLM's
+    scheduler fills max_num_batched_tokens; a prompt cached but for its last token joins the
+    decoding rows and gets its first token in the next step. The rows still being prefilled
+    are the batch's last (filling, serving/chunking.py). Only where keys come out the same
+    bits whatever the pass (same_bits): elsewhere, and with None, prompts run whole."""
     events = []
     batch = batching.new_batch(models, max_batch, max_len, stats=stats,
                                callback=lambda seq, token, accepted, logits: events.append(
@@ -220,7 +220,8 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
             for name, chunks in riders.items():  # those no pass of the step took
                 if chunks:
                     kv_cache.cache_riders(models[name], chunks)
-            for seq in chunking.promote(batch, models, filling) if exact else ():
+            prefilled = chunking.promote(batch, models, filling)  # their first tokens come in the next step
+            for seq in prefilled if exact else ():
                 prefix_cache.store(prefix, seq.tokens, batch.caches, batch.seqs.index(seq))
         elif len(batch.seqs) > n_before:
             step(batching.rows(batch, n_before, len(batch.seqs)))  # prefill: the new rows alone
