@@ -262,7 +262,7 @@ def remove(batch, b):
 
 
 def move(batch, src, dst):
-    """Row dst becomes row src (its sequence, counts and cached keys and values); src is left as it was."""
+    """Copy row src into row dst (its sequence, counts and cached keys and values); src stays as it was."""
     if src != dst:
         batch.seqs[dst] = batch.seqs[src]
         batch.counts[dst], batch.prompt_counts[dst] = batch.counts[src], batch.prompt_counts[src]

@@ -109,10 +109,10 @@ def pad_right(rows, pad=0):
 class Pass:
     """What one model pass needs to know besides its tokens (begin_pass builds it): gpt2.gpt2
     reads positions, attends, layer_norm and logits_at; attend reads the rest."""
-    positions: np.ndarray  # [B, T]: each token's position, which is also its slot in the cache
+    positions: np.ndarray  # [B, T] ([1, N] packed): each token's position, which is also its slot in the cache
     mask: np.ndarray  # [B, 1, T, S]: 0 where a query may see a key, -inf where it may not (None with loops)
     groups: list  # [(S, rows)]: the rows whose texts are S tokens long attend over S keys
-    logits_at: np.ndarray  # [B, n]: which of each row's T tokens need logits
+    logits_at: np.ndarray  # [B, n]: which of each row's T tokens need logits (packed: which of the N)
     n_new: np.ndarray  # [B]: each row's real tokens (the rest of its T is padding)
     cache: dict = None  # where the keys and values go and come from (None: no cache)
     where: object = None  # where each real token's keys and values go (write_slots)
@@ -275,7 +275,7 @@ def cache_riders(model, riders):
     params, hparams = model
     with rowwise.kernel_pass(params):
         inputs, state = ride_along(model, riders)  # [1, the riders' tokens]
-        gpt2.gpt2(inputs, **params, n_head=hparams["n_head"], state=state)  # [0, 0, n_vocab]
+        gpt2.gpt2(inputs, **params, n_head=hparams["n_head"], state=state)  # [1, 0, n_vocab]: no logits
         advance(state)
 
 
@@ -303,8 +303,10 @@ def ride_along(model, riders, inputs=None, state=None):
         first = sum(B * T for _, _, B, T in parts)
         parts.append((begin_pass(cache, np.array([n]), n, 0, like=params["wpe"], loops=loops), first, 1, n))
         tokens.append(ids[0, :n])  # [n]
-    B, T = inputs.shape if state is not None else (0, 1)
-    logits_at = state.logits_at + T * np.arange(B)[:, None] if state is not None else np.zeros((1, 0), np.int64)
+    logits_at = np.zeros((1, 0), np.int64)  # [1, 0]: the chunks need no logits
+    if state is not None:
+        B, T = inputs.shape
+        logits_at = state.logits_at + T * np.arange(B)[:, None]  # [B, n]: the batch's, counted along N
     packed = Pass(positions=np.concatenate([p.positions.reshape(-1) for p, _, _, _ in parts])[None],  # [1, N]
                   mask=None, groups=[], logits_at=logits_at, n_new=None, parts=parts,  # logits_at [B, n]: in N
                   layer_norm=parts[0][0].layer_norm)

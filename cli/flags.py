@@ -88,22 +88,32 @@ def prefix_cache_note(args):
     return None
 
 
-MAX_PREFILL_TOKENS = 24  # chunked prefill's default budget per step (README section 7 says how it was chosen)
+# chunked prefill's budget a step: the largest whose streams kept their p99 gap within ~3x their
+# median alone, 124M and 355M on 2 cores (`python benchmark.py --only chunked`, README section 7)
+MAX_PREFILL_TOKENS = 24
 
 
 def add_prefill_flag(ap):
-    """--max_prefill_tokens (main.py's --max_batch and server.py: serving/scheduler.py)."""
-    ap.add_argument("--max_prefill_tokens", type=int, default=MAX_PREFILL_TOKENS,
-                    help="chunked prefill: tokens computed per step, each decoding request counting one; what "
-                         "they leave goes to prompts, oldest first, so a long prompt is spread over steps and "
-                         "never stalls the streams in flight (at least --max_batch)")
+    """--max_prefill_tokens (main.py's --max_batch and server.py: serving/chunking.py)."""
+    ap.add_argument("--max_prefill_tokens", type=int,
+                    help=f"chunked prefill: tokens computed a step, each decoding request counting one; what they "
+                         f"leave goes to prompts, the fewest tokens left first, so a long prompt is spread over "
+                         f"steps and never stalls the streams in flight (at least --max_batch; default "
+                         f"{MAX_PREFILL_TOKENS}, or --max_batch if larger)")
 
 
 def check_prefill(args):
     least = max(args.max_batch or 1, 1)
-    if args.max_prefill_tokens < least:
+    if args.max_prefill_tokens is not None and args.max_prefill_tokens < least:
         raise ValueError(f"--max_prefill_tokens must be >= {least} (--max_batch: each decoding request counts one "
                          f"token of it), got {args.max_prefill_tokens}")
+
+
+def prefill_budget(args):
+    """The budget serving runs with: None (prompts whole) where chunks could change a bit."""
+    if chunked_prefill_note(args):
+        return None
+    return args.max_prefill_tokens or max(MAX_PREFILL_TOKENS, args.max_batch)
 
 
 def chunked_prefill_note(args):

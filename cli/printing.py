@@ -78,8 +78,8 @@ def serve(title, decoder, reqs, encoder, args):
     out, finished, errors = [None] * len(reqs), [], []
     with tqdm(total=len(reqs), unit="request", leave=False) as bar:
         prefix, stats = prefix_cache.new_prefix_cache(args.prefix_cache_mib << 20), batching.Stats()
-        budget = None if flags.chunked_prefill_note(args) else args.max_prefill_tokens
-        for e in scheduler.serve(reqs, decoder, args.max_batch, prefix=prefix, max_prefill_tokens=budget, stats=stats):
+        for e in scheduler.serve(reqs, decoder, args.max_batch, prefix=prefix,
+                                 max_prefill_tokens=flags.prefill_budget(args), stats=stats):
             if e.kind == "token":
                 continue
             if e.kind == "error":

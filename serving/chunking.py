@@ -2,8 +2,8 @@
 
 A server that runs a joining request's whole prompt in one pass stalls every stream in
 flight for as long as that pass takes (seconds, for a long prompt on a CPU). Instead each
-step computes at most max_prefill_tokens tokens: every decoding row counts one, and what
-they leave goes to the prompts, in chunks that ride in the step's own pass
+step computes at most max_prefill_tokens tokens: every decoding row counts one (a
+speculative row's drafts ride along uncounted), and what they leave goes to the prompts, in chunks that ride in the step's own pass
 (kv_cache.ride_along), as vLLM fills max_num_batched_tokens and Sarathi-Serve (Agrawal
 et al., OSDI 2024, https://arxiv.org/abs/2403.02310) piggybacks prefills on decodes.
 
@@ -30,7 +30,7 @@ def check_budget(max_prefill_tokens, max_batch):
 
 def still_to_prefill(batch, models, b):
     """{model: how many tokens of row b's text its cache still lacks, but its last} (the
-    last runs in the step that gives the row its next token)."""
+    last runs in the step that gives the row its next token; -1: it lacks none)."""
     seq = batch.seqs[b]
     return {name: kv_cache.uncached(kv_cache.rows(cache, b, b + 1), seq.tokens, models[name][1]["n_ctx"]) - 1
             for name, cache in batch.caches.items()}
@@ -67,9 +67,9 @@ def demote(batch, models, filling):
 
 
 def promote(batch, models, filling):
-    """The filling rows whose prompts are now cached but their last token join the decoding
-    rows (moved before the filling ones), to get their first token in the next step; returns
-    their sequences."""
+    """The filling rows whose texts are now cached but their last token join the decoding
+    rows (moved before the filling ones), to get their next token in the next step the
+    decoding rows run; returns their sequences."""
     first = len(batch.seqs) - len(filling)
     prefilled = [seq for b, seq in enumerate(batch.seqs) if b >= first and not seq.finished
                  and max(still_to_prefill(batch, models, b).values()) <= 0]

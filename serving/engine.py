@@ -117,9 +117,8 @@ def serve_requests(engine):
     n_ctx = engine["hparams"]["n_ctx"]
     last_token_at, prefix = {}, engine["prefix_cache"]
     args = engine["args"]
-    budget = None if flags.chunked_prefill_note(args) else args.max_prefill_tokens
     for e in scheduler.serving(intake, step, models, args.max_batch, n_ctx, stats=engine["stats"],
-                               prefix=engine["prefix_cache"], max_prefill_tokens=budget):
+                               prefix=engine["prefix_cache"], max_prefill_tokens=flags.prefill_budget(args)):
         now, n_top = time.perf_counter(), None
         with engine["lock"]:
             box = engine["outboxes"].get(e.index)  # None once its handler has let it go
@@ -143,7 +142,7 @@ def serve_requests(engine):
                 last_token_at.pop(e.index, None)
                 for gauge in ("waiting", "running", "paused"):  # it runs no more, whatever is left to send
                     engine[gauge].discard(e.index)
-                if e.kind == "finished":
+                if e.kind == "finished" and e.metrics:  # None: cancelled before its first token
                     for name, key in (("time_to_first_token_seconds", "ttft_s"), ("request_queue_time_seconds",
                                       "queue_s"), ("e2e_request_latency_seconds", "e2e_s")):
                         observe(engine["metrics"][name], e.metrics[key])

@@ -53,8 +53,8 @@ class Event:
     index: int  # which request: its place in the list given to serve
     token: int = None  # "token": the new token (accepted: whether it was an accepted draft)
     accepted: bool = False
-    tokens: list = None  # "finished": every new token, and the request's timings
-    metrics: dict = None
+    tokens: list = None  # "finished": every new token, and the request's timings (None: cancelled
+    metrics: dict = None  # before its first token)
     error: str = None  # "error": why the request was refused (the others go on)
     logits: object = None  # "token": the target's logits [n_vocab] it was drawn after (a view of the step's)
     cached_tokens: int = 0  # "token": prompt tokens its request copied from a shared prefix (share_prefix)
@@ -194,10 +194,15 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
                     prefix_cache.reuse(prefix, kept["seq"].tokens, batch.caches, len(batch.seqs) - 1)
                 yield Event("resumed", i)
             elif waiting:
+                # a request that begins as a prompt being computed waits for it, and copies what they
+                # share; with chunked prefill (many iterations) the requests after it go ahead meanwhile
                 first_new = len(batch.seqs) - len(filling) if chunked else n_before
-                if sharing and shares_with(waiting[0][1], batch, first_new, exact):
-                    break  # it joins once they are prefilled, and copies what they share
-                i, request = waiting.popleft()
+                j = next((j for j, (_, r) in enumerate(waiting)
+                          if not (sharing and shares_with(r, batch, first_new, exact))), None)
+                if j is None or j and not chunked:
+                    break
+                i, request = waiting[j]
+                del waiting[j]
                 batching.join(batch, request, i)
                 joined[i] = time.perf_counter()
                 if chunked:
@@ -210,14 +215,14 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
             return
         if chunked:
             chunking.demote(batch, models, filling)  # texts whose window restarts: it is prefilled again, in chunks
-            chunking.promote(batch, models, filling)  # prompts cached already (copied, or a token long)
+            chunking.promote(batch, models, filling)  # prompts computed already (copied, a token long): this step
             n_dec = len(batch.seqs) - len(filling)  # each counts one token of the budget
             riders = chunking.prefill_chunks(batch, models, filling, max_prefill_tokens - n_dec)
             if n_dec and not any(seq.finished for seq in batch.seqs[:n_dec]):
                 decoding = batching.rows(batch, 0, n_dec)
                 decoding.riders = riders  # the chunks ride in the step's passes (each model's first)
                 step(decoding)
-            for name, chunks in riders.items():  # those no pass of the step took
+            for name, chunks in riders.items():  # those no pass of the step took (a pass pops its model's)
                 if chunks:
                     kv_cache.cache_riders(models[name], chunks)
             prefilled = chunking.promote(batch, models, filling)  # their first tokens come in the next step
@@ -236,9 +241,10 @@ def serving(intake, step, models, max_batch, max_len, static=False, stats=None, 
             if seq.finished:  # its whole text, for a conversation that sends it back with a new turn
                 prefix_cache.store(prefix, seq.tokens, batch.caches, b)
         chunking.leave(batch, filling)
-        for seq in batch.done:  # a finished request takes its tokens and timings with it
+        for seq in batch.done:  # a finished request takes its tokens and timings with it (none: cancelled first)
+            joined_at = joined.pop(seq.index)
             yield Event("finished", seq.index, tokens=seq.generated,
-                        metrics=metrics(seq, start, joined.pop(seq.index)))
+                        metrics=metrics(seq, start, joined_at) if seq.times else None)
         batch.done.clear()
 
 
@@ -275,6 +281,8 @@ def shares_with(request, batch, n_before, exact):
     it waits until that is computed, and copies it then."""
     prompt = request.prompt
     for b in range(n_before, len(batch.seqs)):
+        if any(kv["starts"][b] for kv in batch.caches.values()):
+            continue  # a window restarted: no beginning of it is shared (share_prefix)
         other = batch.seqs[b].request.prompt
         held = min(int(kv["lengths"][b]) for kv in batch.caches.values())  # copied or restored already
         if exact:
@@ -376,7 +384,7 @@ def metrics(seq, start, joined):
 def summarize(finished):
     """Aggregate of the finished events of one run: tokens/s, and TTFT, ITL and end-to-end
     latency at p50 and p95 over requests."""
-    m = [e.metrics for e in finished]
+    m = [e.metrics for e in finished if e.metrics]
     if not m:
         return {"requests": 0, "tokens": 0, "tokens_per_s": 0.0}
     span = max(x["finished_at_s"] for x in m)

@@ -170,6 +170,33 @@ def test_the_prompt_tokens_waiting_are_counted(models):
     assert seen[("token", 0)] == 120 and seen[("token", 1)] == 60 and seen[("token", 2)] == 0
 
 
+def test_a_request_cancelled_while_its_prompt_is_prefilled_finishes_with_nothing(models):
+    """Request 0's client leaves while its 60-token prompt is half computed (budget 8): it
+    finishes with no tokens and no timings (it never had a first token), and the others go on,
+    their texts as alone."""
+    chunks_or_skip(models)
+    reqs = [batching.Request(tuple(range(100 * i, 100 * i + 60)), 5, SAMPLED, seed=i) for i in range(3)]
+    arrive, calls = scheduler.from_list(reqs, range(3)), iter(range(10 ** 6))
+
+    def intake(now, idle):
+        arrived, _, closed, _ = arrive(now, idle)
+        return arrived, [0] if next(calls) == 3 else [], closed, {}
+    events = list(scheduler.serving(intake, *decoder(models, "autoregressive"), 2, 64, max_prefill_tokens=8))
+    finished = {e.index: e for e in events if e.kind == "finished"}
+    assert finished[0].tokens == [] and finished[0].metrics is None
+    assert not [e for e in events if e.kind == "token" and e.index == 0]
+    assert all(finished[i].tokens == batching.generate([reqs[i]], models[0])[0][0] for i in (1, 2))
+    assert scheduler.summarize(list(finished.values()))["requests"] == 2
+
+
+def test_main_serves_more_rows_than_the_default_budget(models_dir, capsys):
+    """--max_batch 32 with no --max_prefill_tokens: the budget becomes 32, not an error."""
+    import main
+    args = main.parse_args(["--models_dir", models_dir, "--max_batch", "32"])
+    main.check_args(args)
+    assert flags.prefill_budget(args) in (32, None)  # None: the fallback runs prompts whole
+
+
 @pytest.mark.parametrize("budget, max_batch", [(0, 1), (-3, 1), (3, 4), (2.5, 1), ("8", 1)])
 def test_a_bad_budget_is_refused(models, budget, max_batch):
     with pytest.raises(ValueError, match="max_prefill_tokens must be an integer >= max_batch"):
