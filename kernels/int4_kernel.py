@@ -39,8 +39,10 @@ every 4-byte lane, meet both (two vpmaddubsw). qb [n_blocks, n_in / 4, 4, 32] ui
 (`packed`), scales [n_blocks, n_in / c, W] uint16 (c = 32, fewer in the test models).
 """
 import numpy as np
+import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import config
 from numba.extending import intrinsic, models, register_model
 
 from kernels import compiling
@@ -119,13 +121,27 @@ def quad(typingctx, a, index):
     return (int8x32(a, index), codegen) if a.dtype == types.int8 else None
 
 
+def targets_avx2():
+    """Whether numba compiles for an x86 CPU with AVX2: NUMBA_CPU_FEATURES (as
+    benchmark_results/avx2.sh sets them), else this CPU's own features."""
+    features = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+    return llvm.get_process_triple().startswith("x86_64") and "+avx2" in features.split(",")
+
+
 @intrinsic
 def maddubs(typingctx, acc, u, x):
     """acc + (u[0] x[0] + u[1] x[1], u[2] x[2] + u[3] x[3], ...), u unsigned and x signed
-    bytes, each pair's sum saturated to 16 bits: plain LLVM in the shape LLVM's x86 backend
-    turns into one vpmaddubsw (and a vpaddw); other CPUs get what their backend makes of it.
-    The saturation never acts here (a pair is at most 3810), it only lets LLVM match."""
+    bytes, each pair's sum saturated to 16 bits: vpmaddubsw (and a vpaddw). On x86 with AVX2
+    it is named (llvm.x86.avx2.pmadd.ub.sw): from the same plain IR, LLVM's x86 backend
+    makes vpmaddubsw for Haswell, but for AVX-512 CPUs it widens the bytes to 16 bits and
+    multiplies with vpmaddwd / vpdpwssd instead, at half the multiply-adds an instruction
+    (tests/test_int4_kernel.py compiles the loops for both). Other CPUs get that plain IR,
+    whose saturation never acts here (a pair is at most 3810): it only lets LLVM match."""
     def codegen(context, builder, signature, args):
+        if targets_avx2():
+            pmaddubsw = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw",
+                                                         fnty=ir.FunctionType(I16x16, [I8x32, I8x32]))
+            return builder.add(args[0], builder.call(pmaddubsw, [args[1], args[2]]))
         i32x16 = ir.VectorType(ir.IntType(32), 16)
         even, odd = (ir.Constant(i32x16, list(range(start, 32, 2))) for start in (0, 1))
         u, x = args[1], args[2]

@@ -1,11 +1,17 @@
 """int4 weights times 8-bit activations (int4_kernel.py): the activations are rounded as
 the docstring says, and the kernel computes exactly the integer sums of the stored
 nibbles, group by group, for any row count, each row as it would be alone."""
+import json
+import os
 import platform
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import readback
+from conftest import ROOT
 
 from kernels import rowwise, weight_formats
 
@@ -87,6 +93,51 @@ def test_the_first_outputs_read_only_their_blocks(k4):
     x = rng.standard_normal((3, 768), dtype=np.float32)
     whole = rowwise.matmul(x, layer.stored, n_out=1000, scale=layer.scale)
     assert np.array_equal(rowwise.matmul(x, layer.stored, n_out=100, scale=layer.scale), whole[:, :100])
+
+
+# the loops that run, compiled in a fresh Python with an empty numba cache (so numba keeps their
+# assembly), for the CPU NUMBA_CPU_NAME / NUMBA_CPU_FEATURES name: what each multiplies with
+LOOP_INSTRUCTIONS = """import json, re, sys
+from kernels import compiling, rowwise
+found = {}
+for dtype in ("int8", "uint8"):
+    for kernel, _, plan in sorted(rowwise.loops([1, 5], dtype), key=str):
+        if "times" in kernel:
+            __import__(kernel.rsplit(".", 1)[0])
+            asm = "".join(compiling.KERNELS[kernel](dtype, plan).inspect_asm().values())
+            for name in re.findall(r"\\b(vpmaddubsw|vpdpbusd|vpmaddwd|vpdpwssd|vpmullw)\\b", asm):
+                found.setdefault(dtype, {}).setdefault(name, 0)
+                found[dtype][name] += 1
+print(json.dumps(found))"""
+with open(os.path.join(ROOT, "benchmark_results", "avx2.sh")) as f:  # the features every AVX2-held run uses
+    AVX2_FEATURES = re.search(r'NUMBA_CPU_FEATURES="([^"]+)"', f.read()).group(1)
+AVX512_VNNI = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+f16c,+fma,+lzcnt,+movbe,+popcnt,+sse4.2,+avx512f,"
+               "+avx512bw,+avx512vl,+avx512dq,+avx512cd,+avx512vnni")
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or rowwise.KERNEL != "numba",
+                    reason="x86's instruction names, in numba's loops")
+@pytest.mark.parametrize("cpu", ["this CPU", "haswell", "icelake-server"])
+def test_the_loops_that_run_multiply_with_the_instruction_they_mean(cpu, tmp_path):
+    """int4's loops with vpmaddubsw (32 multiply-adds an instruction; or VNNI's vpdpbusd), int8's
+    with vpmaddwd or vpdpwssd, for this CPU and, explicitly, for an AVX2 one (Haswell) and an
+    AVX-512 VNNI one (compiled, not run). From plain IR, LLVM gave AVX-512 CPUs' int4 loops
+    vpmaddwd / vpdpwssd instead (half the multiply-adds): int4 was no faster than int8 there."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    for name in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"):
+        env.pop(name, None)
+    if cpu == "haswell":
+        env.update(NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=AVX2_FEATURES)
+    elif cpu == "icelake-server":
+        env.update(NUMBA_CPU_NAME="icelake-server", NUMBA_CPU_FEATURES=AVX512_VNNI)
+    out = subprocess.run([sys.executable, "-c", LOOP_INSTRUCTIONS], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = json.loads(out.stdout.splitlines()[-1])
+    int4 = found["uint8"]  # vpmaddwd also adds each group's pair sums into columns, once a group
+    assert int4.get("vpmaddubsw", 0) + int4.get("vpdpbusd", 0) > int4.get("vpmaddwd", 0) + int4.get("vpdpwssd", 0)
+    assert "vpmullw" not in int4, found
+    assert found["int8"].get("vpmaddwd", 0) + found["int8"].get("vpdpwssd", 0) > 0, found
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86's instruction names")
