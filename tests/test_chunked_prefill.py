@@ -8,20 +8,11 @@ import pytest
 
 import batching
 import kv_cache
-import sampling
 import speculative
 from cli import flags
 from kernels import layout, rowwise
 from serving import chunking, prefix_cache, scheduler
-
-GREEDY = sampling.SamplingSettings(temperature=0.0)
-SAMPLED = sampling.SamplingSettings(temperature=1.0, top_k=40, repetition_penalty=1.2)
-
-
-@pytest.fixture(scope="module")
-def models(tiny):
-    _, hparams, params = tiny
-    return (params, hparams), (dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1))
+from test_scheduler import GREEDY, SAMPLED, lagging_intake, models  # noqa: F401 (models: the fixture)
 
 
 def chunks_or_skip(models):
@@ -149,7 +140,6 @@ def test_chunked_prefill_composes_with_preemption(models):
     text, which is then prefilled again in chunks) while long prompts are chunked: every text
     is its text alone."""
     chunks_or_skip(models)
-    from test_scheduler import lagging_intake
     reqs = [dataclasses.replace(r, max_new_tokens=12) for r in random_requests(6, 3, 64)]
     dec = decoder(models, "autoregressive")
     lags = {i: (range(2, 40), False) for i in range(4)}
