@@ -133,7 +133,7 @@ def maddubs(typingctx, acc, u, x):
     """acc + (u[0] x[0] + u[1] x[1], u[2] x[2] + u[3] x[3], ...), u unsigned and x signed
     bytes, each pair's sum saturated to 16 bits: vpmaddubsw (and a vpaddw). On x86 with AVX2
     it is named (llvm.x86.avx2.pmadd.ub.sw): from the same plain IR, LLVM's x86 backend
-    makes vpmaddubsw for Haswell, but for AVX-512 CPUs it widens the bytes to 16 bits and
+    makes vpmaddubsw for AVX2-only CPUs, but for AVX-512 ones it widens the bytes to 16 bits and
     multiplies with vpmaddwd / vpdpwssd instead, at half the multiply-adds an instruction
     (tests/test_int4_kernel.py compiles the loops for both). Other CPUs get that plain IR,
     whose saturation never acts here (a pair is at most 3810): it only lets LLVM match."""
