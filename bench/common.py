@@ -133,15 +133,20 @@ def machine_info():
     from threadpoolctl import threadpool_info
     blas = [f"{i['internal_api']} {i['version']} ({i.get('architecture')}, {i['num_threads']} threads)"
             for i in threadpool_info() if i["user_api"] == "blas"]
-    info = {"cpu": model, "cpu_count": os.cpu_count(), "simd": [s for s in ("avx2", "fma", "avx512f") if s in flags],
+    info = {"cpu": model, "cpu_count": os.cpu_count(),
+            "simd": [s for s in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni") if s in flags],
             "platform": platform.platform(), "numpy": np.__version__, "blas": blas, "row_kernel": rowwise.KERNEL}
     if rowwise.KERNEL == "numba":
         import llvmlite.binding
         import numba
+
+        from kernels import int4_kernel
         features = numba.config.CPU_FEATURES or llvmlite.binding.get_host_cpu_features().flatten()
         info.update(numba=numba.__version__, numba_cpu=numba.config.CPU_NAME or llvmlite.binding.get_host_cpu_name(),
-                    numba_simd=[s for s in ("avx2", "fma", "avx512f") if f"+{s}" in features.split(",")],
-                    numba_threads=numba.get_num_threads())
+                    numba_simd=[s for s in ("avx2", "fma", "avx512f", "avx512vnni", "avxvnni")
+                                if f"+{s}" in features.split(",")],
+                    numba_threads=numba.get_num_threads(),
+                    int4_madd="vpmaddubsw" if int4_kernel.targets_avx2() else "LLVM's choice")  # the int4 loops' multiply
     return info
 
 

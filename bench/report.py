@@ -116,7 +116,7 @@ def machine_line(m):
     line += f"BLAS: {', '.join(m.get('blas', [])) or '?'}; row kernel: {m.get('row_kernel', 'numpy')}"
     if m.get("numba"):
         line += (f" (numba {m['numba']} for {m['numba_cpu']}, {'/'.join(m['numba_simd'])}, "
-                 f"{m['numba_threads']} threads)")
+                 f"{m['numba_threads']} threads" + (f", int4 with {m['int4_madd']}" if "int4_madd" in m else "") + ")")
     return line
 
 
