@@ -146,7 +146,8 @@ def machine_info():
                     numba_simd=[s for s in ("avx2", "fma", "avx512f", "avx512vnni", "avxvnni")
                                 if f"+{s}" in features.split(",")],
                     numba_threads=numba.get_num_threads(),
-                    int4_madd="vpmaddubsw" if int4_kernel.targets_avx2() else "LLVM's choice")  # the int4 loops' multiply
+                    # what the int4 loops multiply with
+                    int4_madd="vpmaddubsw" if int4_kernel.targets_avx2() else "LLVM's choice")
     return info
 
 

@@ -290,7 +290,8 @@ def prefix_table(rows):
 def chunked_table(runs):
     lines = ["", f"### Chunked prefill: 7 streams ({runs[0]['stream_tokens']} new tokens each) while "
              f"{runs[0]['long_len']}-token prompts arrive (Poisson), prompts whole vs chunked (--max_prefill_tokens), "
-             "and the streams alone (quiet); max_batch 8, in turns", "", "| model | way | streams' inter-token p50 / p99 / max ms | p99 over quiet p50 | long prompts' TTFT s "
+             "and the streams alone (quiet); max_batch 8, in turns", "",
+             "| model | way | streams' inter-token p50 / p99 / max ms | p99 over quiet p50 | long prompts' TTFT s "
              "| TTFT over whole | tok/s | over whole |", "|---|---|---|---|---|---|---|---|"]
     for run in runs:
         for r in run["rows"]:

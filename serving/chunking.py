@@ -3,9 +3,10 @@
 A server that runs a joining request's whole prompt in one pass stalls every stream in
 flight for as long as that pass takes (seconds, for a long prompt on a CPU). Instead each
 step computes at most max_prefill_tokens tokens: every decoding row counts one (a
-speculative row's drafts ride along uncounted), and what they leave goes to the prompts, in chunks that ride in the step's own pass
-(kv_cache.ride_along), as vLLM fills max_num_batched_tokens and Sarathi-Serve (Agrawal
-et al., OSDI 2024, https://arxiv.org/abs/2403.02310) piggybacks prefills on decodes.
+speculative row's drafts ride along uncounted), and what they leave goes to the prompts,
+in chunks that ride in the step's own pass (kv_cache.ride_along), as vLLM fills
+max_num_batched_tokens and Sarathi-Serve (Agrawal et al., OSDI 2024,
+https://arxiv.org/abs/2403.02310) piggybacks prefills on decodes.
 
 The rows whose prompts are still being computed (`filling`) are the batch's last, so
 that the decoding rows stay rows 0..n-1 of every cache, the view a step runs on. This
