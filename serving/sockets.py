@@ -133,7 +133,15 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
     of a few KB/s then shows no progress for tens of seconds. So a stream is written only
     while its client holds less than half its largest window unread: its window never
     closes, and keepalive probes (every PROBE_S while nothing else is sent) fetch the
-    window's edge, so every read shows within a second."""
+    window's edge, so every read shows within a second. Not always: a kernel that promised a
+    window on memory it then spends on many small segments (ours: a token each) moves the
+    edge again only once that memory is free, and Linux caps the window (rcv_ssthresh) below
+    the room a client has. So when a client shows no read for write_timeout_s while the server
+    holds its stream back and its window is open, the server writes into that window until it
+    is full (`filling`; meanwhile its edge moves as its kernel packs small segments, read or
+    not): from there every read shows; a client that then reads nothing for another
+    write_timeout_s is cut off. An edge carried on by the server's own bytes (the window the
+    same) is not taken for a read."""
     lingering = set()
 
     class Connection(H11Protocol):
@@ -141,6 +149,7 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
             super().connection_made(transport)
             self.header_deadline = self.write_deadline = self.on_half_close = None
             self.half_closed, self.window, self.first_edge, self.refused = False, 0, 0, False
+            self.filling = False  # written into its open window whatever its pace, until a read shows
             self.held = False  # the server holds events back for this client (its stream backed up: engine.backlog)
             self.reserved = len(self.connections) > max_connections
             if len(self.connections) > max_connections + RESERVED:
@@ -211,14 +220,15 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
             stood when data began to flow: a kernel's first windows assume less memory per
             byte than our segments then take, and an edge once advertised never moves back,
             so until then the windows say nothing of what the client holds. Until then, and
-            where the kernel does not tell the window: whether any of the response waits unsent."""
+            where the kernel does not tell the window, and while its window is being filled
+            (check_writes): whether any of the response waits unsent."""
             window = peer_window(self.transport)
             if window is not None and window[0] > 4 * ETHERNET_MSS:  # data has flowed: a few segments
                 edge = window[0] + window[1]
                 self.first_edge = self.first_edge or edge
                 if edge > self.first_edge + ETHERNET_MSS:
                     self.window = max(self.window, window[1])
-            if not self.window:
+            if not self.window or self.filling:
                 return self.transport.get_write_buffer_size() + queued(self.transport, SIOCOUTQNSD) > 0
             unread = self.transport.get_write_buffer_size() + queued(self.transport, SIOCOUTQ) + self.window - window[1]
             return unread > min(self.window // 2, max(UNREAD_BYTES, self.window // 8))
@@ -234,22 +244,34 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
             """While the client is behind, or its events are held back, cut it off once it has
             read nothing for write_timeout_s: the right edge of its window has not moved, as its
             kernel said after that time (a probe asks within PROBE_S; PROBE_S past it at most);
-            where the kernel does not say the window: nothing acknowledged while the buffers stay full."""
+            where the kernel does not say the window: nothing acknowledged while the buffers stay full.
+            When that happens while the server holds the stream back and the window is open, its
+            reads may not have shown: the window is filled first, and the deadline starts again."""
             if self.write_deadline is None:
-                self.taken, self.taken_at = bytes_taken(self.transport)[0], self.loop.time()
+                self.seen = bytes_taken(self.transport)[:2]  # (the edge, the window) as last looked at
+                self.taken, self.taken_at = self.seen[0], self.loop.time()  # the edge at the last read, when
                 self.write_deadline = self.loop.call_later(LAG_CHECK_S, self.check_writes)
 
         def check_writes(self):
             self.write_deadline = None
             if self.transport.is_closing():
                 return
-            (taken, heard_s_ago), now = bytes_taken(self.transport), self.loop.time()
-            if taken != self.taken:
-                self.taken, self.taken_at = taken, now
+            (edge, advertised, heard_s_ago), now = bytes_taken(self.transport), self.loop.time()
+            if edge is not None:
+                if advertised is not None and advertised == self.seen[1]:
+                    self.taken += edge - self.seen[0]  # an edge carried on by our own bytes: the window at its cap
+                self.seen = edge, advertised
+                if self.filling and advertised >= ETHERNET_MSS:  # the deadline starts once the window is full
+                    self.taken, self.taken_at = edge, now
+                elif edge - self.taken >= (ETHERNET_MSS if advertised is not None else 1):  # the window's rounding aside
+                    self.taken, self.taken_at, self.filling = edge, now, False  # a read
             overdue = now - self.taken_at - write_timeout_s  # seconds past the deadline
             if overdue >= 0 and (heard_s_ago is None or heard_s_ago <= overdue or overdue >= PROBE_S):
-                self.reset()
-            elif self.flow.write_paused or self.held or self.behind():
+                in_flight = self.transport.get_write_buffer_size() + queued(self.transport, SIOCOUTQ)
+                if self.filling or advertised is None or in_flight or advertised < ETHERNET_MSS:
+                    return self.reset()
+                self.filling, self.taken_at = True, now
+            if self.flow.write_paused or self.held or self.behind():
                 self.write_deadline = self.loop.call_later(LAG_CHECK_S, self.check_writes)
 
         def reset(self):
@@ -296,14 +318,15 @@ def peer_window(transport):
 
 
 def bytes_taken(transport):
-    """(how far the client has read, seconds since its kernel last said so): the right edge
-    of its receive window, which moves on as the client reads; on kernels that do not tell
-    the window, the bytes its kernel acknowledged, and None; (None, None) without tcp_info."""
+    """(how far the client has read, the window it advertised, seconds since its kernel last
+    said so): the right edge of its receive window, which moves on as the client reads; on
+    kernels that do not tell the window, the bytes its kernel acknowledged, None and None;
+    (None, None, None) without tcp_info."""
     info = tcp_info(transport)
     if len(info) >= TCPI_SND_WND + 4:
         acked, window = struct.unpack_from("Q", info, TCPI_BYTES_ACKED)[0], struct.unpack_from("I", info, TCPI_SND_WND)[0]
-        return acked + window, struct.unpack_from("I", info, TCPI_LAST_ACK_RECV)[0] / 1000
-    return (struct.unpack_from("Q", info, TCPI_BYTES_ACKED)[0] if len(info) >= TCPI_BYTES_ACKED + 8 else None), None
+        return acked + window, window, struct.unpack_from("I", info, TCPI_LAST_ACK_RECV)[0] / 1000
+    return (struct.unpack_from("Q", info, TCPI_BYTES_ACKED)[0] if len(info) >= TCPI_BYTES_ACKED + 8 else None), None, None
 
 
 def queued(transport, request):

@@ -141,7 +141,8 @@ def test_2_the_events_waiting_for_a_client_are_bounded_without_a_write_timeout(m
         time.sleep(0.5)
         with engine["lock"]:
             waiting = [box["events"].qsize() for box in engine["outboxes"].values()]
-        assert len(waiting) == 1 and engines.EVENTS_PER_ROW <= waiting[0] <= engines.EVENTS_PER_ROW + 8
+        # paused at EVENTS_PER_ROW, until half are sent: its kernel may yet take a few after the pause
+        assert len(waiting) == 1 and engines.EVENTS_PER_ROW // 2 < waiting[0] <= engines.EVENTS_PER_ROW + 8
         status, got = exchange(httpd, request({"prompt": "y", "max_tokens": 3}, headers=""))
         assert status == 200 and engine["paused"]
         stalled.close()
