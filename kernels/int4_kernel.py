@@ -8,7 +8,9 @@ instructions per multiply-add than int8 itself, by count. So this kernel uses th
 instruction llama.cpp's Q4_0 kernel uses on AVX2: activations rounded to 8 bits, and vpmaddubsw, which
 multiplies 32 unsigned bytes by 32 signed bytes and adds neighbouring products into 16
 16-bit sums: 32 multiply-adds an instruction. A 355M step at batch 1 then takes 0.76 of
-int8's time, 0.24 of float32's (`python benchmark.py --only formats`).
+int8's time, 0.24 of float32's (`python benchmark.py --only formats`). Where the CPU has
+VNNI (AVX-512 VNNI or AVX-VNNI), vpdpbusd does the same 32 and adds each column's four
+products into 32 bits in that instruction (maddubs): the same integers, one step fewer.
 
 The format (weight_formats.to_int4), in groups of 32 inputs (as Q4_0's blocks), each
 group and output column with a scale of its own (bfloat16: 8 bits of precision, far finer
@@ -128,6 +130,23 @@ def targets_avx2():
     return llvm.get_process_triple().startswith("x86_64") and "+avx2" in features.split(",")
 
 
+def targets_vnni():
+    """Whether numba compiles for an x86 CPU with VNNI on 256-bit vectors: AVX-VNNI, or
+    AVX-512 VNNI with AVX-512 VL."""
+    features = set((config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()).split(","))
+    return targets_avx2() and ("+avxvnni" in features or {"+avx512vnni", "+avx512vl"} <= features)
+
+
+@intrinsic
+def zero_sums(typingctx):
+    """Integer 0 in every lane of maddubs's sums: 16 lanes of 16 bits, or VNNI's 8 of 32."""
+    vnni = targets_vnni()
+
+    def codegen(context, builder, signature, args):
+        return ir.Constant(I32x8, [0] * 8) if vnni else ir.Constant(I16x16, [0] * 16)
+    return (int32x8() if vnni else int16x16()), codegen
+
+
 @intrinsic
 def maddubs(typingctx, acc, u, x):
     """acc + (u[0] x[0] + u[1] x[1], u[2] x[2] + u[3] x[3], ...), u unsigned and x signed
@@ -136,7 +155,16 @@ def maddubs(typingctx, acc, u, x):
     makes vpmaddubsw for AVX2-only CPUs, but for AVX-512 ones it widens the bytes to 16 bits and
     multiplies with vpmaddwd / vpdpwssd instead, at half the multiply-adds an instruction
     (tests/test_int4_kernel.py compiles the loops for both). Other CPUs get that plain IR,
-    whose saturation never acts here (a pair is at most 3810): it only lets LLVM match."""
+    whose saturation never acts here (a pair is at most 3810): it only lets LLVM match.
+    With VNNI, one vpdpbusd does it all and the columns' sums too: acc + (u[0..3] . x[0..3],
+    u[4..7] . x[4..7], ...) in 8 lanes of 32 bits (the same integers: nothing saturates)."""
+    if targets_vnni():
+        def vpdpbusd(context, builder, signature, args):  # LLVM 21 on declares bytes, and upgrades this
+            f = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.256",
+                                                 fnty=ir.FunctionType(I32x8, [I32x8, I32x8, I32x8]))
+            return builder.call(f, [args[0], builder.bitcast(args[1], I32x8), builder.bitcast(args[2], I32x8)])
+        return int32x8(int32x8, int8x32, int8x32), vpdpbusd
+
     def codegen(context, builder, signature, args):
         if targets_avx2():
             pmaddubsw = builder.module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw",
@@ -158,26 +186,20 @@ def maddubs(typingctx, acc, u, x):
 
 
 @intrinsic
-def zero16(typingctx):
-    """16 lanes of integer 0 (16-bit)."""
-    def codegen(context, builder, signature, args):
-        return ir.Constant(I16x16, [0] * 16)
-    return int16x16(), codegen
-
-
-@intrinsic
 def column_sums(typingctx, s, minus):
     """The 16-bit pair sums s as 8 columns' 32-bit sums (neighbouring lanes added: vpmaddwd
-    by ones), less `minus` in every lane."""
+    by ones; VNNI's sums are the columns' already), less `minus` in every lane."""
     def codegen(context, builder, signature, args):
+        lanes = builder.insert_element(ir.Constant(I32x8, ir.Undefined), args[1], ir.IntType(32)(0))
+        lanes = builder.shuffle_vector(lanes, ir.Constant(I32x8, ir.Undefined), ir.Constant(I32x8, [0] * 8))
+        if signature.args[0] == int32x8:
+            return builder.sub(args[0], lanes)
         i32x16 = ir.VectorType(ir.IntType(32), 16)
         wide = builder.sext(args[0], i32x16)
         even = builder.shuffle_vector(wide, wide, ir.Constant(I32x8, list(range(0, 16, 2))))
         odd = builder.shuffle_vector(wide, wide, ir.Constant(I32x8, list(range(1, 16, 2))))
-        lanes = builder.insert_element(ir.Constant(I32x8, ir.Undefined), args[1], ir.IntType(32)(0))
-        lanes = builder.shuffle_vector(lanes, ir.Constant(I32x8, ir.Undefined), ir.Constant(I32x8, [0] * 8))
         return builder.sub(builder.add(even, odd), lanes)
-    return int32x8(int16x16, types.int32), codegen
+    return int32x8(s, types.int32), codegen
 
 
 @njit(cache=True, nogil=True)
@@ -208,8 +230,9 @@ def tile(x8, sx, xsum, i, n, qb, sw, b, g, c, out, ahead, mask, shift):
     fma(float(sum - 8 xsum), sw * sx, out)."""
     o = b * W  # the block's first output
     for s in range(4):  # sets of 16 columns
-        # per row, two registers of 16 int16 lanes: 8 columns x 2 pair sums, columns 16s.. and 16s+8..
-        a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = zero16()
+        # per row, two registers of 16 int16 lanes: 8 columns x 2 pair sums (with VNNI 8 int32 lanes:
+        # 8 columns), columns 16s.. and 16s+8..
+        a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = zero_sums()
         for t in range(g * c // 4, (g + 1) * c // 4):  # t: the quad of inputs 4t..4t+3
             prefetch(qb, (b, t + ahead, s, 0))
             lo, hi = low_nibbles(qb, (b, t, s, 0), mask), high_nibbles(qb, (b, t, s, 0), mask, shift)

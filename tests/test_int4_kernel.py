@@ -137,7 +137,42 @@ def test_the_loops_that_run_multiply_with_the_instruction_they_mean(cpu, tmp_pat
     int4 = found["uint8"]  # vpmaddwd also adds each group's pair sums into columns, once a group
     assert int4.get("vpmaddubsw", 0) + int4.get("vpdpbusd", 0) > int4.get("vpmaddwd", 0) + int4.get("vpdpwssd", 0)
     assert "vpmullw" not in int4, found
+    if cpu == "haswell":
+        assert int4.get("vpmaddubsw", 0) > 0 and "vpdpbusd" not in int4, found
+    if cpu == "icelake-server":  # VNNI: one vpdpbusd for vpmaddubsw, and for vpmaddwd's columns
+        assert int4.get("vpdpbusd", 0) > 0 and not {"vpmaddubsw", "vpmaddwd", "vpdpwssd"} & set(int4), found
     assert found["int8"].get("vpmaddwd", 0) + found["int8"].get("vpdpwssd", 0) > 0, found
+
+
+# one int4 and one int8 product, printed as bytes, for the CPU the environment names
+PRODUCTS = """import hashlib
+import numpy as np
+from kernels import layout, rowwise
+rng = np.random.default_rng(7)
+w, x = rng.standard_normal((256, 320), dtype=np.float32), rng.standard_normal((5, 256), dtype=np.float32)
+for dtype in ("int4", "int8"):
+    layer = layout.kernel_blocks(w, dtype)
+    got = np.concatenate([rowwise.matmul(x[:n], layer.stored, n_out=320, scale=layer.scale) for n in (1, 5)])
+    print(dtype, hashlib.sha256(got.tobytes()).hexdigest())"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or rowwise.KERNEL != "numba",
+                    reason="numba's loops for x86's AVX2")
+def test_this_cpus_loops_give_the_bits_the_avx2_loops_give(tmp_path):
+    """On an AVX-512 (VNNI) CPU the integer loops run other instructions (vpdpbusd, vpdpwssd)
+    than held to AVX2: the integer sums are exact and the float order fixed, so the same bits."""
+    outputs = []
+    for held in (False, True):
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / str(held)))
+        for name in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"):
+            env.pop(name, None)
+        if held:
+            env.update(NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=AVX2_FEATURES)
+        out = subprocess.run([sys.executable, "-c", PRODUCTS], env=env, cwd=ROOT, capture_output=True,
+                             text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-2000:]
+        outputs.append(out.stdout.split())
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 4
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86's instruction names")
@@ -151,7 +186,7 @@ def test_llvm_turns_maddubs_into_vpmaddubsw(k4):
     from kernels.row_kernel import store8
 
     def f(qb, x8, out, mask, shift):
-        acc = k4.maddubs(k4.zero16(), k4.low_nibbles(qb, (0,), mask), k4.quad(x8, (0,)))
+        acc = k4.maddubs(k4.zero_sums(), k4.low_nibbles(qb, (0,), mask), k4.quad(x8, (0,)))
         acc = k4.maddubs(acc, k4.high_nibbles(qb, (0,), mask, shift), k4.quad(x8, (4,)))
         store8(out, (0,), k4.to_float(k4.column_sums(acc, 0)))
     compiled = njit("void(uint8[::1], int8[::1], float32[::1], int32, int32)")(f)
