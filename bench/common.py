@@ -147,7 +147,8 @@ def machine_info():
                                 if f"+{s}" in features.split(",")],
                     numba_threads=numba.get_num_threads(),
                     # what the int4 loops multiply with
-                    int4_madd="vpmaddubsw" if int4_kernel.targets_avx2() else "LLVM's choice")
+                    int4_madd=("vpdpbusd" if int4_kernel.targets_vnni() else "vpmaddubsw")
+                    if int4_kernel.targets_avx2() else "LLVM's choice")
     return info
 
 
