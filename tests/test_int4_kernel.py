@@ -156,8 +156,13 @@ for dtype in ("int4", "int8"):
     print(dtype, hashlib.sha256(got.tobytes()).hexdigest())"""
 
 
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or rowwise.KERNEL != "numba",
-                    reason="numba's loops for x86's AVX2")
+def host_has_avx2():
+    import llvmlite.binding as llvm
+    return "+avx2" in llvm.get_host_cpu_features().flatten().split(",")
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or rowwise.KERNEL != "numba"
+                    or not host_has_avx2(), reason="numba's loops for x86's AVX2, run")
 def test_this_cpus_loops_give_the_bits_the_avx2_loops_give(tmp_path):
     """On an AVX-512 (VNNI) CPU the integer loops run other instructions (vpdpbusd, vpdpwssd)
     than held to AVX2: the integer sums are exact and the float order fixed, so the same bits."""
