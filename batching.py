@@ -113,7 +113,7 @@ class Stats:
     draft_passes: int = 0
     drafted: int = 0
     accepted: int = 0
-    rejections: int = 0  # row-steps that rejected a draft
+    rejected: int = 0  # row-steps that rejected a draft
     draft_s: float = 0.0  # seconds spent drafting, over every step ...
     verify_s: float = 0.0  # ... and scoring and verifying
     first_draft_s: float = 0.0  # ... of which the first step's (the prefill)

@@ -1,5 +1,5 @@
 """benchmark.py: every speed number in the README comes from here; the measuring lives in
-bench/ (one file per section, bench/__init__.py says which), and `bench.cli.main` is its door.
+bench/ (one file per section, bench/__init__.py says which), and `bench.cli.main` is its way in.
 
     python benchmark.py                 # 124M and 355M on the CPU: decoding, costs, speculative, serving
     python benchmark.py --quick         # tiny shapes, seconds (the test suite runs this)

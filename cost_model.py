@@ -57,10 +57,10 @@ def best_K(alpha, costs, K_max):
     return max(range(1, K_max + 1), key=lambda K: speedup(alpha, K, costs))
 
 
-def estimate_alpha(accepted, rejections):
+def estimate_alpha(accepted, rejected):
     """alpha from drafts seen: each accepted draft a success, each step that rejected one
     a failure (the maximum-likelihood estimate for the papers' geometric model)."""
-    return accepted / (accepted + rejections) if accepted + rejections else 0.0
+    return accepted / (accepted + rejected) if accepted + rejected else 0.0
 
 
 def step_parameters(hparams, vocab=0):

@@ -84,7 +84,7 @@ def speculative_step(batch, target, drafter, config):
     for b, seq in enumerate(batch.seqs):  # 5. emit; each row remembers how its drafts fared
         batching.emit(batch, b, drafts[b][:n[b]] + [token[b]], n[b], logits[b])
         seq.accepted, seq.rejected = seq.accepted + n[b], seq.rejected + (n[b] < k[b])
-        batch.stats.rejections += n[b] < k[b]
+        batch.stats.rejected += n[b] < k[b]
     for name in batch.caches:  # 6. every cache forgets the rejected drafts
         kv_cache.rollback(batching.cache(batch, name), [len(seq.tokens) - 1 for seq in batch.seqs])
     batch.stats.speculative_step_done(k, n, t1 - t0, t2 - t1)

@@ -1,6 +1,6 @@
 """The benchmark behind `python benchmark.py`: every speed number in the README.
 
-Its door is `cli.main` (the flags in `cli.parse_args`; results.json and results.md are
+Its way in is `cli.main` (the flags in `cli.parse_args`; results.json and results.md are
 written by `cli.write_results`, the tables made by report.py, the plots by plots.py). One
 file per section of `--only`, each measuring one thing:
 

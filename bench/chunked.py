@@ -1,4 +1,4 @@
-"""`--only chunked`: chunked prefill (scheduler.serving's max_prefill_tokens) against
+"""`--only chunked`: chunked prefill (scheduler.loop's max_prefill_tokens) against
 prompts run whole, in turns.
 
 The workload (issue 59's): --chunked_streams streams (21) decode short prompts (16 tokens,
@@ -51,7 +51,7 @@ def run_turn(model, long_at, max_prefill_tokens, seed, long_len, stream_tokens, 
         kinds[i] = kind
         return i, reqs[i]
 
-    def intake(now, idle):  # scheduler.serving's: a stream that ends is followed by the next, 7 in flight
+    def intake(now, idle):  # scheduler.loop's: a stream that ends is followed by the next, 7 in flight
         if idle and sent[0] == n_streams and arrived_long[0] < len(long_at):  # nothing runs: wait for the next
             time.sleep(max(0.0, long_at[arrived_long[0]] - (time.perf_counter() - start)))
         arrivals = []
@@ -65,7 +65,7 @@ def run_turn(model, long_at, max_prefill_tokens, seed, long_len, stream_tokens, 
         return arrivals, (), sent[0] == n_streams and arrived_long[0] == len(long_at), {}
 
     last, gaps, ttft, tokens = {}, [], [], 0
-    for e in scheduler.serving(intake, scheduler.autoregressive(model)[0], {"target": model}, STREAMS + 1,
+    for e in scheduler.loop(intake, scheduler.autoregressive(model)[0], {"target": model}, STREAMS + 1,
                                model[1]["n_ctx"], max_prefill_tokens=max_prefill_tokens):
         now = time.perf_counter()
         if e.kind == "token":

@@ -197,10 +197,10 @@ def bench_speculative_end_to_end(draft, target, costs, args):
                     base = plain()
                     runs.append(controlled_run(draft, target, truth, a, config, n, seed=rep))
                     ratios.append(runs[-1].decode_tokens_per_s / base)
-                    alpha = cost_model.estimate_alpha(runs[-1].accepted, runs[-1].rejections)
+                    alpha = cost_model.estimate_alpha(runs[-1].accepted, runs[-1].rejected)
                     beside.append(cost_model.speedup(alpha, K, mean_costs(before, costs_beside(
                         subset, target, L, K))[1]))
-                alpha = float(np.median([cost_model.estimate_alpha(s.accepted, s.rejections) for s in runs]))
+                alpha = float(np.median([cost_model.estimate_alpha(s.accepted, s.rejected) for s in runs]))
                 rows.append({"decoder": "speculative", "a": a, "K": K, "draft_vocab": vocab,
                              "tok_s": float(np.median([s.decode_tokens_per_s for s in runs])),
                              "speedup": float(np.median(ratios)), "speedup_min": min(ratios),
@@ -251,7 +251,7 @@ def bench_breakdown(draft, target, args):
             s = controlled_run(draft, target, truth, a, config, n, seed=rep)
             step, costs = mean_costs(before, costs_beside(draft, target, L, args.K))
             steps = s.n_steps - 1
-            alpha = cost_model.estimate_alpha(s.accepted, s.rejections)
+            alpha = cost_model.estimate_alpha(s.accepted, s.rejected)
             verify = costs.verify[args.K]
             rows.append({"a": a, "K": args.K, "target_step_ms": step * 1e3, "c": costs.draft,
                          "verify_over_step": verify, "catch_up": costs.catch_up, "alpha": alpha,

@@ -1,6 +1,6 @@
 """The command line the three commands share (main.py, server.py, benchmark.py).
 
-Its door is `flags`: `add_model_flags` / `add_decoder_flags` build a parser's flags,
+Its way in is `flags`: `add_model_flags` / `add_decoder_flags` build a parser's flags,
 `load_models(args)` loads what they name. main.py's machinery beside it: `warm` (what a
 run compiles and warms before it is timed), `printing` (a decoder's run, printed) and
 `timing` (passes timed on this machine: the advice on K).

@@ -54,7 +54,7 @@ def advise_K(stats, target, drafter, config, self_draft=False):
     narrower draft where it drafts in float32."""
     if not stats.drafted:
         return
-    alpha = cost_model.estimate_alpha(stats.accepted, stats.rejections)
+    alpha = cost_model.estimate_alpha(stats.accepted, stats.rejected)
     draft = drafter if isinstance(drafter, tuple) else None
     costs = measure_costs(target, draft, config.K_max, config.draft_vocab)
     K = cost_model.best_K(alpha, costs, config.K_max)

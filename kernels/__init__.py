@@ -4,7 +4,7 @@ gpt2.py is the model as math, and it never asks what runs it. On a CPU the kerne
 through the weights and the cache, computing the same functions with every row summed in
 a fixed order (each row as if alone):
 
-- weights.py: the door. Laid out at load (layout.py), a weight matrix is a `Matrix` that
+- weights.py: the way in. Laid out at load (layout.py), a weight matrix is a `Matrix` that
   multiplies itself: gpt2.py's `x @ w` runs `rowwise.matmul`, and `wte[tokens]` / `wte.T`
   read the tied embedding from the head's stored matrix. A cached pass attends through
   kv_cache.attend, which runs `rowwise.attention` (row_ops.py) where the layout allows.

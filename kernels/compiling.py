@@ -34,7 +34,7 @@ from numba.core import event
 _noticed = threading.Event()
 seconds_compiling = 0.0  # this process's time in numba, compiling kernels or loading them from its cache
 first_uses = []  # (kernel, dtype, plan) as this process first needed each loop
-KERNELS = {}  # "module.kernel" -> compile(dtype name, plan): what a compiling process can be asked for
+LOOPS = {}  # "module.kernel" -> compile(dtype name, plan): what a compiling process can be asked for
 
 
 def when_first_called(signatures, key, plan=None, **options):
@@ -72,7 +72,7 @@ def when_first_called(signatures, key, plan=None, **options):
             kernel = ready.get(k) or compile_for(*k)
             return kernel(*args)
 
-        KERNELS[f"{make.__module__}.{make.__name__}"] = \
+        LOOPS[f"{make.__module__}.{make.__name__}"] = \
             lambda dtype, constant: ready.get((np.dtype(dtype), constant)) or compile_for(np.dtype(dtype), constant)
         return call
     return decorate
@@ -119,7 +119,7 @@ def cached(loops):
     try:
         for loop in loops:
             try:
-                KERNELS[loop[0]](loop[1], loop[2])
+                LOOPS[loop[0]](loop[1], loop[2])
                 found.append(loop)
             except NotCached:
                 pass
@@ -239,5 +239,5 @@ def work(share):
         if stop.is_set():
             break
         module, _ = kernel.rsplit(".", 1)
-        __import__(module)  # registers its kernels in KERNELS
-        KERNELS[kernel](dtype, plan)
+        __import__(module)  # registers its kernels in LOOPS
+        LOOPS[kernel](dtype, plan)

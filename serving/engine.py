@@ -1,7 +1,7 @@
 """The engine: one thread that owns the models, the batch and the scheduler, and hands
 each request's events to the event loop that answers it.
 
-Handlers submit requests (and cancellations) into the engine's inbox; scheduler.serving
+Handlers submit requests (and cancellations) into the engine's inbox; scheduler.loop
 runs them; each event goes to the asyncio queue of the request it belongs to. Between
 the two, the one rule for a client that lags (PAUSE_RULE): its events may wait in memory,
 up to EVENTS_PER_ROW per row; past that, or when a request needs its row, the engine
@@ -99,7 +99,7 @@ def serve_requests(engine):
     step, models = engine["decoder"]
     stopped, lagging = [], engine["lagging"]  # as watch_lag and backlog tell it
 
-    def intake(now, idle):  # scheduler.serving's intake: block on the inbox only while nothing runs
+    def intake(now, idle):  # scheduler.loop's intake: block on the inbox only while nothing runs
         items = [engine["inbox"].get()] if idle and not stopped else []
         while True:
             try:
@@ -118,7 +118,7 @@ def serve_requests(engine):
     n_ctx = engine["hparams"]["n_ctx"]
     last_token_at, prefix = {}, engine["prefix_cache"]
     args = engine["args"]
-    for e in scheduler.serving(intake, step, models, args.max_batch, n_ctx, stats=engine["stats"],
+    for e in scheduler.loop(intake, step, models, args.max_batch, n_ctx, stats=engine["stats"],
                                prefix=engine["prefix_cache"], max_prefill_tokens=flags.prefill_budget(args)):
         now, n_top = time.perf_counter(), None
         with engine["lock"]:

@@ -7,7 +7,7 @@ https://www.usenix.org/conference/osdi22/presentation/yu; vLLM, Kwon et al. 2023
 https://arxiv.org/abs/2309.06180) schedules per iteration instead: a finished
 request leaves at once, and a waiting one takes its row at the next iteration.
 
-`serve` keeps up to max_batch rows in flight in one fixed set of KV-cache rows
+`loop` keeps up to max_batch rows in flight in one fixed set of KV-cache rows
 (batching.py). Requests that arrive take the free rows, and each iteration is one step
 of the decoder for every row whose prompt is computed, with the next chunks of the
 prompts still being computed riding in its pass (chunked prefill, Sarathi-Serve,
@@ -81,7 +81,7 @@ def serve(requests, decoder, max_batch=8, max_len=None, static=False, prefix=Non
     max_len: the most tokens (prompt + new) a row holds; at the window (the default)
     every request fits, a longer text sliding its window as in every other path.
     prefix: a prefix cache (prefix_cache.new_prefix_cache) to keep computed beginnings in.
-    max_prefill_tokens: chunked prefill's budget per iteration (serving); None: prompts run whole.
+    max_prefill_tokens: chunked prefill's budget per iteration; None: prompts run whole.
     stats: a batching.Stats to count in (its itl_ms: the gaps between steps, what a stream sees).
     A request that cannot be served gets an "error" event at once; the others go on. max_batch,
     max_len and max_prefill_tokens are checked here, before the first event is asked for."""
@@ -91,12 +91,12 @@ def serve(requests, decoder, max_batch=8, max_len=None, static=False, prefix=Non
     problems = [refusal(r, models["target"][1], max_len) for r in requests]
     errors = [Event("error", i, error=problem) for i, problem in enumerate(problems) if problem]
     good = sorted((i for i, problem in enumerate(problems) if not problem), key=lambda i: requests[i].arrival_s)
-    return itertools.chain(errors, serving(from_list(requests, good), step, models, max_batch, max_len, static,
-                                           stats=stats, prefix=prefix, max_prefill_tokens=max_prefill_tokens))
+    return itertools.chain(errors, loop(from_list(requests, good), step, models, max_batch, max_len, static,
+                                        stats=stats, prefix=prefix, max_prefill_tokens=max_prefill_tokens))
 
 
 def check_limits(hparams, max_batch, max_len):
-    """max_len (None: the window) as serving uses it, or a ValueError naming what is wrong."""
+    """max_len (None: the window) as the loop uses it, or a ValueError naming what is wrong."""
     if not sampling.is_int(max_batch) or max_batch < 1:
         raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
     if max_len is not None and (not sampling.is_int(max_len) or max_len < 1):
@@ -105,7 +105,7 @@ def check_limits(hparams, max_batch, max_len):
 
 
 def from_list(requests, order):
-    """serving's intake for a list of requests known in advance: those in order (sorted by
+    """loop's intake for a list of requests known in advance: those in order (sorted by
     arrival_s) arrive at their times; while nothing runs, it sleeps until the next."""
     waiting = collections.deque(order)
 
@@ -121,9 +121,9 @@ def from_list(requests, order):
     return intake
 
 
-def serving(intake, step, models, max_batch, max_len, static=False, stats=None, prefix=None,
-            max_prefill_tokens=None):
-    """The loop: take in what has arrived, admit it into free rows, run one step, let finished
+def loop(intake, step, models, max_batch, max_len, static=False, stats=None, prefix=None,
+         max_prefill_tokens=None):
+    """Serving's loop: take in what has arrived, admit it into free rows, run one step, let finished
     rows leave. intake(now, idle) -> (arrivals [(index, request)], indices cancelled, whether
     no more will come, lagging {index: whether its tokens back up} of the requests whose
     clients lag); idle: nothing runs or can resume and nothing waits, so intake may block

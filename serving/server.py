@@ -6,7 +6,7 @@
 
 Every engine people run (vLLM, llama.cpp's server, TGI) speaks the OpenAI API, so every
 client does too: the official `openai` package, curl, LangChain. The server is three parts:
-- one engine thread runs scheduler.serving over a queue: requests (and cancellations) go
+- one engine thread runs scheduler.loop over a queue: requests (and cancellations) go
   in, and each event goes to the asyncio queue of the request it belongs to;
 - FastAPI on uvicorn (what vLLM's OpenAI server runs on) turns a JSON body into
   batching.Requests (openai_api.py says what a body may hold), and the engine's tokens into

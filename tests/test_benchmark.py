@@ -151,7 +151,7 @@ def test_controlled_drafter_hits_its_acceptance_rate(tiny):
     truth = prompt + common.greedy([prompt], model, 400)[0][0]
     for seed in range(3):
         stats = speculation.controlled_run(model, model, truth, 0.7, speculative.SpeculativeConfig(K=3), 400, seed)
-        assert abs(cost_model.estimate_alpha(stats.accepted, stats.rejections) - 0.7) < 0.02
+        assert abs(cost_model.estimate_alpha(stats.accepted, stats.rejected) - 0.7) < 0.02
 
 
 @pytest.mark.parametrize("a", [0.6, 0.8, 0.83, 0.95])

@@ -1,4 +1,4 @@
-"""Chunked prefill (scheduler.serving's max_prefill_tokens): a prompt spread over
+"""Chunked prefill (scheduler.loop's max_prefill_tokens): a prompt spread over
 iterations changes no bit of any text or logprob, and no iteration computes more than
 its budget."""
 import dataclasses
@@ -143,7 +143,7 @@ def test_chunked_prefill_composes_with_preemption(models):
     reqs = [dataclasses.replace(r, max_new_tokens=12) for r in random_requests(6, 3, 64)]
     dec = decoder(models, "autoregressive")
     lags = {i: (range(2, 40), False) for i in range(4)}
-    events = list(scheduler.serving(lagging_intake(reqs, lags), *dec, 2, 64, max_prefill_tokens=5))
+    events = list(scheduler.loop(lagging_intake(reqs, lags), *dec, 2, 64, max_prefill_tokens=5))
     finished = {e.index: e.tokens for e in events if e.kind == "finished"}
     assert len({e.index for e in events if e.kind == "paused"}) > 2  # past max_batch 2: one kept only its text
     assert all(finished[i] == batching.generate([r], models[0])[0][0] for i, r in enumerate(reqs))
@@ -171,7 +171,7 @@ def test_a_request_cancelled_while_its_prompt_is_prefilled_finishes_with_nothing
     def intake(now, idle):
         arrived, _, closed, _ = arrive(now, idle)
         return arrived, [0] if next(calls) == 3 else [], closed, {}
-    events = list(scheduler.serving(intake, *decoder(models, "autoregressive"), 2, 64, max_prefill_tokens=8))
+    events = list(scheduler.loop(intake, *decoder(models, "autoregressive"), 2, 64, max_prefill_tokens=8))
     finished = {e.index: e for e in events if e.kind == "finished"}
     assert finished[0].tokens == [] and finished[0].metrics is None
     assert not [e for e in events if e.kind == "token" and e.index == 0]

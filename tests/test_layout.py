@@ -52,9 +52,9 @@ def test_the_root_holds_the_tutorial_and_the_commands():
 
 
 @pytest.mark.parametrize("folder", FOLDERS)
-def test_each_folder_says_what_it_is_and_names_its_door(folder):
+def test_each_folder_says_what_it_is_and_names_its_way_in(folder):
     doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, folder, "__init__.py"), encoding="utf-8").read()))
-    assert doc and len(doc.splitlines()) >= 2 and "door" in doc
+    assert doc and len(doc.splitlines()) >= 2 and "way in" in doc
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -236,7 +236,7 @@ def lagging_intake(reqs, lags, cancel_at=None):
 
 def serve_lagging(models, decoder, reqs, lags, max_batch, cancel_at=None, prefix=None):
     step, cached = decoders(models)[decoder][0]
-    events = list(scheduler.serving(lagging_intake(reqs, lags, cancel_at), step, cached, max_batch,
+    events = list(scheduler.loop(lagging_intake(reqs, lags, cancel_at), step, cached, max_batch,
                                     models[0][1]["n_ctx"], prefix=prefix))
     return events, {e.index: e for e in events if e.kind == "finished"}
 
