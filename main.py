@@ -22,7 +22,7 @@ import kv_cache
 import sampling
 import speculative
 import utils
-from cli import flags, printing, timing, warm
+from cli import flags, loading, printing, timing, warm
 from serving import scheduler
 
 DEFAULT_PROMPT = "Alan Turing theorized that computers would one day become"
@@ -142,11 +142,11 @@ def beam_settings(args):
 def run_beams(args, beams, prompts):
     """Beam search over the prompts together; each prompt's best texts with their scores."""
     args.mode = "autoregressive"
-    with flags.compiling_ahead(args, [(args.dtype, flags.EVERY_TILE)]):
-        encoder, target, _ = flags.load_models(args)
+    with loading.compile_ahead(args, [(args.dtype, loading.EVERY_TILE)]):
+        encoder, target, _ = loading.load_models(args)
     ids = tokenize(encoder, prompts, target[1]["n_ctx"])
     beam_search.check_window(target[1]["n_ctx"], ids, args.n_tokens_to_generate)
-    flags.warm_up(target, flags.EVERY_TILE)  # beams are rows of every count
+    loading.warm(target, loading.EVERY_TILE)  # beams are rows of every count
     print(f"\n=== beam search: GPT-2 {named(args.target_model_size, args.dtype)}, {beams.num_beams} beams ===")
     start = time.perf_counter()
     results = beam_search.beam_search(ids, target, args.n_tokens_to_generate, beams,
@@ -169,10 +169,10 @@ def run(args):
     if args.num_beams != 1:
         return run_beams(args, beam_settings(args), prompts)
     args.mode = args.mode or "both"
-    encoder, n_ctx = flags.tokenizer(args)
+    encoder, n_ctx = loading.tokenizer(args)
     ids = tokenize(encoder, prompts, n_ctx)
-    with warm.compiling_ahead(args, config, ids):  # while the models load
-        _, target, drafter = flags.load_models(args)
+    with warm.compile_ahead(args, config, ids):  # while the models load
+        _, target, drafter = loading.load_models(args)
     warm.warm_up(args, config, target, drafter, ids)
     eos = None if args.ignore_eos else encoder.eot_token
     reqs = batching.requests(ids, args.n_tokens_to_generate, settings, args.seed, eos)

@@ -1,12 +1,12 @@
 """What a run of main.py compiles and warms before anything is timed.
 
 The kernels compile one loop per format and tile of rows (kernels/compiling.py). A run
-knows the passes it will make from its prompts and flags: `compiling_ahead` compiles
+knows the passes it will make from its prompts and flags: `compile_ahead` compiles
 their loops in other processes while the models load, and `warm_up` runs a pass of each
 kind once, so that no decoder's time includes a compile.
 """
 import kv_cache
-from cli import flags
+from cli import flags, loading
 
 
 def warm_rows(args, config, ids):
@@ -19,23 +19,23 @@ def warm_rows(args, config, ids):
     for i in ids:
         rows |= {len(i) - 1, 1} if len(i) - 1 > kv_cache.ALONE_ABOVE else {len(i)}
     if len(ids) > 1 or args.max_batch:
-        rows = set(flags.EVERY_TILE)
+        rows = set(loading.EVERY_TILE)
     if args.mode == "autoregressive":
         return rows, None
     verify = set(range(2, max(config.K, config.K_max or 7) + 2))
-    return rows | verify, (rows | {2} if flags.separate_draft(args) else None)
+    return rows | verify, (rows | {2} if loading.separate_draft(args) else None)
 
 
-def compiling_ahead(args, config, ids):
+def compile_ahead(args, config, ids):
     """A context in which the kernels' loops of this run's passes compile in other processes."""
     target_rows, draft_rows = warm_rows(args, config, ids)
-    return flags.compiling_ahead(args, [(args.dtype, target_rows)] + ([(flags.draft_dtype(args), draft_rows)]
+    return loading.compile_ahead(args, [(args.dtype, target_rows)] + ([(flags.draft_dtype(args), draft_rows)]
                                                                       if draft_rows else []))
 
 
 def warm_up(args, config, target, drafter, ids):
     """The kernels' loops of this run's passes, compiled (or loaded from numba's cache) before any is timed."""
     target_rows, draft_rows = warm_rows(args, config, ids)
-    flags.warm_up(target, target_rows)
+    loading.warm(target, target_rows)
     if draft_rows:
-        flags.warm_up(drafter, draft_rows)
+        loading.warm(drafter, draft_rows)

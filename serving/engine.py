@@ -16,7 +16,7 @@ import time
 
 import batching
 import speculative
-from cli import flags
+from cli import flags, loading
 from serving import openai_api, prefix_cache, scheduler
 from serving.openai_api import ApiError
 
@@ -59,11 +59,11 @@ def load(engine, loaded=None):
     """Load the models (downloading what is missing) and build the decoder the engine runs.
     loaded: (encoder, target, drafter) already in memory (the benchmark's random models)."""
     args = engine["args"]
-    formats = [args.dtype] + ([flags.draft_dtype(args)] if flags.separate_draft(args) else [])
-    with flags.compiling_ahead(args, [(dtype, flags.EVERY_TILE) for dtype in ([] if loaded else formats)]):
-        encoder, target, drafter = loaded or flags.load_models(args, log_to_stderr)
+    formats = [args.dtype] + ([flags.draft_dtype(args)] if loading.separate_draft(args) else [])
+    with loading.compile_ahead(args, [(dtype, loading.EVERY_TILE) for dtype in ([] if loaded else formats)]):
+        encoder, target, drafter = loaded or loading.load_models(args, log_to_stderr)
     for model in (target, drafter) if isinstance(drafter, tuple) else (target,):
-        flags.warm_up(model, flags.EVERY_TILE)  # no request waits for a compile
+        loading.warm(model, loading.EVERY_TILE)  # no request waits for a compile
     if args.mode == "speculative":
         config = speculative.SpeculativeConfig(K=args.K, adaptive=args.adaptive_K, K_max=args.K_max,
                                                draft_vocab=args.draft_vocab)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(rowwise.KERNEL != "numba", reason="the numba ker
 AHEAD_THEN_WARM = """import json, sys
 from numba.core import event
 import utils
-from cli import flags
+from cli import loading
 from kernels import compiling, rowwise, weight_formats
 rows = {1, 7, 9}
 models = {d: utils.load_encoder_hparams_and_params("124M", sys.argv[1], dtype=d)[1:] for d in weight_formats.DTYPES}
@@ -33,7 +33,7 @@ class Count(event.Listener):
 
 with event.install_listener("numba:compile", Count()):
     for hparams, params in models.values():
-        flags.warm_up((params, hparams), rows)
+        loading.warm((params, hparams), rows)
 print(json.dumps({"processes": len(running), "compiles here": Count.compiles, "loops": sorted(map(str, loops)),
                   "cached": len(compiling.cached(loops))}))
 """

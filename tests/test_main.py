@@ -78,7 +78,7 @@ def timing_no_compile(fn):
     return wrapped
 printing.decode = timing_no_compile(printing.decode)
 timing.measure_costs = timing_no_compile(timing.measure_costs)
-warm.compiling_ahead = lambda *args: __import__('contextlib').nullcontext()  # the warm-up alone (test_compiling.py checks what compiles ahead)
+warm.compile_ahead = lambda *args: __import__('contextlib').nullcontext()  # the warm-up alone (test_compiling.py checks what compiles ahead)
 assert main.main(sys.argv[1:]) == 0
 print(json.dumps({"timed": timed, "warmed": compiling.first_uses}))
 """

@@ -218,7 +218,7 @@ def test_each_pass_runs_one_tile_plan_and_the_server_warms_them_all():
     asked for; the server's reaches every loop, so that no request waits for a compile.
     float32 pads its rows until every tile holds 4 or more (2 or 3 rows to 4, 7 to 8): it
     compiles two tile plans, not four."""
-    from cli import flags
+    from cli import loading
     from kernels import row_kernel
     for R in range(2, 300):
         n_tiles, n = -(-R // 6), row_kernel.tile_plan(R)
@@ -235,6 +235,6 @@ def test_each_pass_runs_one_tile_plan_and_the_server_warms_them_all():
     assert [row_kernel.padded_rows(R, np.uint16) for R in range(2, 10)] == list(range(2, 10))
     for dtype in (np.float32, np.uint16, np.int8, np.uint8):  # what a warm-up over EVERY_TILE compiles reaches every pass
         loops = {row_kernel.loop_for(R, dtype) for R in range(1, 300)}
-        assert {row_kernel.loop_for(r, dtype) for r in rowwise.warm_passes(flags.EVERY_TILE, dtype)} == loops
+        assert {row_kernel.loop_for(r, dtype) for r in rowwise.warm_passes(loading.EVERY_TILE, dtype)} == loops
         assert {row_kernel.loop_for(r, dtype) for r in rowwise.warm_passes([1, 9, 100], dtype)} == {
             row_kernel.loop_for(R, dtype) for R in (1, 9, 100)}
