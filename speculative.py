@@ -33,6 +33,7 @@ output is the target's own greedy text, token for token.
 """
 import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 
@@ -71,7 +72,7 @@ def speculative_step(batch, target, drafter, config):
     """One round of the papers' loop for every row of the batch."""
     allowed = [n_drafts(seq, config, target[1]["n_ctx"]) for seq in batch.seqs]  # drafts each row may verify
     t0 = time.perf_counter()
-    drafts, q = propose(batch, drafter, allowed, config.draft_vocab)  # 1. d_1..d_k, sampled from q_1..q_k
+    drafts, q = drafter.propose(batch, allowed, config.draft_vocab)  # 1. d_1..d_k, sampled from q_1..q_k
     k = np.array([len(d) for d in drafts])  # [B]
     t1 = time.perf_counter()
     logits, p = score_with_target(batch, target, drafts)  # 2. p_1..p_{k+1}, from ONE target pass
@@ -93,13 +94,13 @@ def speculative_step(batch, target, drafter, config):
 def speculative_generate(requests, target, drafter, config=None, use_cache=True, callback=None):
     """Draft-verify decoding for a batch of requests (batching.requests).
 
-    target: (params, hparams). drafter: a draft model (params, hparams); "prompt_lookup";
-      or a function propose(batch, k) -> (drafts, q) (the benchmark's oracle and
-      controlled drafters). callback(seq, token, accepted, logits) sees each token as it comes.
-    config: SpeculativeConfig (None: its defaults). Returns (each request's new tokens, batching.Stats).
+    target: (params, hparams). drafter: a Drafter: draft_model(model) for a small model,
+      PROMPT_LOOKUP, or one of your own. callback(seq, token, accepted, logits) sees each
+      token as it comes. config: SpeculativeConfig (None: its defaults).
+    Returns (each request's new tokens, batching.Stats).
     """
     config = config or SpeculativeConfig()
-    draft = drafter if isinstance(drafter, tuple) else None
+    draft = draft_of(drafter)
     check(config, target[1], draft and draft[1])
     config = resolve(config, target, draft)
     models = {"target": target, "draft": draft} if draft else {"target": target}
@@ -117,13 +118,27 @@ def n_drafts(seq, config, n_ctx):
     return max(0, min(K, left, kv_cache.room(len(seq.tokens), n_ctx)))
 
 
-def propose(batch, drafter, k, vocab=0):
-    """Up to k[b] drafts per row, and the distributions q [B, max k, n_vocab] they came from."""
-    if isinstance(drafter, tuple):
-        return draft_with_model(batch, drafter, k, vocab)
-    if drafter == "prompt_lookup":
-        return draft_deterministic(batch, prompt_lookup_draft, k)
-    return drafter(batch, k)
+@dataclass(frozen=True)
+class Drafter:
+    """What proposes a step's drafts. propose(batch, k, vocab) -> (drafts, q): up to k[b]
+    drafts for row b, and the distributions q [B, max k, n_vocab] they were sampled from
+    (vocab: SpeculativeConfig.draft_vocab). model: the draft model whose KV cache the batch
+    keeps beside the target's (None: a drafter without one, such as prompt lookup)."""
+    propose: Callable
+    model: tuple = None
+
+
+def draft_model(model):
+    """The papers' drafter: a small model (params, hparams), one pass per draft token."""
+    return Drafter(lambda batch, k, vocab: draft_with_model(batch, model, k, vocab), model)
+
+
+def draft_of(drafter):
+    """The drafter's model (None: it has none), or a TypeError saying what a drafter is."""
+    if not isinstance(drafter, Drafter):
+        raise TypeError(f"drafter must be a speculative.Drafter (draft_model(model) for a draft model, "
+                        f"PROMPT_LOOKUP), got {type(drafter).__name__}")
+    return drafter.model
 
 
 def draft_with_model(batch, model, k, vocab=0):
@@ -214,6 +229,9 @@ def prompt_lookup_draft(seq, K, max_ngram=3):
             start = hits[-1] + size
             return arr[start:start + K].tolist()
     return []
+
+
+PROMPT_LOOKUP = Drafter(lambda batch, k, vocab: draft_deterministic(batch, prompt_lookup_draft, k))
 
 
 def score_with_target(batch, model, drafts):

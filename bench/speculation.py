@@ -105,7 +105,7 @@ def acceptance_draws(a, rng):
         yield from rng.permutation(np.arange(L) < round(a * L)).tolist()
 
 
-def controlled_drafter(draft, truth, a, vocab=0, seed=0):
+def controlled_drafter(draft, truth, a, seed=0):
     """A drafter whose acceptance rate is a, for a greedy target: the draft model runs
     (so drafting costs what it really costs), then its proposals are replaced by the
     target's own next tokens (truth) while acceptance_draws says accept, and by another
@@ -123,16 +123,16 @@ def controlled_drafter(draft, truth, a, vocab=0, seed=0):
             proposals.append(t if accepting else (t + 1) % n_vocab)
         return proposals
 
-    def propose(batch, k):
+    def propose(batch, k, vocab):
         speculative.draft_with_model(batch, draft, k, vocab)
         return speculative.draft_deterministic(batch, steer, k)
-    return propose
+    return speculative.Drafter(propose, draft)
 
 
 def controlled_run(draft, target, truth, a, config, n, seed=0):
     """One greedy speculative run with the controlled drafter: its Stats."""
     prompt = truth[:len(truth) - n]
-    drafter = controlled_drafter(draft, truth, a, config.draft_vocab, seed)
+    drafter = controlled_drafter(draft, truth, a, seed)
     config = speculative.resolve(config, target, draft)
     out, stats = batching.run(batching.requests([prompt], n, GREEDY), {"target": target, "draft": draft},
                               lambda batch: speculative.speculative_step(batch, target, drafter, config))
@@ -228,7 +228,8 @@ def bench_self_draft(target, args, weights):
     end_to_end = bench_speculative_end_to_end(draft, target, costs, sub)
     prompts = [prompt_ids(args.prompt_len, seed=30 + i) for i in range(4)]
     reqs = batching.requests(prompts, args.n_tokens * 2, GREEDY)
-    natural = speculative.speculative_generate(reqs, target, draft, speculative.SpeculativeConfig(K=args.K))[1]
+    natural = speculative.speculative_generate(reqs, target, speculative.draft_model(draft),
+                                               speculative.SpeculativeConfig(K=args.K))[1]
     return dict(costs, end_to_end=end_to_end, K=args.K, draft_vocab=args.draft_vocab, dtype=args.self_draft,
                 convert_s=convert_s, natural_acceptance=natural.acceptance_rate, weights=weights)
 

@@ -7,6 +7,7 @@ import contextlib
 import time
 
 import kv_cache
+import speculative
 import utils
 from cli import flags
 from kernels import layout, rowwise, weight_formats
@@ -72,17 +73,19 @@ def compile_ahead(args, passes):
 
 
 def load_models(args, log=print):
-    """(encoder, target, drafter): the drafter is the draft model, or "prompt_lookup". A
-    draft of the target's own size and format is the target itself; of its size in another
+    """(encoder, target, drafter): the drafter (speculative.Drafter) drafts with the draft
+    model or by prompt lookup; None where no mode drafts. A draft of the target's own size
+    and format is the target itself; of its size in another
     format (the self-draft), a second copy of the same checkpoint in that format. log
     takes a line per model loaded (the server's go to stderr, with its other logs)."""
     encoder, target = load(args.target_model_size, args, args.dtype, log)
     if rowwise.KERNEL == "numpy":
         rowwise.gemv_is_exact()  # the fallback's one-time probe (under a second) belongs to loading
-    drafter = args.drafter
+    drafter = speculative.PROMPT_LOOKUP if args.drafter == "prompt_lookup" else None
     if args.mode != "autoregressive" and args.drafter == "model":
         dtype = flags.draft_dtype(args)
-        drafter = load(args.draft_model_size, args, dtype, log)[1] if separate_draft(args) else target
+        drafter = speculative.draft_model(load(args.draft_model_size, args, dtype, log)[1] if separate_draft(args)
+                                          else target)
         if dtype == "float32" and not args.draft_dtype and args.backend == "numpy" and rowwise.KERNEL != "numba":
             log("note: the draft runs in float32: an int8 draft (4x fewer bytes a token) needs the numba kernel "
                 "(pip install numba, and leave out --kernel numpy)")

@@ -55,7 +55,7 @@ def advise_K(stats, target, drafter, config, self_draft=False):
     if not stats.drafted:
         return
     alpha = cost_model.estimate_alpha(stats.accepted, stats.rejected)
-    draft = drafter if isinstance(drafter, tuple) else None
+    draft = drafter.model
     costs = measure_costs(target, draft, config.K_max, config.draft_vocab)
     K = cost_model.best_K(alpha, costs, config.K_max)
     print(f"advice: at this run's acceptance (alpha = {alpha:.2f}) and costs measured now (a draft token "

@@ -38,4 +38,4 @@ def warm_up(args, config, target, drafter, ids):
     target_rows, draft_rows = warm_rows(args, config, ids)
     loading.warm(target, target_rows)
     if draft_rows:
-        loading.warm(drafter, draft_rows)
+        loading.warm(drafter.model, draft_rows)

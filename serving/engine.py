@@ -62,7 +62,7 @@ def load(engine, loaded=None):
     formats = [args.dtype] + ([flags.draft_dtype(args)] if loading.separate_draft(args) else [])
     with loading.compile_ahead(args, [(dtype, loading.EVERY_TILE) for dtype in ([] if loaded else formats)]):
         encoder, target, drafter = loaded or loading.load_models(args, log_to_stderr)
-    for model in (target, drafter) if isinstance(drafter, tuple) else (target,):
+    for model in (target, drafter.model) if drafter and drafter.model else (target,):
         loading.warm(model, loading.EVERY_TILE)  # no request waits for a compile
     if args.mode == "speculative":
         config = speculative.SpeculativeConfig(K=args.K, adaptive=args.adaptive_K, K_max=args.K_max,

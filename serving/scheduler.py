@@ -66,8 +66,8 @@ def autoregressive(model):
 
 
 def speculative_decoder(target, drafter, config=speculative.SpeculativeConfig()):
-    """Draft-verify decoding as the scheduler runs it (drafter as in speculative_generate)."""
-    draft = drafter if isinstance(drafter, tuple) else None
+    """Draft-verify decoding as the scheduler runs it (a speculative.Drafter, as in speculative_generate)."""
+    draft = speculative.draft_of(drafter)
     speculative.check(config, target[1], draft and draft[1])
     config = speculative.resolve(config, target, draft)
     models = {"target": target, "draft": draft} if draft else {"target": target}

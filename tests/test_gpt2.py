@@ -81,7 +81,7 @@ def test_every_decoder_runs_the_model_that_section_1_teaches(tiny, monkeypatch):
     from serving import scheduler
     _, hparams, params = tiny
     model = (params, hparams)
-    draft = (dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1))
+    draft = speculative.draft_model((dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1)))
     reqs = batching.requests([[464, 2068, 7586, 21831, 625, 262, 16931, 3290, 13, 383, 11]], 6, GREEDY)
     decoders = {
         "plain": lambda: batching.generate(reqs, model),
@@ -89,7 +89,7 @@ def test_every_decoder_runs_the_model_that_section_1_teaches(tiny, monkeypatch):
         "draft model": lambda: speculative.speculative_generate(reqs, model, draft),
         "vocabulary subset": lambda: speculative.speculative_generate(
             reqs, model, draft, speculative.SpeculativeConfig(draft_vocab=1000)),
-        "prompt lookup": lambda: speculative.speculative_generate(reqs, model, "prompt_lookup"),
+        "prompt lookup": lambda: speculative.speculative_generate(reqs, model, speculative.PROMPT_LOOKUP),
         "beam search": lambda: beam_search.beam_search([reqs[0].prompt], model, 4),
         "scheduler": lambda: list(scheduler.serve(reqs, scheduler.autoregressive(model))),
     }

@@ -10,6 +10,7 @@ import pytest
 import batching
 import kv_cache
 import sampling
+import speculative
 import utils
 from conftest import make_model_dir
 from kernels import layout, rowwise
@@ -34,7 +35,7 @@ def block_bytes(model):
 
 def decoders(model):
     return {"autoregressive": scheduler.autoregressive(model),
-            "speculative": scheduler.speculative_decoder(model, model)}  # the tiny model drafts for itself
+            "speculative": scheduler.speculative_decoder(model, speculative.draft_model(model))}  # the tiny model drafts for itself
 
 
 def served(reqs, decoder, prefix, max_batch=4):

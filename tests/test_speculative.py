@@ -16,8 +16,10 @@ PROMPTS = [[464, 2068, 7586, 21831], [15496, 11, 995, 0, 383, 2068, 7586, 21831,
 N_CTX = 64  # the tiny model's window
 
 
-def spec(prompts, target, drafter, n, K=4, settings=GREEDY, seed=0, eos_id=None, use_cache=True, **config):
+def spec(prompts, target, draft, n, K=4, settings=GREEDY, seed=0, eos_id=None, use_cache=True, **config):
+    """draft: a draft model, or a speculative.Drafter."""
     reqs = batching.requests(prompts, n, settings, seed, eos_id)
+    drafter = draft if isinstance(draft, speculative.Drafter) else speculative.draft_model(draft)
     return speculative.speculative_generate(reqs, target, drafter, speculative.SpeculativeConfig(K=K, **config),
                                             use_cache)
 
@@ -91,7 +93,7 @@ def test_greedy_speculative_equals_greedy_across_the_window_edge(models, edge_pr
     smaller window, prompt lookup, and adaptive K."""
     target, draft = models
     drafters = {"draft == target": target, "layer skip": draft, "draft window 24": smaller_window(draft, 24),
-                "prompt lookup": "prompt_lookup"}
+                "prompt lookup": speculative.PROMPT_LOOKUP}
     for name, drafter in drafters.items():
         assert spec(edge_prompts, target, drafter, 45, K)[0] == edge_reference, name
     assert spec(edge_prompts, target, draft, 45, K, adaptive=True, K_max=max(K, 6))[0] == edge_reference
@@ -105,18 +107,18 @@ def test_greedy_speculative_equals_greedy_near_the_edge_solo(models, edge_prompt
         assert spec([edge_prompts[j]], target, draft, 45, K)[0][0] == edge_reference[j]
 
 
-PROPOSE = speculative.propose
+DRAFT_WITH_MODEL = speculative.draft_with_model
 
 
 def drafts_per_step(monkeypatch):
-    """A list that gets each step's most drafts of a row (what speculative.propose returned)."""
-    trace, propose = [], PROPOSE
+    """A list that gets each step's most drafts of a row (what the draft model proposed)."""
+    trace = []
 
-    def recording(batch, drafter, k, vocab=0):
-        drafts, q = propose(batch, drafter, k, vocab)
+    def recording(batch, model, k, vocab=0):
+        drafts, q = DRAFT_WITH_MODEL(batch, model, k, vocab)
         trace.append(max(map(len, drafts)))
         return drafts, q
-    monkeypatch.setattr(speculative, "propose", recording)
+    monkeypatch.setattr(speculative, "draft_with_model", recording)
     return trace
 
 
@@ -153,7 +155,7 @@ def test_draft_equal_to_target_accepts_everything(models, greedy_reference):
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_prompt_lookup_greedy_equals_greedy(models, greedy_reference, use_cache):
     target, _ = models
-    out, stats = spec(PROMPTS, target, "prompt_lookup", 30, use_cache=use_cache)
+    out, stats = spec(PROMPTS, target, speculative.PROMPT_LOOKUP, 30, use_cache=use_cache)
     assert out == greedy_reference and stats.draft_passes == 0 and stats.drafted > 0
 
 
@@ -384,7 +386,7 @@ def test_penalties_see_the_drafted_text(models):
                                   repetition_penalty=1.5)
     want = plain(PROMPTS, target, 25, s)
     assert spec(PROMPTS, target, draft, 25, K=4, settings=s)[0] == want
-    assert spec(PROMPTS, target, "prompt_lookup", 25, K=4, settings=s)[0] == want
+    assert spec(PROMPTS, target, speculative.PROMPT_LOOKUP, 25, K=4, settings=s)[0] == want
 
 
 def test_requests_with_different_settings_share_a_batch(models):
@@ -393,8 +395,9 @@ def test_requests_with_different_settings_share_a_batch(models):
     reqs = [batching.Request(tuple(PROMPTS[0]), 20, GREEDY), batching.Request(tuple(PROMPTS[1]), 20, hot, seed=3),
             batching.Request(tuple(PROMPTS[2]), 20, GREEDY)]
     config = speculative.SpeculativeConfig(K=3)
-    together = speculative.speculative_generate(reqs, target, draft, config)[0]
-    assert together == [speculative.speculative_generate([r], target, draft, config)[0][0] for r in reqs]
+    drafter = speculative.draft_model(draft)
+    together = speculative.speculative_generate(reqs, target, drafter, config)[0]
+    assert together == [speculative.speculative_generate([r], target, drafter, config)[0][0] for r in reqs]
     assert together[0] == plain([PROMPTS[0]], target, 20)[0]
 
 
@@ -471,3 +474,10 @@ def test_stats_add_up(models, monkeypatch):
     assert s.draft_passes == sum(trace) and s.drafted == sum(trace)
     assert len(s.acceptance_by_position) == 4 and s.draft_s > 0 and s.verify_s > 0
     assert s.acceptance_by_position[0] >= s.acceptance_by_position[-1]
+
+
+def test_a_drafter_that_is_not_one_is_refused_by_what_a_drafter_is(models):
+    target, draft = models
+    for wrong in (draft, "prompt_lookup"):
+        with pytest.raises(TypeError, match="^drafter must be a speculative.Drafter"):
+            speculative.speculative_generate(batching.requests(PROMPTS, 3), target, wrong)
