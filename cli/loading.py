@@ -30,15 +30,15 @@ def load(size, args, dtype, log=print):
 EVERY_TILE = range(1, 8)  # passes over 1-7 tokens reach every loop of the kernels (rowwise.warm_passes)
 
 
-def warm(model, row_counts):
-    """Passes like those over row_counts tokens, before anything is timed: the kernels' loops
+def warm(model, sizes):
+    """Passes like those over `sizes` tokens, before anything is timed: the kernels' loops
     they use are loaded from numba's cache (where `compile_ahead` compiled them during the
     load) or compiled now, saying so (kernels/compiling.py). A run warms the passes it will
     make (main.py); the server every loop before it listens: no request waits for a compile."""
     params, hparams = model
     w = params["blocks"][0]["mlp"]["c_fc"]["w"]
     dtype = getattr(w, "stored", w).dtype  # a weights.Matrix: the format it stores
-    for n in rowwise.warm_passes(row_counts, dtype):
+    for n in rowwise.warm_passes(sizes, dtype):
         cache = kv_cache.init_cache(hparams, 1, n, like=params["wpe"])
         kv_cache.next_logits(model, cache, [[0] * n])
 
@@ -63,12 +63,12 @@ def separate_draft(args):
 
 
 def compile_ahead(args, passes):
-    """A context in which the kernels' loops that passes [(format, row counts)] will use
+    """A context in which the kernels' loops that passes [(format, their sizes in tokens)] will use
     compile in other processes, while the models load (kernels/compiling.py). Nothing to
     compile without the kernels."""
     if args.backend != "numpy" or rowwise.KERNEL != "numba":
         return contextlib.nullcontext()
-    loops = set().union(*(rowwise.loops(rows, weight_formats.STORED_AS[dtype]) for dtype, rows in passes))
+    loops = set().union(*(rowwise.loops(sizes, weight_formats.STORED_AS[dtype]) for dtype, sizes in passes))
     return rowwise.compiling.ahead(loops)
 
 

@@ -9,33 +9,33 @@ import kv_cache
 from cli import flags, loading
 
 
-def warm_rows(args, config, ids):
-    """The row counts of the passes this run will make, of the target and of a draft model
+def pass_sizes(args, config, ids):
+    """How many tokens each pass this run will make holds, of the target and of a draft model
     loaded apart (None without one): a lone prompt makes a pass over its tokens (over all
     but the last, then the last, past kv_cache.ALONE_ABOVE), then one token a step; a draft
     adds its two-token catch-up; verification (and the advice's timings) K + 1 tokens for
     every K; a batch, any count."""
-    rows = {1}
+    sizes = {1}
     for i in ids:
-        rows |= {len(i) - 1, 1} if len(i) - 1 > kv_cache.ALONE_ABOVE else {len(i)}
+        sizes |= {len(i) - 1, 1} if len(i) - 1 > kv_cache.ALONE_ABOVE else {len(i)}
     if len(ids) > 1 or args.max_batch:
-        rows = set(loading.EVERY_TILE)
+        sizes = set(loading.EVERY_TILE)
     if args.mode == "autoregressive":
-        return rows, None
+        return sizes, None
     verify = set(range(2, max(config.K, config.K_max or 7) + 2))
-    return rows | verify, (rows | {2} if loading.separate_draft(args) else None)
+    return sizes | verify, (sizes | {2} if loading.separate_draft(args) else None)
 
 
 def compile_ahead(args, config, ids):
     """A context in which the kernels' loops of this run's passes compile in other processes."""
-    target_rows, draft_rows = warm_rows(args, config, ids)
-    return loading.compile_ahead(args, [(args.dtype, target_rows)] + ([(flags.draft_dtype(args), draft_rows)]
-                                                                      if draft_rows else []))
+    target_sizes, draft_sizes = pass_sizes(args, config, ids)
+    return loading.compile_ahead(args, [(args.dtype, target_sizes)] + ([(flags.draft_dtype(args), draft_sizes)]
+                                                                       if draft_sizes else []))
 
 
 def warm_up(args, config, target, drafter, ids):
     """The kernels' loops of this run's passes, compiled (or loaded from numba's cache) before any is timed."""
-    target_rows, draft_rows = warm_rows(args, config, ids)
-    loading.warm(target, target_rows)
-    if draft_rows:
-        loading.warm(drafter.model, draft_rows)
+    target_sizes, draft_sizes = pass_sizes(args, config, ids)
+    loading.warm(target, target_sizes)
+    if draft_sizes:
+        loading.warm(drafter.model, draft_sizes)

@@ -34,7 +34,7 @@ from numba.core import event
 _noticed = threading.Event()
 seconds_compiling = 0.0  # this process's time in numba, compiling kernels or loading them from its cache
 first_uses = []  # (kernel, dtype, plan) as this process first needed each loop
-LOOPS = {}  # "module.kernel" -> compile(dtype name, plan): what a compiling process can be asked for
+REGISTRY = {}  # "module.kernel" -> compile(dtype name, plan): what a compiling process can be asked for
 
 
 def when_first_called(signatures, key, plan=None, **options):
@@ -72,7 +72,7 @@ def when_first_called(signatures, key, plan=None, **options):
             kernel = ready.get(k) or compile_for(*k)
             return kernel(*args)
 
-        LOOPS[f"{make.__module__}.{make.__name__}"] = \
+        REGISTRY[f"{make.__module__}.{make.__name__}"] = \
             lambda dtype, constant: ready.get((np.dtype(dtype), constant)) or compile_for(np.dtype(dtype), constant)
         return call
     return decorate
@@ -119,7 +119,7 @@ def cached(loops):
     try:
         for loop in loops:
             try:
-                LOOPS[loop[0]](loop[1], loop[2])
+                REGISTRY[loop[0]](loop[1], loop[2])
                 found.append(loop)
             except NotCached:
                 pass
@@ -239,5 +239,5 @@ def work(share):
         if stop.is_set():
             break
         module, _ = kernel.rsplit(".", 1)
-        __import__(module)  # registers its kernels in LOOPS
-        LOOPS[kernel](dtype, plan)
+        __import__(module)  # registers its kernels in REGISTRY
+        REGISTRY[kernel](dtype, plan)

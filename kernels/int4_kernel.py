@@ -219,7 +219,7 @@ def to_x8(x, c):
     return rounded.astype(np.int8), sx, xsum
 
 
-compiling.LOOPS["kernels.int4_kernel.to_x8"] = lambda dtype, plan: to_x8(np.zeros((1, 8), np.float32), 8)
+compiling.REGISTRY["kernels.int4_kernel.to_x8"] = lambda dtype, plan: to_x8(np.zeros((1, 8), np.float32), 8)
 
 
 @njit(inline="always")

@@ -214,7 +214,7 @@ def to_int16(x, c, most=X16_MAX):
 
 
 # compiled at its first call, as matmul calls it (an array and a Python int)
-compiling.LOOPS["kernels.int8_kernel.to_int16"] = lambda dtype, plan: to_int16(np.zeros((1, 8), np.float32), 8)
+compiling.REGISTRY["kernels.int8_kernel.to_int16"] = lambda dtype, plan: to_int16(np.zeros((1, 8), np.float32), 8)
 
 
 @when_first_called({"int8": "void(int16[::1], float32[::1], int8[:, :, :, ::1], float32[::1])"},

@@ -104,7 +104,7 @@ for dtype in ("int8", "uint8"):
     for kernel, _, plan in sorted(rowwise.loops([1, 5], dtype), key=str):
         if "times" in kernel:
             __import__(kernel.rsplit(".", 1)[0])
-            asm = "".join(compiling.LOOPS[kernel](dtype, plan).inspect_asm().values())
+            asm = "".join(compiling.REGISTRY[kernel](dtype, plan).inspect_asm().values())
             for name in re.findall(r"\\b(vpmaddubsw|vpdpbusd|vpmaddwd|vpdpwssd|vpmullw)\\b", asm):
                 found.setdefault(dtype, {}).setdefault(name, 0)
                 found[dtype][name] += 1
