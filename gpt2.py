@@ -15,10 +15,12 @@ Activations keep the weights' dtype (float32 on the CPU): a float64 scalar such
 as np.sqrt(d) would silently promote them to float64 and halve the speed, so
 constants are Python floats, which NumPy keeps at the array's precision.
 
-Nothing here says which hardware runs it: the arrays do. CuPy's arrays take NumPy's
-functions over (NEP 13 and 18), so with the weights on a GPU every step runs there; on
-a CPU the weights laid out at load run compiled loops through the same `x @ w`
-(README section 4).
+Nothing here says which hardware runs it: the arrays do. An array type can take over
+NumPy's functions and operators (its protocols `__array_function__` and `__array_ufunc__`,
+NEPs 18 and 13). CuPy's arrays do, so with the weights on a GPU every step runs there. On
+a CPU each weight matrix is laid out at load as a `kernels.weights.Matrix`, whose `x @ w`
+runs a compiled loop, and wte as an `Embedding`, whose `wte[tokens]` and `wte.T` read
+that one stored matrix (README section 4). float16 appears only with CuPy.
 """
 import numpy as np
 
@@ -44,7 +46,8 @@ def layer_norm(x, g, b, eps=1e-5):
 
 
 def linear(x, w, b):
-    """[..., n_in] @ [n_in, n_out] + [n_out] -> [..., n_out]."""
+    """[..., n_in] @ [n_in, n_out] + [n_out] -> [..., n_out] (w: an array, or a matrix the
+    CPU's kernels laid out, which multiplies itself: see the module's docstring)."""
     return x @ w + b
 
 
@@ -92,9 +95,10 @@ def transformer_block(x, mlp, attn, ln_1, ln_2, n_head, attend=None, norm=layer_
 
 def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, state=None):
     """Logits of a batch of token ids inputs [B, T]: [B, T, n_vocab] at every position, as
-    picoGPT. With state (a kv_cache.Pass: each token's position, each layer's attend, the
-    layer norm the pass runs, and where logits are needed), [B, n, n_vocab] at each row's
-    last few real tokens only, since the 50257-wide head is the largest product of a step."""
+    picoGPT (state None: gpt2(np.array([ids]), **params, n_head=hparams["n_head"])).
+    With state (a kv_cache.Pass, section 3: each token's position, each layer's attend, the
+    layer norm the pass runs, and state.logits_at [B, n], the n positions of each row that
+    need logits), [B, n, n_vocab], since the 50257-wide head is the largest product of a step."""
     if state is None:
         positions, attends, norm = np.arange(inputs.shape[1]), [None] * len(blocks), layer_norm  # [T]
     else:

@@ -37,6 +37,11 @@ need logits. Every decoder's every step is made of such passes.
 
 Across requests: a prefix's keys and values are the same for every text that begins
 with it, so a server computes them once (serving/prefix_cache.py).
+
+On a first read: init_cache, window_start, room, pending_inputs, Pass and begin_pass,
+append, attend, next_logits, advance, rollback. The rest serves later sections: a long
+prompt's pass (prefill_alone), chunked prefill's riders (ride_along), beam search's
+gather_rows, and the rows a server moves, saves and copies (section 7).
 """
 import functools
 import itertools

@@ -20,7 +20,8 @@ So each step:
 This is rejection sampling, so every emitted token is distributed exactly as if
 sampled from p alone: P(emit x) = q(x) min(1, p(x)/q(x)) + (1 - sum_y min(q(y),
 p(y))) * max(0, p(x) - q(x)) / sum_y max(0, p(y) - q(y)) = min(q(x), p(x)) +
-max(0, p(x) - q(x)) = p(x). Both caches are rolled back to the accepted length.
+max(0, p(x) - q(x)) = p(x). Both caches are rolled back to the accepted text but its
+last token, which the next pass reads.
 Each step emits n+1 tokens (n accepted, 1 from the target), for one target pass.
 
 Near the end of GPT-2's window (kv_cache.py) a row drafts only as many tokens as
@@ -44,7 +45,8 @@ import sampling
 
 
 def verify(p, q, drafts, k, u, v):
-    """Accept/reject K drafted tokens per row, then draw one more from the target.
+    """Accept/reject K drafted tokens per row, then draw one more from the target. The
+    papers' names: p is the target's, q the draft's (not attention's query), k counts drafts.
 
     p [B, K+1, n_vocab]: target distributions; p[:, i] is for the token after d_1..d_i.
     q [B, K, n_vocab]: draft distributions the drafts were sampled from.
@@ -58,7 +60,7 @@ def verify(p, q, drafts, k, u, v):
     i = np.arange(K, like=p)  # [K]
     p_d = p[rows[:, None], i, drafts]  # [B, K]: p_i(d_i)
     q_d = q[rows[:, None], i, drafts]  # [B, K]: q_i(d_i)
-    accept = (u * q_d < p_d) & (i < k[:, None])  # u < p/q without dividing by q = 0
+    accept = (u * q_d < p_d) & (i < k[:, None])  # [B, K]: u < p/q without dividing by q = 0
     n = np.cumprod(accept, axis=1).sum(axis=1)  # [B]: accepted before the first rejection
     p_n = p[rows, n]  # [B, n_vocab]
     q_n = np.where((n < k)[:, None], q[rows, np.minimum(n, K - 1)] if K else 0.0, 0.0)  # [B, n_vocab]
@@ -86,7 +88,7 @@ def speculative_step(batch, target, drafter, config):
         batching.emit(batch, b, drafts[b][:n[b]] + [token[b]], n[b], logits[b])
         seq.accepted, seq.rejected = seq.accepted + n[b], seq.rejected + (n[b] < k[b])
         batch.stats.rejected += n[b] < k[b]
-    for name in batch.caches:  # 6. every cache forgets the rejected drafts
+    for name in batch.caches:  # 6. every cache forgets the rejected drafts (and the last token: the next pass's input)
         kv_cache.rollback(batching.cache(batch, name), [len(seq.tokens) - 1 for seq in batch.seqs])
     batch.stats.speculative_step_done(k, n, t1 - t0, t2 - t1)
 
@@ -94,7 +96,7 @@ def speculative_step(batch, target, drafter, config):
 def speculative_generate(requests, target, drafter, config=None, use_cache=True, callback=None):
     """Draft-verify decoding for a batch of requests (batching.requests).
 
-    target: (params, hparams). drafter: a Drafter: draft_model(model) for a small model,
+    target: (params, hparams). drafter: a Drafter: model_drafter(model) for a small model,
       PROMPT_LOOKUP, or one of your own. callback(seq, token, accepted, logits) sees each
       token as it comes. config: SpeculativeConfig (None: its defaults).
     Returns (each request's new tokens, batching.Stats).
@@ -128,7 +130,7 @@ class Drafter:
     model: tuple = None
 
 
-def draft_model(model):
+def model_drafter(model):
     """The papers' drafter: a small model (params, hparams), one pass per draft token."""
     return Drafter(lambda batch, k, vocab: draft_with_model(batch, model, k, vocab), model)
 
@@ -136,7 +138,7 @@ def draft_model(model):
 def draft_of(drafter):
     """The drafter's model (None: it has none), or a TypeError saying what a drafter is."""
     if not isinstance(drafter, Drafter):
-        raise TypeError(f"drafter must be a speculative.Drafter (draft_model(model) for a draft model, "
+        raise TypeError(f"drafter must be a speculative.Drafter (model_drafter(model) for a draft model, "
                         f"PROMPT_LOOKUP), got {type(drafter).__name__}")
     return drafter.model
 
@@ -218,10 +220,10 @@ def draft_deterministic(batch, propose_fn, k):
     return drafts, q
 
 
-def prompt_lookup_draft(seq, K, max_ngram=3):
-    """Prompt lookup decoding (Saxena 2023): find the last n-gram of seq earlier in
-    seq (longest n first, latest match) and propose the up to K tokens after it."""
-    arr = np.asarray(seq)
+def prompt_lookup_draft(text, K, max_ngram=3):
+    """Prompt lookup decoding (Saxena 2023): find the last n-gram of text earlier in
+    text (longest n first, latest match) and propose the up to K tokens after it."""
+    arr = np.asarray(text)  # [len]
     for size in range(min(max_ngram, len(arr) - 1), 0, -1):
         windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], size)  # [len-size, size]
         hits = np.nonzero((windows == arr[-size:]).all(axis=1))[0]

@@ -141,7 +141,7 @@ def bench_fairness(encoder, model, args, size):
     draft = (dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1))
     flags = ["--target_model_size", size if size in utils.MODEL_SIZES else "124M", "--mode", "speculative",
              "--K", "3", "--max_batch", "4", "--write_timeout_s", "10", "--port", "0", "--max_model_len", "100000"]
-    httpd, engine = server.start(server.parse_args(flags), loaded=(encoder, model, speculative.draft_model(draft)))
+    httpd, engine = server.start(server.parse_args(flags), loaded=(encoder, model, speculative.model_drafter(draft)))
     (seconds, lead_s), runs = ((3.0, 1.0) if args.quick else (30.0, 5.0)), []
     try:
         for rep in range(args.reps):

@@ -228,7 +228,7 @@ def bench_self_draft(target, args, weights):
     end_to_end = bench_speculative_end_to_end(draft, target, costs, sub)
     prompts = [prompt_ids(args.prompt_len, seed=30 + i) for i in range(4)]
     reqs = batching.requests(prompts, args.n_tokens * 2, GREEDY)
-    natural = speculative.speculative_generate(reqs, target, speculative.draft_model(draft),
+    natural = speculative.speculative_generate(reqs, target, speculative.model_drafter(draft),
                                                speculative.SpeculativeConfig(K=args.K))[1]
     return dict(costs, end_to_end=end_to_end, K=args.K, draft_vocab=args.draft_vocab, dtype=args.self_draft,
                 convert_s=convert_s, natural_acceptance=natural.acceptance_rate, weights=weights)

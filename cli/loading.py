@@ -84,7 +84,7 @@ def load_models(args, log=print):
     drafter = speculative.PROMPT_LOOKUP if args.drafter == "prompt_lookup" else None
     if args.mode != "autoregressive" and args.drafter == "model":
         dtype = flags.draft_dtype(args)
-        drafter = speculative.draft_model(load(args.draft_model_size, args, dtype, log)[1] if separate_draft(args)
+        drafter = speculative.model_drafter(load(args.draft_model_size, args, dtype, log)[1] if separate_draft(args)
                                           else target)
         if dtype == "float32" and not args.draft_dtype and args.backend == "numpy" and rowwise.KERNEL != "numba":
             log("note: the draft runs in float32: an int8 draft (4x fewer bytes a token) needs the numba kernel "

@@ -84,7 +84,7 @@ def test_no_repeat_ngram_size_in_every_decoder_is_transformers_greedy(model, cas
     plain = batching.generate(reqs, model)[0]
     assert plain == case["outputs"]
     params, hparams = model
-    small = speculative.draft_model((dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1)))  # often wrong
+    small = speculative.model_drafter((dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1)))  # often wrong
     for drafter in (small, speculative.PROMPT_LOOKUP):
         assert speculative.speculative_generate(reqs, model, drafter, speculative.SpeculativeConfig(K=3))[0] == plain
     unbanned = batching.generate(batching.requests(case["prompts"], case["max_new_tokens"],
@@ -100,7 +100,7 @@ def test_sampled_text_never_repeats_an_ngram(model, n):
     prompts = [[464, 464, 2068], [15496, 11, 995]]
     reqs = batching.requests(prompts, 40, settings, seed=3)
     params, hparams = model
-    small = speculative.draft_model((dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1)))
+    small = speculative.model_drafter((dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1)))
     for out in (batching.generate(reqs, model)[0],
                 speculative.speculative_generate(reqs, model, small, speculative.SpeculativeConfig(K=3))[0]):
         for prompt, new in zip(prompts, out):

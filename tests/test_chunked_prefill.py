@@ -24,7 +24,7 @@ def decoder(models, name):
     target, draft = models
     if name == "autoregressive":
         return scheduler.autoregressive(target)
-    return scheduler.speculative_decoder(target, speculative.draft_model(draft), speculative.SpeculativeConfig(K=3))
+    return scheduler.speculative_decoder(target, speculative.model_drafter(draft), speculative.SpeculativeConfig(K=3))
 
 
 def random_requests(n, seed, n_ctx):

@@ -42,7 +42,7 @@ def generate(params, hparams, n, settings=GREEDY, seed=0, use_cache=True, eos_id
 
 def spec(params, hparams, n, K, settings=GREEDY, seed=0, draft_vocab=0):
     return speculative.speculative_generate(batching.requests(PROMPTS, n, settings, seed), (params, hparams),
-                                            speculative.draft_model(layer_skip(params, hparams)),
+                                            speculative.model_drafter(layer_skip(params, hparams)),
                                             speculative.SpeculativeConfig(K=K, draft_vocab=draft_vocab))
 
 

@@ -81,7 +81,7 @@ def test_every_decoder_runs_the_model_that_section_1_teaches(tiny, monkeypatch):
     from serving import scheduler
     _, hparams, params = tiny
     model = (params, hparams)
-    draft = speculative.draft_model((dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1)))
+    draft = speculative.model_drafter((dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1)))
     reqs = batching.requests([[464, 2068, 7586, 21831, 625, 262, 16931, 3290, 13, 383, 11]], 6, GREEDY)
     decoders = {
         "plain": lambda: batching.generate(reqs, model),

@@ -252,7 +252,7 @@ def test_stream_equals_the_printed_text_over_many_seeds(tiny):
     streamed text must still add up to the final text, replacement characters included."""
     _, hparams, params = tiny
     model = (params, hparams)
-    draft = speculative.draft_model((dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1)))
+    draft = speculative.model_drafter((dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1)))
     s = sampling.SamplingSettings(temperature=1.5)
     replaced = 0
     for seed in range(40):

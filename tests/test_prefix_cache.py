@@ -35,7 +35,7 @@ def block_bytes(model):
 
 def decoders(model):
     return {"autoregressive": scheduler.autoregressive(model),
-            "speculative": scheduler.speculative_decoder(model, speculative.draft_model(model))}  # the tiny model drafts for itself
+            "speculative": scheduler.speculative_decoder(model, speculative.model_drafter(model))}  # the tiny model drafts for itself
 
 
 def served(reqs, decoder, prefix, max_batch=4):

@@ -106,7 +106,7 @@ def test_served_sampled_text_equals_the_text_alone(wide, decoder):
 def assert_served_equals_alone(model, decoder, reqs, max_batches):
     """Every request served among the others (continuous batching at each max_batch)
     gets the text it gets alone; speculative: drafted by the model's own first layer."""
-    draft = speculative.draft_model((dict(model[0], blocks=model[0]["blocks"][:1]), dict(model[1], n_layer=1)))
+    draft = speculative.model_drafter((dict(model[0], blocks=model[0]["blocks"][:1]), dict(model[1], n_layer=1)))
     config = speculative.SpeculativeConfig(K=3)
     if decoder == "autoregressive":
         serve_with, alone = scheduler.autoregressive(model), lambda r: batching.generate([r], model)[0][0]

@@ -38,7 +38,7 @@ def served(reqs, decoder, **kw):
 
 
 def decoders(models):
-    target, draft = models[0], speculative.draft_model(models[1])
+    target, draft = models[0], speculative.model_drafter(models[1])
     return {"autoregressive": (scheduler.autoregressive(target), lambda r: batching.generate([r], target)[0][0]),
             "speculative": (scheduler.speculative_decoder(target, draft, speculative.SpeculativeConfig(K=3)),
                             lambda r: speculative.speculative_generate([r], target, draft,

@@ -19,7 +19,7 @@ N_CTX = 64  # the tiny model's window
 def spec(prompts, target, draft, n, K=4, settings=GREEDY, seed=0, eos_id=None, use_cache=True, **config):
     """draft: a draft model, or a speculative.Drafter."""
     reqs = batching.requests(prompts, n, settings, seed, eos_id)
-    drafter = draft if isinstance(draft, speculative.Drafter) else speculative.draft_model(draft)
+    drafter = draft if isinstance(draft, speculative.Drafter) else speculative.model_drafter(draft)
     return speculative.speculative_generate(reqs, target, drafter, speculative.SpeculativeConfig(K=K, **config),
                                             use_cache)
 
@@ -395,7 +395,7 @@ def test_requests_with_different_settings_share_a_batch(models):
     reqs = [batching.Request(tuple(PROMPTS[0]), 20, GREEDY), batching.Request(tuple(PROMPTS[1]), 20, hot, seed=3),
             batching.Request(tuple(PROMPTS[2]), 20, GREEDY)]
     config = speculative.SpeculativeConfig(K=3)
-    drafter = speculative.draft_model(draft)
+    drafter = speculative.model_drafter(draft)
     together = speculative.speculative_generate(reqs, target, drafter, config)[0]
     assert together == [speculative.speculative_generate([r], target, drafter, config)[0][0] for r in reqs]
     assert together[0] == plain([PROMPTS[0]], target, 20)[0]
