@@ -222,7 +222,8 @@ def join(batch, request, index):
     b = len(batch.seqs)
     batch.seqs.append(Sequence(request, index, [int(t) for t in request.prompt],
                                np.random.default_rng(request.seed)))
-    batch.counts[b] = batch.prompt_counts[b] = sampling.token_counts([request.prompt], batch.counts.shape[1])[0]
+    counts = sampling.token_counts([request.prompt], batch.counts.shape[1])[0]  # [n_vocab]
+    batch.counts[b] = batch.prompt_counts[b] = counts
     for cache in batch.caches.values():
         kv_cache.clear_row(cache, b)
 
@@ -370,7 +371,7 @@ def autoregressive_step(batch, model):
     p = distributions(batch, logits)  # [B, n_vocab]
     tokens = sampling.sample(p, uniforms(batch, 1)[:, 0]).tolist()  # [B]: only these leave a GPU
     for b, token in enumerate(tokens):
-        emit(batch, b, [token], logits=logits[b:b + 1])
+        emit(batch, b, [token], logits=logits[b:b + 1])  # [1, n_vocab]
     batch.stats.step_done()
 
 

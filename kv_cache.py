@@ -152,7 +152,7 @@ def begin_pass(cache, n_new, T, n_logits, like, loops=None):
         after = np.arange(S)[None, None, :] > slots[:, :, None]  # [B, T, S]: keys after the query
         mask = np.where(after, np.float32(-np.inf), np.float32(0.0))[:, None]  # [B, 1, T, S]
         mask = np.asarray(mask, like=like)  # built on the host, used where the weights are
-    n_logits = np.broadcast_to(n_logits, (B,))
+    n_logits = np.broadcast_to(n_logits, (B,))  # [B]
     at = n_new[:, None] - n_logits[:, None] + np.arange(n_logits.max())  # [B, n_logits.max()]
     state = Pass(
         # a padding token's slot may lie past the cache (and wpe): kept at the last slot read, its output unused

@@ -192,7 +192,7 @@ def probabilities(logits, counts, s, prompt_counts=None):
     logits = process_logits(logits.astype(np.float32, copy=False), counts, s, prompt_counts)
     if s.greedy:
         greedy = np.zeros(logits.shape, dtype=np.float32, like=logits)
-        np.put_along_axis(greedy, np.argmax(logits, axis=-1)[..., None], 1.0, axis=-1)
+        np.put_along_axis(greedy, np.argmax(logits, axis=-1)[..., None], 1.0, axis=-1)  # [..., n_vocab]: one-hot
         return greedy
     return softmax(logits)
 

@@ -149,14 +149,14 @@ def draft_with_model(batch, model, k, vocab=0):
     each row's own settings and history; over a vocabulary subset if vocab > 0."""
     B, K = len(batch.seqs), max(k)
     drafts = [[] for _ in range(B)]
-    q = np.zeros((B, K, model[1]["n_vocab"]), dtype=np.float32, like=model[0]["wpe"])
+    q = np.zeros((B, K, model[1]["n_vocab"]), dtype=np.float32, like=model[0]["wpe"])  # [B, K, n_vocab]
     counts = batch.counts[:B].copy() if batching.penalized(batch) else None  # penalties see the drafts too
     for i in range(K):
         texts = batching.token_ids(batch, drafts)
         logits = kv_cache.next_logits(vocab_subset(model, texts, vocab), batching.cache(batch, "draft"),
                                       texts, riders=batch.riders.pop("draft", ()))[:, 0]  # [B, n_vocab]
         q[:, i] = batching.distributions(batch, logits, counts, drafts)  # [B, n_vocab]
-        drafting = [int(kb > i) for kb in k]
+        drafting = [int(kb > i) for kb in k]  # [B]: 1 where row b still drafts
         tokens = sampling.sample(q[:, i], batching.uniforms(batch, drafting)[:, 0]).tolist()  # [B]
         for b in np.nonzero(drafting)[0]:
             drafts[b].append(tokens[b])
@@ -226,7 +226,7 @@ def prompt_lookup_draft(text, K, max_ngram=3):
     arr = np.asarray(text)  # [len]
     for size in range(min(max_ngram, len(arr) - 1), 0, -1):
         windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], size)  # [len-size, size]
-        hits = np.nonzero((windows == arr[-size:]).all(axis=1))[0]
+        hits = np.nonzero((windows == arr[-size:]).all(axis=1))[0]  # [n_hits]: where the n-gram occurs
         if hits.size:
             start = hits[-1] + size
             return arr[start:start + K].tolist()
