@@ -10,8 +10,8 @@ schema cannot say (it needs the tokenizer, the model or the server's flags) is c
 `to_requests`, and batching.check_request stays the last word on what the engine accepts.
 
 A request's text is what main.py prints for the same prompt, settings and seed: choice i of
-prompt j samples with seed + j * n + i from its own random stream, whoever else the server
-is answering.
+prompt j samples with (seed + j * n + i) mod 2^64 (a seed a request may send) from its own
+random stream, whoever else the server is answering.
 """
 import codecs
 import re
@@ -136,7 +136,7 @@ def parse(raw):
         errors = e.errors()
         loc = errors[0]["loc"][:1]  # (field, ...), or () for the body as a whole
         said = dict.fromkeys(x["msg"] for x in errors if x["loc"][:1] == loc)  # a union: each form's complaint
-        param = loc[0] if loc and isinstance(loc[0], str) else None
+        param = quoted(loc[0]) if loc and isinstance(loc[0], str) else None  # an unknown field's name is the client's
         raise ApiError(f"{param or 'body'}: {'; or '.join(list(said)[:3])}", param)
 
 
@@ -183,7 +183,7 @@ def to_requests(body, model, encoder, hparams, max_model_len, max_queue):
         raise ApiError(f"{e.name} {e.problem}", e.name)
     seed = secrets.randbelow(2 ** 63) if body.seed is None else body.seed
     eos = None if body.ignore_eos else encoder.eot_token
-    reqs = [batching.Request(tuple(p), body.max_tokens, settings, seed + j * body.n + i, eos)
+    reqs = [batching.Request(tuple(p), body.max_tokens, settings, (seed + j * body.n + i) % 2 ** 64, eos)
             for j, p in enumerate(prompts) for i in range(body.n)]
     for r in reqs:
         try:

@@ -194,3 +194,15 @@ def test_an_error_quotes_at_most_a_few_hundred_characters_of_what_was_sent(paced
     assert status == 404 and len(error_of(got)["message"]) < 400
     status, got = exchange(httpd, f"GET /{'p' * 30_000} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
     assert status == 404 and len(error_of(got)["message"]) < 400
+    status, got = exchange(httpd, request({"prompt": "x", "k" * 5000: 1}, headers=""))  # a field of its own
+    error = error_of(got)
+    assert status == 400 and len(error["message"]) < 400 and len(error["param"]) < 400 and len(got) < 2000
+
+
+def test_the_choices_seeds_wrap_at_2_to_the_64(paced):
+    """Choice i samples with (seed + i) mod 2^64, a seed a request may send itself."""
+    httpd, _ = paced
+    body = {"prompt": "x", "max_tokens": 6, "temperature": 1.0}
+    texts = [[c["text"] for c in json.loads(exchange(httpd, request(sent, headers=""))[1].split(b"\r\n\r\n", 1)[1])
+              ["choices"]] for sent in ({**body, "n": 2, "seed": 2 ** 64 - 1}, {**body, "seed": 0})]
+    assert texts[0][1] == texts[1][0] and len(texts[0]) == 2
