@@ -32,8 +32,9 @@ PAUSE_RULE = ("a stream is written at its client's pace (while it has less than 
               f"one; it is paused (its rows freed, its text kept) when one does or when {EVENTS_PER_ROW} of its "
               "events per row wait unsent, and resumes where it stood, into a row no waiting request needs, once "
               "the client has caught up; a client that reads none of its response for --write_timeout_s (as its "
-              "TCP window tells, asked every second) has its window filled (a slow reader's reads may not show "
-              "before) and is cut off if it reads none for --write_timeout_s more (and, while max_batch streams "
+              "TCP window tells, asked every second) is cut off then if its window is full, else its window is "
+              "filled (a slow reader's reads may not show before) and it is cut off if it reads none for "
+              "--write_timeout_s more (and, while max_batch streams "
               f"are paused already, a stream with {HARD_EVENTS_PER_ROW} events per row unsent is cancelled)")
 # A stream's client lags while it is behind (sockets.py: Connection.behind); a lagging stream
 # is looked at again every LAG_CHECK_S seconds

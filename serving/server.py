@@ -20,8 +20,9 @@ open at once, the next gets 503), the time to send a request (--read_timeout_s),
 A stream is written at its client's pace, and a client that lags keeps its text (one rule,
 engine.PAUSE_RULE): its requests keep their rows while nobody needs them, are paused and
 resumed bit for bit when someone does or when too many events wait for it, and it is cut
-off only after twice --write_timeout_s in which it read none of its response (its window
-filled between the two: a slow reader's reads may not show before).
+off once it has read none of its response for --write_timeout_s with its window full, or
+for twice that if its window was open (filled between the two: a slow reader's reads may
+not show before).
 SIGTERM (what docker, systemd and Kubernetes send) and Ctrl-C both drain: every request in
 flight ends with an error event (or a JSON error), then the process exits 0. If the engine
 fails, every request gets a 500 naming why, /health says 503, and the process exits 1 (for

@@ -64,8 +64,8 @@ def key_refusal(scope, key):
 def guard(app, key, max_bytes, read_timeout_s):
     """ASGI middleware: refuse a request without the API key (401, before anything else is
     looked at: an unknown path, a body's size), then read the whole body before the app
-    sees it, refusing one larger than max_bytes (413, declared or chunked) or slower than
-    read_timeout_s (408)."""
+    sees it, refusing one larger than max_bytes (413, declared or chunked, once the rest is read
+    and dropped for up to LINGER_S) or slower than read_timeout_s (408)."""
     async def guarded(scope, receive, send):
         if scope["type"] != "http":
             return await app(scope, receive, send)
@@ -87,7 +87,17 @@ def guard(app, key, max_bytes, read_timeout_s):
                 return
             body += message.get("body", b"")
             more, too_large = message.get("more_body", False), len(body) > max_bytes
-        if too_large:
+        if too_large:  # the rest is read and dropped for up to LINGER_S first, so that the client (which would
+            # get a TCP reset for bytes it sends after the close) reads the 413: nginx's lingering close
+            linger_until = time.monotonic() + LINGER_S
+            while more and time.monotonic() < linger_until:
+                try:
+                    message = await asyncio.wait_for(receive(), linger_until - time.monotonic())
+                except asyncio.TimeoutError:
+                    break
+                if message["type"] == "http.disconnect":
+                    return
+                more = message.get("more_body", False)
             e = ApiError(f"the request body is larger than this server's --max_body_bytes {max_bytes}", status=413)
             return await error_response(e, close=True)(scope, receive, send)
         replayed = False

@@ -359,6 +359,16 @@ def test_7_a_body_past_the_limit_is_413_before_it_is_read(tight):
     assert exchange(tight[0], chunked + (b"%x\r\n%s\r\n" % (len(chunk), chunk)) * 3)[0] == 413
 
 
+def test_7_a_client_that_sends_a_large_body_whole_reads_its_413(tight):
+    """A hostile client's finding: a 2 MB body (32x --max_body_bytes) sent whole got a TCP
+    reset in place of the 413, the server closing while it still sent. The rest is now read
+    and dropped first, for up to a second."""
+    body = json.dumps({"prompt": "a" * (2 << 20)}).encode()
+    for _ in range(3):
+        status, got = exchange(tight[0], request(body))
+        assert status == 413 and "--max_body_bytes" in error_of(got)["message"]
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "max_tokens": 1e30}, "max_tokens"),  # a float: not an integer
     ({"prompt": "x", "max_tokens": 10 ** 30}, "max_tokens"),  # past --max_model_len
