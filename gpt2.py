@@ -18,9 +18,9 @@ constants are Python floats, which NumPy keeps at the array's precision.
 Nothing here says which hardware runs it: the arrays do. An array type can take over
 NumPy's functions and operators (its protocols `__array_function__` and `__array_ufunc__`,
 NEPs 18 and 13). CuPy's arrays do, so with the weights on a GPU every step runs there. On
-a CPU each weight matrix is laid out at load as a `kernels.weights.Matrix`, whose `x @ w`
-runs a compiled loop, and wte as an `Embedding`, whose `wte[tokens]` and `wte.T` read
-that one stored matrix (README section 4). float16 appears only with CuPy.
+a CPU each weight matrix is laid out at load as a `Matrix` (README section 4), whose
+`x @ w` runs a compiled loop, and wte as an `Embedding`, whose `wte[tokens]` and `wte.T`
+read that one stored matrix. float16 appears only with CuPy.
 """
 import numpy as np
 
@@ -46,8 +46,8 @@ def layer_norm(x, g, b, eps=1e-5):
 
 
 def linear(x, w, b):
-    """[..., n_in] @ [n_in, n_out] + [n_out] -> [..., n_out] (w: an array, or a matrix the
-    CPU's kernels laid out, which multiplies itself: see the module's docstring)."""
+    """[..., n_in] @ [n_in, n_out] + [n_out] -> [..., n_out] (w: an array, or a matrix
+    laid out at load, which multiplies itself: see the module's docstring)."""
     return x @ w + b
 
 

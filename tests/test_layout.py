@@ -102,3 +102,10 @@ def test_product_code_names_no_cpu_model(module):
 def test_each_command_answers_help(command):
     done = subprocess.run([sys.executable, command, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "usage:" in done.stdout, done.stderr
+
+
+def test_the_model_a_reader_studies_names_no_machinery():
+    """gpt2.py is the math; the kernels enter through the weights and the cache's pass."""
+    with open(os.path.join(ROOT, "gpt2.py"), encoding="utf-8") as f:
+        text = f.read()
+    assert not [word for word in ("rowwise", "kernels", "fused", "shared") if word in text]
