@@ -198,8 +198,9 @@ def run(args):
         results[name] = (printing.serve(title, decoder(), reqs, encoder, args) if args.max_batch
                          else printing.decode(title, generate, encoder, prompts, args))
     if "speculative" in results and not args.max_batch:
-        timing.advise_K(results["speculative"]["stats"], target, drafter,
-                        speculative.resolve(config, target, drafter.model), args.draft_model_size == args.target_model_size)
+        resolved = speculative.resolve(config, target, drafter.model)
+        timing.advise_K(results["speculative"]["stats"], target, drafter, resolved,
+                        args.draft_model_size == args.target_model_size)
     if len(results) == 2:
         ar, sp = results["autoregressive"], results["speculative"]
         print(f"\nspeedup of speculative over autoregressive: {sp['tokens_per_s'] / ar['tokens_per_s']:.2f}x")

@@ -89,8 +89,8 @@ def parse_args(argv=None):
                     default=["templates", "choices", "unique"], help="prefix: the workloads")
     ap.add_argument("--chunked_sizes", nargs="+", choices=list(SHAPES), default=["124M", "355M"],
                     help="chunked: the models")
-    ap.add_argument("--chunked_budgets", nargs="+", type=int, default=[16, 32, 64],
-                    help="chunked: the --max_prefill_tokens measured, each in its turn")
+    ap.add_argument("--chunked_budgets", nargs="+", type=int, default=[16, 24, 32],
+                    help="chunked: the --max_prefill_tokens measured (24: the default), each in its turn")
     ap.add_argument("--chunked_long_prompts", type=int, default=4, help="chunked: long prompts a turn")
     ap.add_argument("--chunked_long_len", type=int, default=1000, help="chunked: tokens of a long prompt")
     ap.add_argument("--chunked_stream_tokens", type=int, default=256, help="chunked: new tokens of a stream")

@@ -75,9 +75,9 @@ def compile_ahead(args, passes):
 def load_models(args, log=print):
     """(encoder, target, drafter): the drafter (speculative.Drafter) drafts with the draft
     model or by prompt lookup; None where no mode drafts. A draft of the target's own size
-    and format is the target itself; of its size in another
-    format (the self-draft), a second copy of the same checkpoint in that format. log
-    takes a line per model loaded (the server's go to stderr, with its other logs)."""
+    and format is the target itself; of its size in another format (the self-draft), a
+    second copy of the same checkpoint in that format. log takes a line per model loaded
+    (the server's go to stderr, with its other logs)."""
     encoder, target = load(args.target_model_size, args, args.dtype, log)
     if rowwise.KERNEL == "numpy":
         rowwise.gemv_is_exact()  # the fallback's one-time probe (under a second) belongs to loading

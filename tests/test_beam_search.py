@@ -84,7 +84,7 @@ def test_no_repeat_ngram_size_in_every_decoder_is_transformers_greedy(model, cas
     plain = batching.generate(reqs, model)[0]
     assert plain == case["outputs"]
     params, hparams = model
-    small = speculative.model_drafter((dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1)))  # often wrong
+    small = speculative.model_drafter((dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1)))
     for drafter in (small, speculative.PROMPT_LOOKUP):
         assert speculative.speculative_generate(reqs, model, drafter, speculative.SpeculativeConfig(K=3))[0] == plain
     unbanned = batching.generate(batching.requests(case["prompts"], case["max_new_tokens"],
