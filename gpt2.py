@@ -107,5 +107,5 @@ def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, state=None):
     for block, attend in zip(blocks, attends):
         x = transformer_block(x, **block, n_head=n_head, attend=attend, norm=norm)  # [B, T, n_embd]
     if state is not None:
-        x = x[np.arange(x.shape[0])[:, None], state.logits_at]  # [B, n, n_embd]: only where logits are needed
+        x = x[np.arange(x.shape[0], like=x)[:, None], state.logits_at]  # [B, n, n_embd]: only where logits are needed
     return norm(x, **ln_f) @ wte.T  # [B, T or n, n_vocab]: the head is the token embedding again

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import gpt2
-from kernels import rowwise
+from kernels import cuda_graphs, rowwise
 
 
 def init_cache(hparams, B, n_slots, like):
@@ -63,7 +63,8 @@ def init_cache(hparams, B, n_slots, like):
     return {"layers": [{"k": np.full(shape, 0, like.dtype, like=like), "v": np.full(shape, 0, like.dtype, like=like)}
                        for _ in range(hparams["n_layer"])],
             "lengths": np.zeros(B, dtype=np.int64),  # tokens cached per row (on the host: tiny)
-            "starts": np.zeros(B, dtype=np.int64)}   # index in the text of each row's slot 0
+            "starts": np.zeros(B, dtype=np.int64),   # index in the text of each row's slot 0
+            "graphs": {}}  # a GPU's steps recorded over this cache (kernels/cuda_graphs.py)
 
 
 def cache_nbytes(cache):
@@ -242,6 +243,10 @@ def next_logits(model, cache, texts, n_logits=1, riders=()):
         if cache is not None:
             prefill_alone(model, cache, texts, n_logits)
         inputs, n_new = pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
+        if cuda_graphs.captures(model, cache, inputs, riders):  # a GPU's step: one replayed graph
+            logits = cuda_graphs.step(model, cache, inputs, n_new, n_logits)  # [B, n, n_vocab]
+            cache["lengths"] += n_new
+            return logits
         state = begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wpe"],
                            loops=rowwise.row_ops_for(model))
         if riders:
@@ -349,7 +354,7 @@ def rollback(cache, n_valid):
 def rows(cache, lo, hi):
     """Rows lo..hi-1 as a cache of their own (views: what a pass writes lands here too)."""
     return {"layers": [{"k": layer["k"][lo:hi], "v": layer["v"][lo:hi]} for layer in cache["layers"]],
-            "lengths": cache["lengths"][lo:hi], "starts": cache["starts"][lo:hi]}
+            "lengths": cache["lengths"][lo:hi], "starts": cache["starts"][lo:hi], "graphs": cache.get("graphs")}
 
 
 def gather_rows(cache, idx, same=0):

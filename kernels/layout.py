@@ -9,7 +9,7 @@ the array library that runs them.
 import numpy as np
 
 from checkpoint import LoadError
-from kernels import rowwise, weight_formats, weights
+from kernels import cuda_graphs, rowwise, weight_formats, weights
 
 
 def decode_layout(params, kernel=None, dtype="float32"):
@@ -107,7 +107,8 @@ def plain_layout(params):
 def to_backend(params, backend="numpy", dtype="float32"):
     """The params on the array library that runs them. NumPy keeps them as they are
     (memory-mapped, or laid out in their format at load); CuPy copies every tensor to the
-    GPU once, as `dtype` (float32 or float16). From then on the model runs wherever its
+    GPU once, as `dtype` (float32 or float16), each matrix transposed for the GPU's kernels
+    (cuda_graphs.device_layout). From then on the model runs wherever its
     weights are (gpt2.py says how). CuPy is imported only here, so the NumPy path never
     needs it."""
     if backend == "numpy":
@@ -115,8 +116,8 @@ def to_backend(params, backend="numpy", dtype="float32"):
             raise LoadError("--dtype float16 needs --backend cupy (NumPy has no fast float16 matmul)")
         return params  # bfloat16, int8 and int4 were converted as they were laid out (decode_layout)
     cupy = gpu_library()
-    try:
-        return tree_map(lambda w: cupy.asarray(w.astype(dtype, copy=False)), plain_layout(params))
+    try:  # the matrices transposed, as the GPU's own kernels read them (cuda_matmul.py)
+        return cuda_graphs.device_layout(plain_layout(params), cupy, dtype)
     except cupy.cuda.memory.OutOfMemoryError as e:
         raise LoadError(f"the GPU has too little free memory for these weights ({e}): "
                         "try --dtype float16, a smaller model, or --backend numpy")

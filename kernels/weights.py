@@ -83,6 +83,6 @@ class Embedding:
             if tokens.start not in (None, 0) or tokens.step not in (None, 1):
                 raise IndexError("an Embedding gives its first n tokens (wte[:n]), no other slice")
             return Embedding(self.T.first(len(range(self.shape[0])[tokens])))
-        tokens = np.asarray(tokens)
+        tokens = tokens if hasattr(tokens, "reshape") else np.asarray(tokens)  # a list, or an array (a GPU's too)
         rows = self.T.columns(tokens.reshape(-1))  # [n, n_embd]
         return rows.reshape(*tokens.shape, rows.shape[-1])  # [*tokens.shape, n_embd]

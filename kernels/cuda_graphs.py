@@ -1,0 +1,142 @@
+"""A decode step on a GPU as one CUDA graph: recorded once, replayed with one call.
+
+Eagerly, a GPT-2 step on a GPU is hundreds of launches, each ~12 us of Python and CuPy
+on the host, while the GPU finishes each kernel in a few: the step takes as long as the
+host takes to ask for it (`python benchmark.py --backend cupy`). A CUDA graph is a
+recording of a stream's launches (kernels, copies) with their arguments, pointers
+included; replaying it launches them all from one host call, with none of the Python in
+between. The price: everything a graph does must be the same every time. So a step is
+shaped for it (after vLLM's and gpt-fast's decode graphs):
+
+- The same buffers: the step's token ids and positions are copied into device arrays the
+  graph reads ([2, B, T], one copy per step); the keys and values go to the cache's own
+  arrays; the logits come out in an array the graph keeps. Every temporary a graph uses
+  comes from a memory pool of its own, alive as long as the graph, so that nothing else
+  is given its memory between replays.
+- The same shapes: a graph per (rows B, tokens per row T) a cache's steps use, recorded
+  the first time that pair comes; a row with fewer than T tokens is padded with tokens of
+  position -1, which store and attend to nothing (cuda_ops.py).
+- Nothing the host must wait for or look at: no cuBLAS (CuPy cannot record it; the
+  products are cuda_matmul.py's), no mask built on the host, no data-dependent shape.
+
+The model is gpt2.gpt2 as on the CPU, with a pass (kv_cache.Pass's fields) whose positions are a device
+array and whose attention and layer norm are cuda_ops's. A pass that does not fit (a
+prompt: more than cuda_matmul.ROWS_MAX tokens, riders, a draft's vocabulary subset) runs
+eagerly, as every pass did before. With NumPy arrays (`device_layout(params, numpy)`)
+the same code runs on a CPU, replay being a plain call: the tests check the bookkeeping
+there, and a GPU checks the kernels.
+"""
+import functools
+import types
+
+import numpy as np
+
+import gpt2
+from kernels import cuda_matmul, cuda_ops, weights
+
+REPLAY = {"on": True}  # False: every pass eager (the benchmark's "eager" column)
+
+
+def use(replay):
+    """Replay captured steps (True, the default) or run every pass eagerly."""
+    REPLAY["on"] = bool(replay)
+
+
+def device_layout(params, xp=np, dtype="float32"):
+    """Plain params (layout.plain_layout) as the GPU's kernels read them, on xp in dtype: every
+    weight matrix a cuda_matmul.Matrix (its transpose [n_out, n_in]), wte a weights.Embedding
+    over one Matrix, the tied head (wte [n_vocab, n_embd] is the head's transpose already),
+    the other tensors as they are. With xp NumPy: the stand-in a CPU tests with."""
+    def move(a):
+        return xp.asarray(np.asarray(a).astype(dtype, copy=False))
+
+    def linear(layer):
+        return {"w": cuda_matmul.Matrix(move(np.ascontiguousarray(np.asarray(layer["w"]).T))), "b": move(layer["b"])}
+    blocks = [{"ln_1": {k: move(v) for k, v in block["ln_1"].items()},
+               "ln_2": {k: move(v) for k, v in block["ln_2"].items()},
+               "attn": {name: linear(block["attn"][name]) for name in ("c_attn", "c_proj")},
+               "mlp": {name: linear(block["mlp"][name]) for name in ("c_fc", "c_proj")}} for block in params["blocks"]]
+    return {"wte": weights.Embedding(cuda_matmul.Matrix(move(params["wte"]))), "wpe": move(params["wpe"]),
+            "blocks": blocks, "ln_f": {k: move(v) for k, v in params["ln_f"].items()}}
+
+
+def captures(model, cache, inputs, riders=()):
+    """Whether a pass over inputs [B, T] runs as a replayed step: the model in device_layout,
+    a cache that keeps graphs (kv_cache.init_cache), no riders, at most ROWS_MAX tokens."""
+    params = model[0]
+    return (REPLAY["on"] and cache is not None and cache.get("graphs") is not None and not riders
+            and isinstance(params["wte"], weights.Embedding) and isinstance(params["wte"].T, cuda_matmul.Matrix)
+            and inputs.size <= cuda_matmul.ROWS_MAX)
+
+
+def step(model, cache, inputs, n_new, n_logits):
+    """kv_cache.next_logits's pass over inputs [B, T] (row b: n_new[b] real tokens) on the
+    cache's static step for (B, T): eager the first two times that shape comes, recorded as a
+    graph at the second (a prompt's one-off shape never pays for a recording), replayed
+    from the third. Returns logits [B, n, n_vocab] at each row's last n_logits[b] tokens (a
+    row with fewer repeats its last), the tokens' keys and values stored; the caller
+    advances the cache."""
+    B, T = inputs.shape
+    slots = cache["lengths"][:, None] + np.arange(T)  # [B, T]: a token's position is its slot
+    ids_positions = np.stack([inputs, np.where(np.arange(T) < n_new[:, None], slots, -1)])  # [2, B, T]
+    shaped = static_step(model, cache, B, T)
+    shaped["ids_positions"][...] = np.asarray(ids_positions, like=shaped["ids_positions"])  # one copy to the device
+    shaped["uses"] += 1
+    if shaped["replay"] is not None:
+        shaped["replay"]()
+        logits = shaped["logits"]  # [B, T, n_vocab]: the graph's own output, overwritten by its next replay
+    else:
+        logits = shaped["forward"]()  # [B, T, n_vocab]
+        if shaped["uses"] == 2:
+            shaped["replay"], shaped["logits"], shaped["keep"] = record(shaped["forward"], logits)
+    n_logits = np.broadcast_to(n_logits, (B,))  # [B]
+    at = n_new[:, None] - n_logits[:, None] + np.arange(n_logits.max())  # [B, n]
+    at = np.clip(at, 0, (n_new - 1).clip(0)[:, None])
+    return logits[np.asarray(np.arange(B)[:, None], like=logits), np.asarray(at, like=logits)]  # [B, n, n_vocab]: a copy
+
+
+def static_step(model, cache, B, T):
+    """The step of B rows x T tokens over this cache, made at first use: {"ids_positions": the
+    buffer it reads [2, B, T], "forward": the pass, and once recorded "replay" and "logits"}."""
+    params, hparams = model
+    key = (id(params), pointer(cache["layers"][0]["k"]), B, T)
+    if key not in cache["graphs"]:
+        wpe = params["wpe"]
+        ids_positions = np.zeros((2, B, T), np.int64, like=wpe)
+
+        def forward():
+            positions = ids_positions[1]  # [B, T]
+            state = types.SimpleNamespace(  # what gpt2.gpt2 reads of a pass (kv_cache.Pass)
+                positions=positions, layer_norm=cuda_ops.layer_norm,
+                attends=[functools.partial(cuda_ops.attend, positions, layer) for layer in cache["layers"]],
+                logits_at=np.broadcast_to(np.arange(T, like=wpe), (B, T)))  # [B, T]: every token
+            return gpt2.gpt2(ids_positions[0], **params, n_head=hparams["n_head"], state=state)  # [B, T, n_vocab]
+
+        cache["graphs"][key] = {"ids_positions": ids_positions, "forward": forward, "uses": 0, "replay": None,
+                                "logits": None, "keep": params}  # params kept: their id stays theirs
+    return cache["graphs"][key]
+
+
+def pointer(a):
+    """Where an array's data starts (a graph is bound to its buffers' addresses)."""
+    return a.data.ptr if hasattr(a.data, "ptr") else a.__array_interface__["data"][0]
+
+
+def record(forward, like):
+    """(replay, output, what to keep alive): forward() recorded as a CUDA graph where `like`
+    (an output it gave eagerly, so every kernel is compiled and loaded) is a CuPy array, on
+    a stream of its own with a memory pool of its own; nothing runs until replay. With
+    NumPy, replay runs forward again into the output."""
+    if isinstance(like, np.ndarray):
+        out = np.empty_like(like)
+
+        def replay():
+            out[...] = forward()
+        return replay, out, None
+    import cupy
+    pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        stream.begin_capture()
+        out = forward()
+        graph = stream.end_capture()
+    return graph.launch, out, (pool, stream, graph)

@@ -1,0 +1,109 @@
+"""A few rows times a weight matrix on a GPU: each weight read once, each row as if alone.
+
+A decode step multiplies 1-16 rows by every weight matrix, so it is a matrix-vector
+product (GEMV), bound by reading the weights: 124M's 0.5 GB take 0.2 ms at an H100's
+3 TB/s. cuBLAS would do it, but CuPy cannot record cuBLAS into a CUDA graph
+(cuda_graphs.py), so the step's products are this kernel of ours.
+
+The weights are stored transposed, w [n_out, n_in], so that each output's weights are one
+contiguous run. A warp (32 threads) computes one output j for every row: lane l reads
+w[j, l], w[j, l + 32], ..., a 128-byte line per step across the warp (coalesced), multiplies
+each by every row's input at that k, and keeps one float32 sum per row; at the end the 32
+lanes' sums meet in a fixed tree (cuda.warp_sum). So the weights are read once for up to
+ROWS rows, and a row's output is summed in the same order whatever rows share the launch:
+batch invariant, as the CPU's kernels are. More than ROWS rows run ROWS at a time (the
+weights come again, mostly from L2). A pass of more than ROWS_MAX rows (a prompt) is a
+matrix product with reuse to exploit, and goes to cuBLAS: eager, never in a graph.
+"""
+import numpy as np
+
+from kernels import cuda
+
+ROWS = 8  # rows a warp carries at once: 8 float32 sums a lane
+ROWS_MAX = 64  # rows this kernel takes; a longer pass goes to cuBLAS
+WARPS = 8  # outputs a block computes (256 threads)
+
+SOURCE = r"""
+#define ROWS 8
+// y[r, j] = sum_k x[r, k] w[j, k] for r < R: w [n_out, n_in], x [R, n_in], y [R, n_out]
+template <typename T>
+__device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict__ x, T* __restrict__ y,
+                                   int R, int n_in, int n_out) {
+    int j = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (j >= n_out) return;  // the whole warp: no lane is left waiting in a shuffle
+    const T* wj = w + (size_t)j * n_in;
+    for (int r0 = 0; r0 < R; r0 += ROWS) {
+        int n = min(ROWS, R - r0);
+        const T* xr = x + (size_t)r0 * n_in;
+        float acc[ROWS];
+        #pragma unroll
+        for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
+        for (int k = lane; k < n_in; k += 32) {
+            float wk = load(wj + k);
+            #pragma unroll
+            for (int r = 0; r < ROWS; r++)
+                if (r < n) acc[r] = fmaf(wk, load(xr + (size_t)r * n_in + k), acc[r]);
+        }
+        #pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            float s = warp_sum(acc[r]);
+            if (lane == 0 && r < n) store(y + (size_t)(r0 + r) * n_out + j, s);
+        }
+    }
+}
+#define ROWS_TIMES_COLUMNS(T, NAME) extern "C" __global__ void NAME(                              \
+    const T* w, const T* x, T* y, int R, int n_in, int n_out) { rows_times_columns<T>(w, x, y, R, n_in, n_out); }
+ROWS_TIMES_COLUMNS(float, rows_times_columns_f32)
+ROWS_TIMES_COLUMNS(unsigned short, rows_times_columns_f16)
+"""
+
+
+def matmul(rows, w):
+    """rows [n, n_in] @ w.T -> [n, n_out], w [n_out, n_in] in device memory, both of the
+    model's dtype. NumPy arrays (the stand-in a CPU tests the GPU's bookkeeping with)
+    take NumPy's product."""
+    n, n_in = rows.shape
+    if isinstance(rows, np.ndarray) or n > ROWS_MAX:
+        return rows @ w.T  # [n, n_out]
+    import cupy
+    rows = cupy.ascontiguousarray(rows, dtype=w.dtype)
+    out = cupy.empty((n, w.shape[0]), w.dtype)  # [n, n_out]
+    kernel = cuda.function(SOURCE, "rows_times_columns", w.dtype)
+    kernel((-(-w.shape[0] // WARPS),), (32 * WARPS,), (w, rows, out, np.int32(n), np.int32(n_in), np.int32(w.shape[0])))
+    return out
+
+
+class Matrix:
+    """A weight matrix [n_in, n_out] as the GPU's kernel reads it: `stored`, its transpose
+    [n_out, n_in] in device memory. gpt2.py's `x @ w` runs `matmul` (NumPy and CuPy hand the
+    product to __rmatmul__, as for the CPU's weights.Matrix); in a weights.Embedding it is
+    also the tied head, whose rows are the token embeddings."""
+    __array_ufunc__ = None  # x @ m: NumPy and CuPy return NotImplemented, Python calls m.__rmatmul__(x)
+
+    def __init__(self, stored):
+        self.stored = stored  # [n_out, n_in]
+
+    @property
+    def shape(self):
+        return self.stored.shape[::-1]
+
+    @property
+    def dtype(self):
+        return self.stored.dtype
+
+    @property
+    def nbytes(self):
+        return self.stored.nbytes
+
+    def __rmatmul__(self, x):
+        """x [..., n_in] @ self -> [..., n_out]."""
+        rows = x.reshape(-1, x.shape[-1])  # [n, n_in]
+        return matmul(rows, self.stored).reshape(*x.shape[:-1], self.stored.shape[0])
+
+    def first(self, n):
+        """The first n columns (a view)."""
+        return Matrix(self.stored[:n])
+
+    def columns(self, j):
+        """Columns j [n] as rows [n, n_in] (the embeddings of tokens j, for the tied head)."""
+        return self.stored[j]

@@ -1,0 +1,159 @@
+"""Layer norm and attention over the cache as GPU kernels: a step with the same shapes every time.
+
+A CUDA graph (cuda_graphs.py) replays the same launches on the same buffers, so nothing in
+a captured step may depend on data the host would have to look at: not how many keys a
+row has, nor which rows are padding. kv_cache.attend builds a mask and groups rows by length
+on the host; here each query reads its own position from a device array instead (the
+row_ops.py way: rowwise.attention), and a position of -1 marks a padding token, which
+stores nothing and attends to nothing. The keys a query sees are its row's slots
+0..position, which holds both the cached tokens and the ones this step has just stored.
+
+`layer_norm` is gpt2.layer_norm in one launch instead of eight (a block a row, statistics in
+float32 summed in a fixed tree). NumPy arrays take the NumPy reference (`attend_reference`,
+gpt2.layer_norm), so a CPU runs the bookkeeping around these kernels with the same meaning.
+"""
+import numpy as np
+
+import gpt2
+from kernels import cuda
+
+THREADS = 256  # a layer norm's block, and a step's key and value stores
+ATTEND_THREADS = 128  # an attention block: 4 warps, each a key at a time
+
+SOURCE = r"""
+template <typename T>
+__device__ void layer_norm_rows(const T* x, const T* g, const T* b, T* y, int n, float eps) {
+    __shared__ float part[32];
+    const T* xr = x + (size_t)blockIdx.x * n;
+    T* yr = y + (size_t)blockIdx.x * n;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += load(xr + i);
+    float mean = block_sum(s, part) / n;
+    float v = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) { float d = load(xr + i) - mean; v += d * d; }
+    float sd = sqrtf(block_sum(v, part) / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        store(yr + i, load(g + i) * ((load(xr + i) - mean) / sd) + load(b + i));
+}
+
+// token (b, t) of the step's k, v [B, H, n_tok, D] (strides sb, sh, st; d contiguous) into
+// slot positions[b, t] of the cache's ck, cv [B, H, S, D]; a position of -1 stores nothing
+template <typename T>
+__device__ void store_kv(const T* k, const T* v, long long sb, long long sh, long long st, T* ck, T* cv,
+                         const long long* positions, int n_tok, int H, int S, int D) {
+    int b = blockIdx.x / n_tok, t = blockIdx.x % n_tok;
+    long long p = positions[blockIdx.x];
+    if (p < 0) return;
+    for (int i = threadIdx.x; i < H * D; i += blockDim.x) {
+        int h = i / D, d = i % D;
+        long long from = b * sb + h * sh + t * st + d, to = (((long long)b * H + h) * S + p) * D + d;
+        ck[to] = k[from];
+        cv[to] = v[from];
+    }
+}
+
+// out[b, t, h] = softmax(q k^T / sqrt(D)) v over slots 0..positions[b, t] of row b's cache;
+// a block a query (blockIdx.x = (b * n_tok + t) * H + h), scores in shared memory [S]
+template <typename T>
+__device__ void attend(const T* q, long long sb, long long sh, long long st, const T* ck, const T* cv,
+                       const long long* positions, T* out, int n_tok, int H, int S, int D, float scale) {
+    extern __shared__ float scores[];
+    __shared__ float qs[256], part[32];
+    int h = blockIdx.x % H, bt = blockIdx.x / H, b = bt / n_tok, t = bt % n_tok;
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+    long long p = positions[bt];
+    T* o = out + (size_t)blockIdx.x * D;
+    if (p < 0) {  // padding: zeros, never read
+        for (int d = threadIdx.x; d < D; d += blockDim.x) store(o + d, 0.0f);
+        return;
+    }
+    const T* qv = q + b * sb + h * sh + t * st;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) qs[d] = load(qv + d);
+    __syncthreads();
+    const T* kr = ck + ((size_t)b * H + h) * S * D;
+    const T* vr = cv + ((size_t)b * H + h) * S * D;
+    for (int s = warp; s <= p; s += n_warps) {  // a warp a key: its lanes read the key's D values together
+        float dot = 0.0f;
+        for (int d = lane; d < D; d += 32) dot = fmaf(qs[d], load(kr + (size_t)s * D + d), dot);
+        dot = warp_sum(dot);
+        if (lane == 0) scores[s] = dot * scale;
+    }
+    __syncthreads();
+    float m = NEG_INF;
+    for (int s = threadIdx.x; s <= p; s += blockDim.x) m = fmaxf(m, scores[s]);
+    m = block_max(m, part);
+    float z = 0.0f;
+    for (int s = threadIdx.x; s <= p; s += blockDim.x) { float e = expf(scores[s] - m); scores[s] = e; z += e; }
+    z = block_sum(z, part);  // its barriers also order the exponentials' stores before the reads below
+    for (int s = threadIdx.x; s <= p; s += blockDim.x) scores[s] /= z;
+    __syncthreads();
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s <= p; s++) acc = fmaf(scores[s], load(vr + (size_t)s * D + d), acc);
+        store(o + d, acc);
+    }
+}
+
+#define OPS(T, S)                                                                                          \
+extern "C" __global__ void layer_norm##S(const T* x, const T* g, const T* b, T* y, int n, float eps) {     \
+    layer_norm_rows<T>(x, g, b, y, n, eps); }                                                              \
+extern "C" __global__ void store_kv##S(const T* k, const T* v, long long sb, long long sh, long long st,  \
+    T* ck, T* cv, const long long* positions, int n_tok, int H, int S_, int D) {                          \
+    store_kv<T>(k, v, sb, sh, st, ck, cv, positions, n_tok, H, S_, D); }                                  \
+extern "C" __global__ void attend##S(const T* q, long long sb, long long sh, long long st, const T* ck,  \
+    const T* cv, const long long* positions, T* out, int n_tok, int H, int S_, int D, float scale) {      \
+    attend<T>(q, sb, sh, st, ck, cv, positions, out, n_tok, H, S_, D, scale); }
+OPS(float, _f32)
+OPS(unsigned short, _f16)
+"""
+
+
+def layer_norm(x, g, b, eps=1e-5):
+    """gpt2.layer_norm over the last axis of x [..., n] in one launch."""
+    if isinstance(x, np.ndarray):
+        return gpt2.layer_norm(x, g, b, eps)
+    import cupy
+    x = cupy.ascontiguousarray(x)
+    out = cupy.empty_like(x)
+    n = x.shape[-1]
+    cuda.function(SOURCE, "layer_norm", x.dtype)((x.size // n,), (THREADS,), (x, g, b, out, np.int32(n), np.float32(eps)))
+    return out
+
+
+def attend(positions, layer, q, k, v):
+    """One layer's attention in a step of static shapes: store k, v [B, n_head, T, d_head] in
+    the layer's cache at positions [B, T] (device; -1: padding), then attend each query over
+    its row's slots up to its position. Returns [B, n_head, T, d_head] (a view of [B, T,
+    n_head, d_head], so that gpt2.mha's transpose back is free)."""
+    if isinstance(q, np.ndarray):
+        return attend_reference(positions, layer, q, k, v)
+    import cupy
+    B, H, T, D = q.shape
+    ck, cv = layer["k"], layer["v"]  # [B, H, S, D]
+    S = ck.shape[2]
+    if k.strides != q.strides or v.strides != q.strides or q.strides[3] != q.itemsize or D > 256:
+        raise ValueError("attend takes q, k, v as gpt2.mha makes them: views of one [B, T, 3, H, D] array")
+    if not (ck.flags.c_contiguous and cv.flags.c_contiguous):
+        raise ValueError("attend writes the cache's rows as one contiguous [B, H, S, D] array")
+    sb, sh, st = (s // q.itemsize for s in q.strides[:3])
+    n = (np.int64(sb), np.int64(sh), np.int64(st))
+    cuda.function(SOURCE, "store_kv", q.dtype)((B * T,), (THREADS,), (k, v, *n, ck, cv, positions, np.int32(T),
+                                                                       np.int32(H), np.int32(S), np.int32(D)))
+    out = cupy.empty((B, T, H, D), q.dtype)  # [B, T, H, D]
+    cuda.function(SOURCE, "attend", q.dtype)((B * T * H,), (ATTEND_THREADS,),
+                                             (q, *n, ck, cv, positions, out, np.int32(T), np.int32(H), np.int32(S),
+                                              np.int32(D), np.float32(1.0 / np.sqrt(D))), shared_mem=4 * S)
+    return out.transpose(0, 2, 1, 3)  # [B, H, T, D]
+
+
+def attend_reference(positions, layer, q, k, v):
+    """What `attend` computes, in NumPy: the stand-in on a CPU, and what a GPU test compares with."""
+    B, H, T, D = q.shape
+    out = np.zeros_like(q)  # [B, H, T, D]
+    real = [(b, t, int(positions[b, t])) for b in range(B) for t in range(T) if positions[b, t] >= 0]
+    for b, t, p in real:  # every key stored first: a query reads its step's earlier tokens too
+        layer["k"][b, :, p], layer["v"][b, :, p] = k[b, :, t], v[b, :, t]
+    for b, t, p in real:
+        keys, values = layer["k"][b, :, :p + 1], layer["v"][b, :, :p + 1]  # [H, p + 1, D]
+        out[b, :, t] = gpt2.attention(q[b, :, t, None], keys, values, np.float32(0.0))[:, 0]  # [H, D]
+    return out
