@@ -16,7 +16,9 @@ a fixed order (each row as if alone):
 - weight_formats.py: bfloat16, int8 and int4 weights; layout.py: the weights laid out once at
   load as the kernels read them, or moved to a GPU.
 
-A GPU's kernels of our own would enter the same two ways: a Matrix whose __rmatmul__
-launches a few-row product on device memory, and an attention kernel the cache's passes
-call; they would live here, a file per concern, beside the CPU's.
+A GPU's kernels of our own enter the same two ways (with GPT2_GPU_KERNELS=1 until a GPU
+has run their tests): cuda_matmul.py's Matrix, whose __rmatmul__ launches a few-row product
+on device memory, and cuda_ops.py's layer norm and attention, which a step's pass calls;
+cuda_graphs.py records such a step as one CUDA graph and replays it (kv_cache.next_logits
+hands it the passes it can take); cuda.py compiles their CUDA C (NVRTC).
 """

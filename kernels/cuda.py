@@ -76,7 +76,7 @@ def suffix(dtype):
 def module(source):
     """source (SHARED is prepended) compiled for this GPU: a cupy.RawModule."""
     import cupy
-    return cupy.RawModule(code=SHARED + source, options=("--std=c++14",))
+    return cupy.RawModule(code=SHARED + source)
 
 
 def function(source, name, dtype):
@@ -90,7 +90,7 @@ def check(source):
     from cupy_backends.cuda.libs import nvrtc
     program = nvrtc.createProgram(SHARED + source, "check.cu", [], [])
     try:
-        nvrtc.compileProgram(program, [f"--gpu-architecture={ARCH}", "--std=c++14"])
+        nvrtc.compileProgram(program, [f"--gpu-architecture={ARCH}"])
     except Exception as e:
         raise RuntimeError(f"{e}\n{nvrtc.getProgramLog(program)}") from None
     finally:

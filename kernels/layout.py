@@ -6,6 +6,8 @@ the NumPy fallback reads column-major matrices (rowwise.gemv_rows); a GPU (CuPy)
 plain matrices. `decode_layout` makes the CPU's layout, `to_backend` moves the params to
 the array library that runs them.
 """
+import os
+
 import numpy as np
 
 from checkpoint import LoadError
@@ -104,20 +106,29 @@ def plain_layout(params):
     return {**map_linear(params, lambda layer: {**layer, "w": plain(layer["w"])}), "wte": wte}
 
 
-def to_backend(params, backend="numpy", dtype="float32"):
+GPU_KERNELS_ENV = "GPT2_GPU_KERNELS"  # 1: the GPU's own kernels and recorded steps (cuda_graphs.py)
+
+
+def to_backend(params, backend="numpy", dtype="float32", kernels=None):
     """The params on the array library that runs them. NumPy keeps them as they are
     (memory-mapped, or laid out in their format at load); CuPy copies every tensor to the
-    GPU once, as `dtype` (float32 or float16), each matrix transposed for the GPU's kernels
-    (cuda_graphs.device_layout). From then on the model runs wherever its
-    weights are (gpt2.py says how). CuPy is imported only here, so the NumPy path never
-    needs it."""
+    GPU once, as `dtype` (float32 or float16). From then on the model runs wherever its
+    weights are (gpt2.py says how). kernels (None: GPT2_GPU_KERNELS=1 in the environment):
+    each matrix transposed for the GPU's own kernels, whose steps are recorded as CUDA
+    graphs (cuda_graphs.device_layout), instead of plain arrays for CuPy's operations and
+    cuBLAS. They are not the default until a GPU has run their tests (tests/test_cupy.py).
+    CuPy is imported only here, so the NumPy path never needs it."""
     if backend == "numpy":
         if dtype == "float16":
             raise LoadError("--dtype float16 needs --backend cupy (NumPy has no fast float16 matmul)")
         return params  # bfloat16, int8 and int4 were converted as they were laid out (decode_layout)
     cupy = gpu_library()
-    try:  # the matrices transposed, as the GPU's own kernels read them (cuda_matmul.py)
-        return cuda_graphs.device_layout(plain_layout(params), cupy, dtype)
+    if kernels is None:
+        kernels = os.environ.get(GPU_KERNELS_ENV, "0") == "1"
+    try:
+        if kernels:
+            return cuda_graphs.device_layout(plain_layout(params), cupy, dtype)
+        return tree_map(lambda w: cupy.asarray(w.astype(dtype, copy=False)), plain_layout(params))
     except cupy.cuda.memory.OutOfMemoryError as e:
         raise LoadError(f"the GPU has too little free memory for these weights ({e}): "
                         "try --dtype float16, a smaller model, or --backend numpy")

@@ -5,10 +5,11 @@ import pytest
 
 import batching
 import gpt2
+import kv_cache
 import sampling
 import speculative
 import utils
-from kernels import layout
+from kernels import cuda_matmul, cuda_ops, layout
 
 cupy = pytest.importorskip("cupy")
 try:
@@ -46,11 +47,93 @@ def spec(params, hparams, n, K, settings=GREEDY, seed=0, draft_vocab=0):
                                             speculative.SpeculativeConfig(K=K, draft_vocab=draft_vocab))
 
 
-def test_weights_live_on_the_gpu(both):
-    _, _, gpu = both
+@pytest.mark.parametrize("kernels", [False, True], ids=["plain", "our-kernels"])
+def test_weights_live_on_the_gpu(both, kernels):
+    hparams, params, _ = both
+    gpu = layout.to_backend(params, "cupy", kernels=kernels)
     leaves = []
-    layout.tree_map(leaves.append, gpu)
-    assert leaves and all(isinstance(w, cupy.ndarray) and w.dtype == np.float32 for w in leaves)
+    layout.tree_map(leaves.append, dict(gpu, wte=gpu["wte"].T.stored if kernels else gpu["wte"]))
+    matrices = [w.stored for w in leaves if isinstance(w, cuda_matmul.Matrix)]
+    assert len(matrices) == (4 * hparams["n_layer"] if kernels else 0)
+    arrays = [w for w in leaves if not isinstance(w, cuda_matmul.Matrix)] + matrices
+    assert all(isinstance(w, cupy.ndarray) and w.dtype == np.float32 for w in arrays)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("R", [1, 3, 8, 13, 64])
+def test_the_few_row_product_matches_numpy_and_each_row_is_as_if_alone(dtype, R):
+    """n_out 300: a last block of outputs half full; n_in 1600 (1558M's width)."""
+    rng = np.random.default_rng(R)
+    w = (rng.standard_normal((300, 1600), dtype=np.float32) * 0.02).astype(dtype)  # [n_out, n_in]
+    x = rng.standard_normal((R, 1600), dtype=np.float32).astype(dtype)
+    got = cuda_matmul.matmul(cupy.asarray(x), cupy.asarray(w))
+    assert got.dtype == dtype and got.shape == (R, 300)
+    want = x.astype(np.float32) @ w.astype(np.float32).T
+    tolerance = {"atol": 1e-4, "rtol": 0} if dtype == np.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float32), want, **tolerance)
+    alone = cuda_matmul.matmul(cupy.asarray(x[-1:]), cupy.asarray(w))
+    assert np.array_equal(cupy.asnumpy(got[-1:]), cupy.asnumpy(alone))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_layer_norm_kernel_matches_gpt2s(dtype):
+    rng = np.random.default_rng(0)
+    x, g, b = (rng.standard_normal(shape, dtype=np.float32).astype(dtype) for shape in ((2, 3, 1600), (1600,), (1600,)))
+    got = cuda_ops.layer_norm(*(cupy.asarray(a) for a in (x, g, b)))
+    want = gpt2.layer_norm(x.astype(np.float32), g.astype(np.float32), b.astype(np.float32))
+    assert got.dtype == dtype and got.shape == x.shape
+    np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float32), want, atol=1e-5 if dtype == np.float32 else 1e-2)
+
+
+def test_the_attention_kernel_matches_numpy_with_padding():
+    """q, k, v as gpt2.mha makes them (views of one array); a row of 2 tokens after 37 cached,
+    a row of 1 (its first), padding in between: the same keys stored, the same outputs."""
+    rng = np.random.default_rng(0)
+    B, T, H, D, S = 2, 3, 3, 64, 40
+    qkv = rng.standard_normal((B, T, 3 * H * D), dtype=np.float32)
+    q, k, v = qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)  # [B, H, T, D] each
+    cached = rng.standard_normal((2, B, H, S, D), dtype=np.float32)
+    positions = np.array([[37, 38, -1], [0, -1, -1]])
+    cpu = {"k": cached[0].copy(), "v": cached[1].copy()}
+    want = cuda_ops.attend_reference(positions, cpu, q, k, v)
+    gpu = {"k": cupy.asarray(cached[0]), "v": cupy.asarray(cached[1])}
+    d_qkv = cupy.asarray(qkv)
+    dq, dk, dv = d_qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)
+    got = cuda_ops.attend(cupy.asarray(positions), gpu, dq, dk, dv)
+    np.testing.assert_allclose(cupy.asnumpy(got), want, atol=1e-5, rtol=0)
+    assert np.array_equal(cupy.asnumpy(gpu["k"]), cpu["k"]) and np.array_equal(cupy.asnumpy(gpu["v"]), cpu["v"])
+
+
+@pytest.mark.parametrize("K", [0, 4])
+def test_greedy_text_through_our_kernels_and_graphs_equals_numpy(both, K):
+    """The float32 model in our kernels' layout, steps replayed: plain greedy (K = 0) and
+    speculative greedy give the NumPy path's text."""
+    hparams, params, _ = both
+    ours = layout.to_backend(params, "cupy", kernels=True)
+    want, _ = generate(params, hparams, 40)
+    got, _ = generate(ours, hparams, 40) if K == 0 else spec(ours, hparams, 40, K)
+    assert got == want
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_replayed_step_is_the_eager_step_bit_for_bit(both, dtype):
+    """The same steps on two caches: one records its shapes and replays them, the other runs
+    every step eagerly through the same kernels. Rows join (a third prompt) and leave."""
+    hparams, params, _ = both
+    model = (layout.to_backend(params, "cupy", dtype, kernels=True), hparams)
+    texts = [list(p) for p in PROMPTS]
+    replayed, eager = (kv_cache.init_cache(hparams, 3, hparams["n_ctx"], like=model[0]["wpe"]) for _ in range(2))
+    for step in range(10):
+        rows = 2 if 3 <= step < 6 else 3  # the last row leaves for three steps and comes back
+        got = kv_cache.next_logits(model, kv_cache.rows(replayed, 0, rows), texts[:rows])
+        want = kv_cache.next_logits(model, kv_cache.rows(eager, 0, rows), texts[:rows])
+        for shaped in eager["graphs"].values():
+            shaped["uses"] = 0  # never recorded: eager every time
+        assert np.array_equal(cupy.asnumpy(got), cupy.asnumpy(want)), step
+        for text, token in zip(texts, cupy.asnumpy(want[:, -1].argmax(-1))):
+            text.append(int(token))
+    assert any(shaped["replay"] is not None for shaped in replayed["graphs"].values())
+    assert all(shaped["replay"] is None for shaped in eager["graphs"].values())
 
 
 def test_float32_logits_match_numpy_and_the_reference(both, reference):

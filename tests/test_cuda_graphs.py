@@ -1,0 +1,133 @@
+"""The GPU's own kernels and recorded steps (issue #61), checked on a CPU: their CUDA C
+compiles (NVRTC is a library: no GPU needed, only CuPy), and the recorded step's
+bookkeeping (its buffers, positions and padding, a graph per shape, rows joining and
+leaving, speculative verification) gives what the eager path gives, with NumPy standing
+in for the device (cuda_graphs.device_layout(params, numpy)). tests/test_cupy.py checks the
+kernels themselves, and replay against eager, on a GPU."""
+import numpy as np
+import pytest
+
+import batching
+import kv_cache
+import sampling
+import speculative
+from kernels import cuda, cuda_graphs, cuda_matmul, cuda_ops, layout
+from serving import scheduler
+
+GREEDY = sampling.SamplingSettings(temperature=0.0)
+SAMPLED = sampling.SamplingSettings(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.2)
+PROMPTS = [[464, 2068, 7586, 21831], [15496, 11, 995, 0, 383, 2068, 7586, 21831, 18045, 625, 262], [36235]]
+
+
+@pytest.fixture(scope="module")
+def both(tiny):
+    """(hparams, the CPU's params, the same weights in the GPU's layout on NumPy)."""
+    _, hparams, params = tiny
+    return hparams, params, cuda_graphs.device_layout(layout.plain_layout(params), np)
+
+
+def generate(params, hparams, n, settings=GREEDY, seed=0, prompts=PROMPTS):
+    return batching.generate(batching.requests(prompts, n, settings, seed), (params, hparams))[0]
+
+
+def spec(params, hparams, n, K, settings=GREEDY, seed=0):
+    draft = speculative.model_drafter((dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1)))
+    return speculative.speculative_generate(batching.requests(PROMPTS, n, settings, seed), (params, hparams), draft,
+                                            speculative.SpeculativeConfig(K=K))
+
+
+@pytest.mark.parametrize("source", [cuda_matmul.SOURCE, cuda_ops.SOURCE], ids=["matmul", "ops"])
+def test_the_cuda_sources_compile_without_a_gpu(source):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC comes with CuPy (pip install cupy-cuda12x)")
+    cuda.check(source)
+
+
+def test_a_typo_in_the_cuda_source_is_caught_without_a_gpu():
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC comes with CuPy (pip install cupy-cuda12x)")
+    with pytest.raises(RuntimeError, match="warp_summ"):
+        cuda.check(cuda_matmul.SOURCE.replace("warp_sum(acc[r])", "warp_summ(acc[r])"))
+
+
+def test_every_step_gives_the_eager_passes_logits(both):
+    """Prompts of 4, 11 and 1 tokens, then 12 one-token steps: each step's logits within
+    float32's rounding of the CPU's pass (the stand-in sums in NumPy's order, not the kernels')."""
+    hparams, params, dev = both
+    texts = [list(p) for p in PROMPTS]
+    cpu, gpu = (kv_cache.init_cache(hparams, 3, hparams["n_ctx"], like=p["wpe"]) for p in (params, dev))
+    for _ in range(12):
+        want = kv_cache.next_logits((params, hparams), cpu, texts)
+        got = kv_cache.next_logits((dev, hparams), gpu, texts)
+        assert got.dtype == np.float32 and got.shape == want.shape == (3, 1, hparams["n_vocab"])
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+        for text, token in zip(texts, want[:, -1].argmax(-1)):
+            text.append(int(token))
+    assert np.array_equal(gpu["lengths"], cpu["lengths"])
+
+
+def test_a_shape_runs_eagerly_twice_then_is_recorded_and_replayed(both):
+    hparams, _, dev = both
+    texts = [list(p) for p in PROMPTS]
+    cache = kv_cache.init_cache(hparams, 3, hparams["n_ctx"], like=dev["wpe"])
+    for _ in range(5):
+        kv_cache.next_logits((dev, hparams), cache, texts)
+        for text in texts:
+            text.append(7)
+    steps = {key[2:]: shaped for key, shaped in cache["graphs"].items()}
+    assert steps[(3, 1)]["uses"] == 4 and steps[(3, 1)]["replay"] is not None  # recorded at its second use
+    assert all(shaped["replay"] is None for shape, shaped in steps.items() if shaped["uses"] == 1)
+    view = kv_cache.rows(cache, 0, 2)  # a view of the first rows shares the cache's graphs, with shapes of its own
+    kv_cache.next_logits((dev, hparams), view, texts[:2])
+    assert view["graphs"] is cache["graphs"] and any(key[2:] == (2, 1) for key in cache["graphs"])
+
+
+def test_eager_everywhere_records_nothing_and_gives_the_same_text(both):
+    hparams, _, dev = both
+    want = generate(dev, hparams, 12)
+    cuda_graphs.use(False)
+    try:
+        cache = kv_cache.init_cache(hparams, 1, 32, like=dev["wpe"])
+        kv_cache.next_logits((dev, hparams), cache, [[1, 2, 3]])
+        assert not cache["graphs"]
+        assert generate(dev, hparams, 12) == want
+    finally:
+        cuda_graphs.use(True)
+
+
+@pytest.mark.parametrize("settings", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_text_through_recorded_steps_equals_the_cpu_path(both, settings):
+    """60 tokens on the tiny model (n_ctx 64): every row's window restarts on the way."""
+    hparams, params, dev = both
+    assert generate(dev, hparams, 60, settings, seed=3) == generate(params, hparams, 60, settings, seed=3)
+
+
+@pytest.mark.parametrize("K", [1, 4, 7])
+def test_speculative_greedy_equals_plain_greedy_through_recorded_steps(both, K):
+    """Verification passes of K + 1 tokens, rows padded where they accepted fewer drafts."""
+    hparams, params, dev = both
+    got, stats = spec(dev, hparams, 30, K)
+    assert got == generate(dev, hparams, 30) == generate(params, hparams, 30) and 0 < stats.acceptance_rate < 1
+
+
+def test_rows_joining_and_leaving_mid_run_keep_their_texts(both):
+    """12 requests through 3 rows of the scheduler: rows come and go, shapes change, and each
+    request's text is what the CPU gives it alone."""
+    hparams, params, dev = both
+    rng = np.random.default_rng(0)
+    reqs = [batching.Request(tuple(rng.integers(0, 50000, rng.integers(1, 12)).tolist()), int(rng.integers(1, 20)),
+                             GREEDY, seed=i) for i in range(12)]
+    events = list(scheduler.serve(reqs, scheduler.autoregressive((dev, hparams)), max_batch=3))
+    finished = {e.index: e.tokens for e in events if e.kind == "finished"}
+    assert finished == {i: batching.generate([r], (params, hparams))[0][0] for i, r in enumerate(reqs)}
+
+
+def test_a_padding_token_stores_nothing_and_attends_to_nothing():
+    rng = np.random.default_rng(0)
+    B, H, T, D, S = 2, 2, 3, 4, 8
+    q, k, v = (rng.standard_normal((B, H, T, D), dtype=np.float32) for _ in range(3))
+    layer = {"k": np.zeros((B, H, S, D), np.float32), "v": np.zeros((B, H, S, D), np.float32)}
+    positions = np.array([[2, 3, -1], [0, -1, -1]])  # row 0: two tokens after 2 cached; row 1: its first token
+    out = cuda_ops.attend_reference(positions, layer, q, k, v)
+    assert np.array_equal(layer["k"][0, :, 2:4], k[0, :, :2]) and np.array_equal(layer["v"][1, :, 0], v[1, :, 0])
+    assert not layer["k"][0, :, 4:].any() and not layer["k"][1, :, 1:].any()  # the padding stored nothing
+    assert not out[0, :, 2].any() and not out[1, :, 1:].any()
+    np.testing.assert_allclose(out[1, :, 0], v[1, :, 0], rtol=1e-6)  # a first token sees itself alone
