@@ -97,15 +97,17 @@ def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, state=None):
     """Logits of a batch of token ids inputs [B, T]: [B, T, n_vocab] at every position, as
     picoGPT (state None: gpt2(np.array([ids]), **params, n_head=hparams["n_head"])).
     With state (a kv_cache.Pass, section 3: each token's position, each layer's attend, the
-    layer norm the pass runs, and state.logits_at [B, n], the n positions of each row that
-    need logits), [B, n, n_vocab], since the 50257-wide head is the largest product of a step."""
+    layer norm and the transformer_block the pass runs, and state.logits_at [B, n], the n
+    positions of each row that need logits), [B, n, n_vocab], since the 50257-wide head is
+    the largest product of a step."""
+    norm, block_fn = (layer_norm, transformer_block) if state is None else (state.layer_norm, state.transformer_block)
     if state is None:
-        positions, attends, norm = np.arange(inputs.shape[1]), [None] * len(blocks), layer_norm  # [T]
+        positions, attends = np.arange(inputs.shape[1]), [None] * len(blocks)  # [T]
     else:
-        positions, attends, norm = state.positions, state.attends, state.layer_norm  # [B, T]
+        positions, attends = state.positions, state.attends  # [B, T]
     x = wte[inputs] + wpe[positions]  # [B, T, n_embd]
     for block, attend in zip(blocks, attends):
-        x = transformer_block(x, **block, n_head=n_head, attend=attend, norm=norm)  # [B, T, n_embd]
+        x = block_fn(x, **block, n_head=n_head, attend=attend, norm=norm)  # [B, T, n_embd]
     if state is not None:
         x = x[np.arange(x.shape[0], like=x)[:, None], state.logits_at]  # [B, n, n_embd]: only where logits are needed
     return norm(x, **ln_f) @ wte.T  # [B, T or n, n_vocab]: the head is the token embedding again

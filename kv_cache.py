@@ -124,6 +124,7 @@ class Pass:
     where: object = None  # where each real token's keys and values go (write_slots)
     S: int = 0  # the slots attention reads
     layer_norm: object = gpt2.layer_norm  # the layer norm of this pass: gpt2's, or the kernels' loop
+    transformer_block: object = gpt2.transformer_block  # gpt2's (a GPU's recorded step: the same in fewer launches)
     attention: object = None  # the kernels' attention loop attention(q, k, v, positions), or None: attend's NumPy
     attends: object = None  # attend(q, k, v) of each layer, for gpt2.mha (one per cached layer; else repeated)
     parts: list = None  # a packed pass (ride_along): [(Pass, first token, B, T)] of the passes it packs

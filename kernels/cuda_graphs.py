@@ -107,7 +107,7 @@ def static_step(model, cache, B, T):
         def forward():
             positions = ids_positions[1]  # [B, T]
             state = types.SimpleNamespace(  # what gpt2.gpt2 reads of a pass (kv_cache.Pass)
-                positions=positions, layer_norm=cuda_ops.layer_norm,
+                positions=positions, layer_norm=cuda_ops.layer_norm, transformer_block=cuda_ops.transformer_block,
                 attends=[functools.partial(cuda_ops.attend, positions, layer) for layer in cache["layers"]],
                 logits_at=np.broadcast_to(np.arange(T, like=wpe), (B, T)))  # [B, T]: every token
             return gpt2.gpt2(ids_positions[0], **params, n_head=hparams["n_head"], state=state)  # [B, T, n_vocab]

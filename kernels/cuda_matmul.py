@@ -14,9 +14,14 @@ ROWS rows, and a row's output is summed in the same order whatever rows share th
 batch invariant, as the CPU's kernels are. More than ROWS rows run ROWS at a time (the
 weights come again, mostly from L2). A pass of more than ROWS_MAX rows (a prompt) is a
 matrix product with reuse to exploit, and goes to cuBLAS: eager, never in a graph.
+
+`linear` also does, as each output is stored, what gpt2.py does right after a product:
+the bias, the GELU of the MLP's first layer and the residual add of a block; each of those
+is otherwise a launch of its own (GELU, eight), and a recorded step is bound by launches.
 """
 import numpy as np
 
+import gpt2
 from kernels import cuda
 
 ROWS = 8  # rows a warp carries at once: 8 float32 sums a lane
@@ -25,10 +30,12 @@ WARPS = 8  # outputs a block computes (256 threads)
 
 SOURCE = r"""
 #define ROWS 8
-// y[r, j] = sum_k x[r, k] w[j, k] for r < R: w [n_out, n_in], x [R, n_in], y [R, n_out]
+// y[r, j] = tail(sum_k x[r, k] w[j, k]) for r < R: w [n_out, n_in], x [R, n_in], y [R, n_out]. The tail
+// is what gpt2.py does next to a product, done as it is stored: + b[j], then gelu (if gelu), then
+// + res[r, j] (if has_res): one launch instead of three to eleven.
 template <typename T>
-__device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict__ x, T* __restrict__ y,
-                                   int R, int n_in, int n_out) {
+__device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict__ x, const T* __restrict__ b,
+                                   const T* res, T* y, int R, int n_in, int n_out, int gelu, int has_res) {
     int j = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (j >= n_out) return;  // the whole warp: no lane is left waiting in a shuffle
     const T* wj = w + (size_t)j * n_in;
@@ -47,12 +54,19 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
         #pragma unroll
         for (int r = 0; r < ROWS; r++) {
             float s = warp_sum(acc[r]);
-            if (lane == 0 && r < n) store(y + (size_t)(r0 + r) * n_out + j, s);
+            if (lane == 0 && r < n) {
+                size_t at = (size_t)(r0 + r) * n_out + j;
+                s += load(b + j);
+                if (gelu) s = 0.5f * s * (1.0f + tanhf(0.7978845608028654f * (s + 0.044715f * s * s * s)));
+                if (has_res) s = load(res + at) + s;
+                store(y + at, s);
+            }
         }
     }
 }
-#define ROWS_TIMES_COLUMNS(T, NAME) extern "C" __global__ void NAME(                              \
-    const T* w, const T* x, T* y, int R, int n_in, int n_out) { rows_times_columns<T>(w, x, y, R, n_in, n_out); }
+#define ROWS_TIMES_COLUMNS(T, NAME) extern "C" __global__ void NAME(const T* w, const T* x, const T* b,      \
+    const T* res, T* y, int R, int n_in, int n_out, int gelu, int has_res) {                               \
+    rows_times_columns<T>(w, x, b, res, y, R, n_in, n_out, gelu, has_res); }
 ROWS_TIMES_COLUMNS(float, rows_times_columns_f32)
 ROWS_TIMES_COLUMNS(unsigned short, rows_times_columns_f16)
 """
@@ -62,14 +76,36 @@ def matmul(rows, w):
     """rows [n, n_in] @ w.T -> [n, n_out], w [n_out, n_in] in device memory, both of the
     model's dtype. NumPy arrays (the stand-in a CPU tests the GPU's bookkeeping with)
     take NumPy's product."""
-    n, n_in = rows.shape
-    if isinstance(rows, np.ndarray) or n > ROWS_MAX:
+    if isinstance(rows, np.ndarray) or rows.shape[0] > ROWS_MAX:
         return rows @ w.T  # [n, n_out]
+    return launch(rows, w, None)
+
+
+def linear(x, w, b, gelu=False, residual=None):
+    """gpt2.linear(x, w, b), then gpt2.gelu if gelu, then residual + it: x [..., n_in], w a
+    Matrix, residual like the output [..., n_out]. One launch on a GPU (the tail done as
+    each output is stored); NumPy (the stand-in) runs gpt2.py's own functions."""
+    rows = x.reshape(-1, x.shape[-1])  # [n, n_in]
+    shape = (*x.shape[:-1], w.stored.shape[0])
+    if isinstance(rows, np.ndarray) or rows.shape[0] > ROWS_MAX:
+        y = gpt2.linear(x, w, b)  # [..., n_out]
+        y = gpt2.gelu(y) if gelu else y
+        return y if residual is None else residual + y
+    res = None if residual is None else residual.reshape(-1, shape[-1])  # [n, n_out]
+    return launch(rows, w.stored, b, gelu, res).reshape(shape)
+
+
+def launch(rows, w, b, gelu=False, res=None):
+    """The kernel over rows [n, n_in] and w [n_out, n_in]: [n, n_out] with its tail."""
     import cupy
+    n, n_in = rows.shape
     rows = cupy.ascontiguousarray(rows, dtype=w.dtype)
     out = cupy.empty((n, w.shape[0]), w.dtype)  # [n, n_out]
+    res = out if res is None else cupy.ascontiguousarray(res, dtype=w.dtype)  # (not read without has_res)
+    b = cupy.zeros(w.shape[0], w.dtype) if b is None else b  # a plain product: + 0, exact
     kernel = cuda.function(SOURCE, "rows_times_columns", w.dtype)
-    kernel((-(-w.shape[0] // WARPS),), (32 * WARPS,), (w, rows, out, np.int32(n), np.int32(n_in), np.int32(w.shape[0])))
+    kernel((-(-w.shape[0] // WARPS),), (32 * WARPS,), (w, rows, b, res, out, np.int32(n), np.int32(n_in),
+                                                       np.int32(w.shape[0]), np.int32(gelu), np.int32(res is not out)))
     return out
 
 

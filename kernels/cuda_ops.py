@@ -15,7 +15,7 @@ gpt2.layer_norm), so a CPU runs the bookkeeping around these kernels with the sa
 import numpy as np
 
 import gpt2
-from kernels import cuda
+from kernels import cuda, cuda_matmul
 
 THREADS = 256  # a layer norm's block, and a step's key and value stores
 ATTEND_THREADS = 128  # an attention block: 4 warps, each a key at a time
@@ -157,3 +157,16 @@ def attend_reference(positions, layer, q, k, v):
         keys, values = layer["k"][b, :, :p + 1], layer["v"][b, :, :p + 1]  # [H, p + 1, D]
         out[b, :, t] = gpt2.attention(q[b, :, t, None], keys, values, np.float32(0.0))[:, 0]  # [H, D]
     return out
+
+
+def transformer_block(x, mlp, attn, ln_1, ln_2, n_head, attend, norm):
+    """gpt2.transformer_block, line for line, with each product's tail in the product's own
+    launch (cuda_matmul.linear: the bias, the GELU, the residual add): 8 launches a layer
+    where gpt2.py's functions make about 23, for a recorded step, which is bound by launches."""
+    B, T, n_embd = x.shape
+    qkv = cuda_matmul.linear(norm(x, **ln_1), **attn["c_attn"])  # [B, T, 3*n_embd]
+    q, k, v = qkv.reshape(B, T, 3, n_head, n_embd // n_head).transpose(2, 0, 3, 1, 4)  # [B, n_head, T, d_head] each
+    heads = attend(q, k, v).transpose(0, 2, 1, 3).reshape(B, T, n_embd)  # [B, T, n_embd]
+    x = cuda_matmul.linear(heads, **attn["c_proj"], residual=x)  # x + mha(...)  [B, T, n_embd]
+    h = cuda_matmul.linear(norm(x, **ln_2), **mlp["c_fc"], gelu=True)  # gelu(linear(...))  [B, T, 4*n_embd]
+    return cuda_matmul.linear(h, **mlp["c_proj"], residual=x)  # x + ffn(...)  [B, T, n_embd]

@@ -75,6 +75,35 @@ def test_the_few_row_product_matches_numpy_and_each_row_is_as_if_alone(dtype, R)
     assert np.array_equal(cupy.asnumpy(got[-1:]), cupy.asnumpy(alone))
 
 
+@pytest.mark.parametrize("gelu, residual", [(False, False), (True, False), (False, True)])
+def test_a_products_tail_in_its_launch_matches_gpt2s_functions(gelu, residual):
+    rng = np.random.default_rng(1)
+    x, res = rng.standard_normal((5, 768), dtype=np.float32), rng.standard_normal((5, 300), dtype=np.float32)
+    w, b = rng.standard_normal((768, 300), dtype=np.float32) * 0.05, rng.standard_normal(300, dtype=np.float32)
+    want = gpt2.linear(x, w, b)
+    want = gpt2.gelu(want) if gelu else want
+    want = res + want if residual else want
+    matrix = cuda_matmul.Matrix(cupy.asarray(np.ascontiguousarray(w.T)))
+    got = cuda_matmul.linear(cupy.asarray(x), matrix, cupy.asarray(b), gelu, cupy.asarray(res) if residual else None)
+    np.testing.assert_allclose(cupy.asnumpy(got), want, atol=2e-5, rtol=0)
+
+
+def test_recorded_steps_give_the_cpus_logits(both):
+    """12 steps of three rows, replayed from the third: logits within 1e-4 of the CPU's pass."""
+    hparams, params, _ = both
+    ours = (layout.to_backend(params, "cupy", kernels=True), hparams)
+    texts = [list(p) for p in PROMPTS]
+    cpu = kv_cache.init_cache(hparams, 3, hparams["n_ctx"], like=params["wpe"])
+    gpu = kv_cache.init_cache(hparams, 3, hparams["n_ctx"], like=ours[0]["wpe"])
+    for _ in range(12):
+        want = kv_cache.next_logits((params, hparams), cpu, texts)
+        got = kv_cache.next_logits(ours, gpu, texts)
+        np.testing.assert_allclose(cupy.asnumpy(got), want, atol=1e-4, rtol=0)
+        for text, token in zip(texts, want[:, -1].argmax(-1)):
+            text.append(int(token))
+    assert any(shaped["replay"] is not None for shaped in gpu["graphs"].values())
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_the_layer_norm_kernel_matches_gpt2s(dtype):
     rng = np.random.default_rng(0)
