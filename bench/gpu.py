@@ -5,6 +5,8 @@ kernels, each step replayed as a CUDA graph (kernels/cuda_graphs.py), next to tr
 of its own, peers.py), what one CuPy call costs the host, the GPU's bandwidth, and the
 speculative costs. Every model has random weights of its real shape.
 """
+import argparse
+
 import numpy as np
 
 from bench.common import greedy, matmul_weight_bytes, prompt_ids, random_params, timed
@@ -51,8 +53,11 @@ def gpu_benchmark(args, command):
                             f"{way}itl_ms_p50": float(np.median([r.itl_ms(50) for r in runs[1:]]))})
             rows.append(row)
         hbm_ms = 1e3 * matmul_weight_bytes(loaded[size][0]) / (bandwidth * 1e9)
+        alone = argparse.Namespace(**{**vars(args), "batch_sizes": [1]})  # the anchors: batch 1
         results["models"][size] = {"decode": rows, "weights_at_bandwidth_ms": hbm_ms,
-                                   "transformers": transformers_apart(size, args, device="cuda")}
+                                   "transformers": transformers_apart(size, args, device="cuda"),
+                                   "anchors": {variant: transformers_apart(size, alone, "cuda", variant)
+                                               for variant in ("no_mask", "static")}}
         print(f"  GPT-2 {size}: batch-1 {rows[0]['end_to_end_tok_s']:.0f} tok/s, a step {rows[0]['itl_ms_p50']:.2f} ms "
               f"(CuPy's operations: {rows[0]['eager_itl_ms_p50']:.2f} ms) "
               f"(its weights at full bandwidth: {hbm_ms:.2f} ms)", flush=True)

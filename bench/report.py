@@ -431,9 +431,41 @@ def gpu_markdown(results):
                          + f" {d['itl_ms_p50']:.2f} | {d.get('eager_itl_ms_p50', float('nan')):.2f} | "
                          f"{r['weights_at_bandwidth_ms']:.2f} |")
     lines += [""] + failed if failed else []
+    lines += anchors_table(results["models"])
     if "speculative" in results:
         lines += [""] + speculative_costs_table(results["speculative"])
     return "\n".join(lines)
+
+
+def anchors_table(models):
+    """Batch 1, decoding alone (ms a token): ours beside transformers run each way it runs
+    (bench/transformers_peer.py's VARIANTS); a peer that failed says why in its cell."""
+    from bench.transformers_peer import VARIANTS
+
+    def cell(peer):
+        if not peer:
+            return "-", None
+        if isinstance(peer, dict):
+            return peer["failed"], None
+        ms = 1e3 / peer[0]["decode_tok_s"]
+        return f"{ms:.2f}", ms
+    rows = []
+    for size, r in models.items():
+        if "anchors" not in r:
+            continue
+        ours = 1e3 / r["decode"][0]["decode_tok_s"]
+        peers = {"generate": [t for t in r["transformers"] if t["batch"] == 1]
+                 if isinstance(r["transformers"], list) else r["transformers"], **r["anchors"]}
+        cells = {variant: cell(peers.get(variant)) for variant in VARIANTS}
+        static = cells["static"][1]
+        rows.append(f"| {size} | {ours:.2f} | " + " | ".join(cells[v][0] for v in VARIANTS)
+                    + f" | {f'{static / ours:.2f}x' if static else '-'} |")
+    if not rows:
+        return []
+    return ["", "Batch 1, decoding alone, ms a token: ours (its own kernels, each step a replayed CUDA graph) "
+            "beside transformers each way it runs:", "",
+            "| model | ours | " + " | ".join(VARIANTS.values()) + " | ours over the compiled |",
+            "|---|---|" + "---|" * len(VARIANTS) + "---|"] + rows
 
 
 if __name__ == "__main__":

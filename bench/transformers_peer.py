@@ -15,13 +15,19 @@ from bench import peers
 from bench.common import SHAPES, prompt_ids
 
 
-def transformers_apart(size, args, device="cpu"):
+# how generate() runs (the GPU's anchors): as the decode table always ran it; without an attention
+# mask (faster in eager mode); with a static cache, for which generate() compiles the forward
+VARIANTS = {"generate": "generate()", "no_mask": "generate() without an attention mask",
+            "static": 'generate(cache_implementation="static"), compiled'}
+
+
+def transformers_apart(size, args, device="cpu", variant="generate"):
     """bench_transformers in a process of its own: its rows, None where transformers is not
     installed, or {"failed": why} where the peer crashed, refused or hung."""
     if missing():
         return None  # no process to start for a peer that is not there
     try:
-        return peers.run_apart(bench_transformers, size, args, device)
+        return peers.run_apart(bench_transformers, size, args, device, variant)
     except peers.PeerFailed as e:
         print(f"  transformers peer: {e}", flush=True)
         return {"failed": str(e)}
@@ -32,11 +38,12 @@ def missing():
     return any(importlib.util.find_spec(name) is None for name in ("torch", "transformers"))
 
 
-def bench_transformers(size, args, device="cpu"):
+def bench_transformers(size, args, device="cpu", variant="generate"):
     """Hugging Face transformers' generate() on the same shapes, if it is installed: end to
     end, and decoding alone as this project's decode_tok_s counts it (the tokens after the
     first over the time after the first): generate(n) - generate(1), prefill and the first
-    token being the same in both, timed in turns."""
+    token being the same in both, timed in turns (the first round a warm-up, which also
+    pays a static cache's compilations). variant: a key of VARIANTS."""
     try:
         import torch
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -44,18 +51,22 @@ def bench_transformers(size, args, device="cpu"):
         return None
     n_embd, n_head, n_layer = SHAPES[size]
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_embd=n_embd, n_head=n_head, n_layer=n_layer)).eval()
+    with torch.device(device):  # initialized where it runs: 1558M's random init on a CPU takes half a minute
+        model = GPT2LMHeadModel(GPT2Config(n_embd=n_embd, n_head=n_head, n_layer=n_layer)).eval()
     model = model.to(device, dtype=getattr(torch, args.dtype))
     rows = []
     for B in args.batch_sizes:
         ids = torch.tensor([prompt_ids(args.prompt_len, seed=b) for b in range(B)], device=device)
         times = {1: [], args.n_tokens: []}
 
+        options = {} if variant == "no_mask" else {"attention_mask": torch.ones_like(ids)}
+        if variant == "static":
+            options["cache_implementation"] = "static"
+
         def run(n):
             start = time.perf_counter()
             with torch.no_grad():
-                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, pad_token_id=0)
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, **options)
             if device == "cuda":
                 torch.cuda.synchronize()
             times[n].append(time.perf_counter() - start)
@@ -65,5 +76,5 @@ def bench_transformers(size, args, device="cpu"):
         first, whole = (float(np.median(times[n][1:])) for n in times)
         rows.append({"batch": B, "tok_s": B * args.n_tokens / whole, "first_token_s": first,
                      "decode_tok_s": B * (args.n_tokens - 1) / (whole - first), "torch": torch.__version__,
-                     "threads": torch.get_num_threads()})
+                     "threads": torch.get_num_threads(), "variant": variant})
     return rows

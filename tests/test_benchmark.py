@@ -301,3 +301,22 @@ def test_costs_wait_until_the_target_step_settles():
     never = []
     speculation.settle(lambda: never.append(1) or 2.0 ** len(never), tries=7)  # doubling: never settles
     assert len(never) == 8
+
+
+def test_the_gpu_table_sets_ours_beside_transformers_each_way_it_runs():
+    """Batch 1 in ms a token: ours, generate() with and without a mask, and compiled with a
+    static cache; a peer that failed is its cell's words, not the end of the table."""
+    decode = [{"batch": 1, "end_to_end_tok_s": 500.0, "decode_tok_s": 1000.0, "itl_ms_p50": 1.0,
+               "eager_end_to_end_tok_s": 50.0, "eager_decode_tok_s": 60.0, "eager_itl_ms_p50": 17.0}]
+    peer = [{"batch": 1, "tok_s": 80.0, "decode_tok_s": 100.0}]
+    results = {"gpu": "H100", "cupy": "14.2", "dtype": "float32", "bandwidth_GBs": 3000.0, "launch_us": 12.0,
+               "command": "python benchmark.py --backend cupy", "prompt_len": 16, "n_tokens": 64,
+               "models": {"124M": {"decode": decode, "weights_at_bandwidth_ms": 0.2, "transformers": peer,
+                                   "anchors": {"no_mask": [{"batch": 1, "decode_tok_s": 200.0}],
+                                               "static": [{"batch": 1, "decode_tok_s": 400.0}]}},
+                          "1558M": {"decode": decode, "weights_at_bandwidth_ms": 2.8, "transformers": peer,
+                                    "anchors": {"no_mask": None, "static": {"failed": "crashed (SIGSEGV)"}}}}}
+    text = report.gpu_markdown(results)
+    assert "| 124M | 1 | 500.0 | 80.0 | 6.25x | 1.00 | 17.00 | 0.20 |" in text
+    assert "| 124M | 1.00 | 10.00 | 5.00 | 2.50 | 2.50x |" in text
+    assert "| 1558M | 1.00 | 10.00 | - | crashed (SIGSEGV) | - |" in text
