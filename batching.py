@@ -368,8 +368,11 @@ def autoregressive_step(batch, model):
     """Every row gains one token, sampled from the model's next-token distribution."""
     logits = kv_cache.next_logits(model, cache(batch, "target"), token_ids(batch),
                                   riders=batch.riders.pop("target", ()))[:, 0]  # [B, n_vocab]
-    p = distributions(batch, logits)  # [B, n_vocab]
-    tokens = sampling.sample(p, uniforms(batch, 1)[:, 0]).tolist()  # [B]: only these leave a GPU
+    u = uniforms(batch, 1)[:, 0]  # [B]: drawn for every row either way, so each row's stream is the same
+    if all(seq.request.settings.argmax for seq in batch.seqs):
+        tokens = np.argmax(logits, axis=-1).tolist()  # [B]: one launch on a GPU, and only the ids leave it
+    else:
+        tokens = sampling.sample(distributions(batch, logits), u).tolist()  # [B]: only these leave a GPU
     for b, token in enumerate(tokens):
         emit(batch, b, [token], logits=logits[b:b + 1])  # [1, n_vocab]
     batch.stats.step_done()

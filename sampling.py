@@ -61,6 +61,12 @@ class SamplingSettings:
         return self.temperature < GREEDY_BELOW
 
     @property
+    def argmax(self):
+        """Greedy with no penalty: the token is the logits' argmax, which is what
+        probabilities' one-hot and sample pick (the first of equal maxima)."""
+        return self.greedy and not self.uses_counts and not self.no_repeat_ngram_size
+
+    @property
     def uses_counts(self):
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 

@@ -42,6 +42,22 @@ def test_greedy_is_argmax_of_penalized_logits():
     assert (sampling.sample(p, np.random.default_rng(0).random(len(p))) == want).all()
 
 
+@pytest.mark.parametrize("kw, argmax", [({}, True), ({"top_k": 5, "top_p": 0.5, "min_p": 0.2}, True),
+                                         ({"repetition_penalty": 1.3}, False), ({"presence_penalty": 0.5}, False),
+                                         ({"no_repeat_ngram_size": 2}, False)])
+def test_greedy_without_penalties_is_the_plain_argmax(kw, argmax):
+    """Where settings.argmax holds, decoding takes np.argmax(logits): the token the whole path
+    (probabilities' one-hot, then sample) picks, ties (the first of equal maxima) and
+    all -inf rows included."""
+    s = sampling.SamplingSettings(temperature=0.0, **kw)
+    assert s.argmax == argmax
+    logits = np.concatenate([REF["logits"], np.full((2, REF["logits"].shape[1]), -np.inf, np.float32)])
+    logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie
+    p = sampling.probabilities(logits, np.zeros_like(logits, dtype=np.int64), s)
+    picked = sampling.sample(p, 1.0 - np.random.default_rng(0).random(len(p)))
+    assert (picked == np.argmax(logits, axis=-1)).all() and picked[0] == 7
+
+
 def test_sampling_frequencies_match_probabilities():
     """Chi-square goodness of fit: with N draws over k categories, the statistic has mean
     k-1 and variance 2(k-1); 6 standard deviations above the mean fails with
