@@ -69,6 +69,9 @@ def parse_args(argv=None):
     ap.add_argument("--img_dir", default="img")
     ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy")
     ap.add_argument("--dtype", choices=["float32", "float16"], default="float32", help="float16: cupy only")
+    ap.add_argument("--anchors", nargs="*", choices=["no_mask", "static"], default=["no_mask", "static"],
+                    help="cupy: transformers at batch 1 also without an attention mask and compiled with a static "
+                         "cache (each a process of its own, at most ANCHOR_TIMEOUT_S)")
     ap.add_argument("--dtypes", nargs="+", choices=weight_formats.DTYPES, default=list(weight_formats.DTYPES),
                     help="formats: the weight formats measured against float32")
     ap.add_argument("--format_batches", nargs="+", type=int, default=[1, 8], help="formats: batch sizes")

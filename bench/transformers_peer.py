@@ -21,13 +21,13 @@ VARIANTS = {"generate": "generate()", "no_mask": "generate() without an attentio
             "static": 'generate(cache_implementation="static"), compiled'}
 
 
-def transformers_apart(size, args, device="cpu", variant="generate"):
+def transformers_apart(size, args, device="cpu", variant="generate", timeout_s=peers.TIMEOUT_S):
     """bench_transformers in a process of its own: its rows, None where transformers is not
-    installed, or {"failed": why} where the peer crashed, refused or hung."""
+    installed, or {"failed": why} where the peer crashed, refused or ran past timeout_s."""
     if missing():
         return None  # no process to start for a peer that is not there
     try:
-        return peers.run_apart(bench_transformers, size, args, device, variant)
+        return peers.run_apart(bench_transformers, size, args, device, variant, timeout_s=timeout_s)
     except peers.PeerFailed as e:
         print(f"  transformers peer: {e}", flush=True)
         return {"failed": str(e)}

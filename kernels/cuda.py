@@ -79,8 +79,10 @@ def module(source):
     return cupy.RawModule(code=SHARED + source)
 
 
+@functools.cache
 def function(source, name, dtype):
-    """The kernel `name` for activations of dtype, from source."""
+    """The kernel `name` for activations of dtype, from source (looked up once: a lookup
+    costs the host a driver call)."""
     return module(source).get_function(name + suffix(dtype))
 
 

@@ -137,6 +137,10 @@ def record(forward, like):
     pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
     with cupy.cuda.using_allocator(pool.malloc), stream:
         stream.begin_capture()
-        out = forward()
+        try:
+            out = forward()
+        except Exception:
+            stream.end_capture()  # the stream must not stay capturing: the error is forward's
+            raise
         graph = stream.end_capture()
     return graph.launch, out, (pool, stream, graph)

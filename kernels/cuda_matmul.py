@@ -103,6 +103,8 @@ def launch(rows, w, b, gelu=False, res=None):
     out = cupy.empty((n, w.shape[0]), w.dtype)  # [n, n_out]
     res = out if res is None else cupy.ascontiguousarray(res, dtype=w.dtype)  # (not read without has_res)
     b = cupy.zeros(w.shape[0], w.dtype) if b is None else b  # a plain product: + 0, exact
+    if b.dtype != w.dtype:  # the kernel reads every array as the weights' dtype
+        raise TypeError(f"the bias is {b.dtype}, the weights {w.dtype}: give both one dtype (device_layout does)")
     kernel = cuda.function(SOURCE, "rows_times_columns", w.dtype)
     kernel((-(-w.shape[0] // WARPS),), (32 * WARPS,), (w, rows, b, res, out, np.int32(n), np.int32(n_in),
                                                        np.int32(w.shape[0]), np.int32(gelu), np.int32(res is not out)))

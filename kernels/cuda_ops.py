@@ -43,7 +43,7 @@ __device__ void store_kv(const T* k, const T* v, long long sb, long long sh, lon
                          const long long* positions, int n_tok, int H, int S, int D) {
     int b = blockIdx.x / n_tok, t = blockIdx.x % n_tok;
     long long p = positions[blockIdx.x];
-    if (p < 0) return;
+    if (p < 0 || p >= S) return;  // padding (a position past the cache would be a caller's bug: never written)
     for (int i = threadIdx.x; i < H * D; i += blockDim.x) {
         int h = i / D, d = i % D;
         long long from = b * sb + h * sh + t * st + d, to = (((long long)b * H + h) * S + p) * D + d;
@@ -63,7 +63,7 @@ __device__ void attend(const T* q, long long sb, long long sh, long long st, con
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
     long long p = positions[bt];
     T* o = out + (size_t)blockIdx.x * D;
-    if (p < 0) {  // padding: zeros, never read
+    if (p < 0 || p >= S) {  // padding: zeros, never read
         for (int d = threadIdx.x; d < D; d += blockDim.x) store(o + d, 0.0f);
         return;
     }
@@ -114,6 +114,8 @@ def layer_norm(x, g, b, eps=1e-5):
         return gpt2.layer_norm(x, g, b, eps)
     import cupy
     x = cupy.ascontiguousarray(x)
+    if g.dtype != x.dtype or b.dtype != x.dtype:  # the kernel reads every array as x's dtype
+        raise TypeError(f"layer_norm of {x.dtype} activations with {g.dtype} / {b.dtype} weights: give all one dtype")
     out = cupy.empty_like(x)
     n = x.shape[-1]
     cuda.function(SOURCE, "layer_norm", x.dtype)((x.size // n,), (THREADS,), (x, g, b, out, np.int32(n), np.float32(eps)))
