@@ -33,6 +33,18 @@ __device__ __forceinline__ void store(unsigned short* p, float f) {
     unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); *p = h;
 }
 
+// four consecutive values (16 bytes of float32, 8 of float16) in one load: p aligned to them
+__device__ __forceinline__ void load4(const float* p, float* f) {
+    float4 v = *reinterpret_cast<const float4*>(p);
+    f[0] = v.x; f[1] = v.y; f[2] = v.z; f[3] = v.w;
+}
+__device__ __forceinline__ void load4(const unsigned short* p, float* f) {
+    uint2 v = *reinterpret_cast<const uint2*>(p);
+    unsigned short h[4] = {(unsigned short)(v.x & 0xffffu), (unsigned short)(v.x >> 16),
+                           (unsigned short)(v.y & 0xffffu), (unsigned short)(v.y >> 16)};
+    for (int i = 0; i < 4; i++) f[i] = load(h + i);
+}
+
 // the sum of a warp's 32 values, in every lane: the same tree of additions every time
 __device__ __forceinline__ float warp_sum(float s) {
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);

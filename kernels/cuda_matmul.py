@@ -7,9 +7,9 @@ product (GEMV), bound by reading the weights: 124M's 0.5 GB take 0.2 ms at an H1
 
 The weights are stored transposed, w [n_out, n_in], so that each output's weights are one
 contiguous run. A warp (32 threads) computes one output j for every row: lane l reads
-w[j, l], w[j, l + 32], ..., a 128-byte line per step across the warp (coalesced), multiplies
-each by every row's input at that k, and keeps one float32 sum per row; at the end the 32
-lanes' sums meet in a fixed tree (cuda.warp_sum). So the weights are read once for up to
+w[j, 4l..4l+3], then the four 128 inputs on, ... (16 bytes a lane, 512 across the warp a
+step: coalesced), multiplies each by every row's inputs there, and keeps one float32 sum
+per row; at the end the 32 lanes' sums meet in a fixed tree (cuda.warp_sum). So the weights are read once for up to
 ROWS rows, and a row's output is summed in the same order whatever rows share the launch:
 batch invariant, as the CPU's kernels are. More than ROWS rows run ROWS at a time (the
 weights come again, mostly from L2). A pass of more than ROWS_MAX rows (a prompt) is a
@@ -45,7 +45,21 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
         float acc[ROWS];
         #pragma unroll
         for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
-        for (int k = lane; k < n_in; k += 32) {
+        int n4 = n_in % 4 ? 0 : n_in;  // four inputs a load where rows stay aligned to them (every GPT-2)
+        #pragma unroll 2
+        for (int k = 4 * lane; k < n4; k += 128) {  // a warp reads 512 bytes of float32 weights a step
+            float wk[4], xk[4];
+            load4(wj + k, wk);
+            #pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                if (r < n) {
+                    load4(xr + (size_t)r * n_in + k, xk);
+                    #pragma unroll
+                    for (int i = 0; i < 4; i++) acc[r] = fmaf(wk[i], xk[i], acc[r]);
+                }
+            }
+        }
+        for (int k = n4 + lane; k < n_in; k += 32) {  // any other width: one input a load
             float wk = load(wj + k);
             #pragma unroll
             for (int r = 0; r < ROWS; r++)

@@ -60,12 +60,13 @@ def test_weights_live_on_the_gpu(both, kernels):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("R", [1, 3, 8, 13, 64])
-def test_the_few_row_product_matches_numpy_and_each_row_is_as_if_alone(dtype, R):
-    """n_out 300: a last block of outputs half full; n_in 1600 (1558M's width)."""
+@pytest.mark.parametrize("R, n_in", [(1, 1600), (3, 1600), (8, 1600), (13, 1600), (64, 1600), (3, 771)])
+def test_the_few_row_product_matches_numpy_and_each_row_is_as_if_alone(dtype, R, n_in):
+    """n_out 300: a last block of outputs half full; n_in 1600 (1558M's width: four inputs a
+    load), 771 (one at a time)."""
     rng = np.random.default_rng(R)
-    w = (rng.standard_normal((300, 1600), dtype=np.float32) * 0.02).astype(dtype)  # [n_out, n_in]
-    x = rng.standard_normal((R, 1600), dtype=np.float32).astype(dtype)
+    w = (rng.standard_normal((300, n_in), dtype=np.float32) * 0.02).astype(dtype)  # [n_out, n_in]
+    x = rng.standard_normal((R, n_in), dtype=np.float32).astype(dtype)
     got = cuda_matmul.matmul(cupy.asarray(x), cupy.asarray(w))
     assert got.dtype == dtype and got.shape == (R, 300)
     want = x.astype(np.float32) @ w.astype(np.float32).T
