@@ -36,13 +36,13 @@ def gpu_benchmark(args, command):
                "cupy": cupy.__version__, "launch_us": launch_s * 1e6, "bandwidth_GBs": bandwidth, "models": {}}
     print(f"{results['gpu']}: one-row matmul {bandwidth:.0f} GB/s, one CuPy op {launch_s * 1e6:.1f} us of host time",
           flush=True)
-    loaded = {}
+    loaded, ours_of = {}, {}  # each size in CuPy's plain arrays, and in our kernels' layout
     for size in dict.fromkeys(args.sizes + ([args.draft, args.target] if "speculative" in args.only else [])):
         params, hparams = random_params(size, seed=len(loaded))
         loaded[size] = (layout.to_backend(params, "cupy", args.dtype), hparams)
+        ours = ours_of[size] = (layout.to_backend(params, "cupy", args.dtype, kernels=True), hparams)
         if size not in args.sizes:
             continue
-        ours = (layout.to_backend(params, "cupy", args.dtype, kernels=True), hparams)
         rows = []
         for B in args.batch_sizes:
             prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]
@@ -65,5 +65,5 @@ def gpu_benchmark(args, command):
                                                                            timeout_s=ANCHOR_TIMEOUT_S)
                                                for variant in args.anchors}}
     if "speculative" in args.only:
-        results["speculative"] = bench_speculative_costs(loaded[args.draft], loaded[args.target], args)
+        results["speculative"] = bench_speculative_costs(ours_of[args.draft], ours_of[args.target], args)
     return results
