@@ -14,13 +14,14 @@ shaped for it (after vLLM's and gpt-fast's decode graphs):
   comes from a memory pool of its own, alive as long as the graph, so that nothing else
   is given its memory between replays.
 - The same shapes: a graph per (rows B, tokens per row T) a cache's steps use, recorded
-  the first time that pair comes; a row with fewer than T tokens is padded with tokens of
+  the second time that pair comes; a row with fewer than T tokens is padded with tokens of
   position -1, which store and attend to nothing (cuda_ops.py).
 - Nothing the host must wait for or look at: no cuBLAS (CuPy cannot record it; the
   products are cuda_matmul.py's), no mask built on the host, no data-dependent shape.
 
-The model is gpt2.gpt2 as on the CPU, with a pass (kv_cache.Pass's fields) whose positions are a device
-array and whose attention and layer norm are cuda_ops's. A pass that does not fit (a
+The model is gpt2.gpt2 as on the CPU, with a pass (kv_cache.Pass's fields) whose positions
+are a device array and whose attention, layer norm and transformer_block (the same math
+in 8 launches a layer) are cuda_ops's. A pass that does not fit (a
 prompt: more than cuda_matmul.ROWS_MAX tokens, riders, a draft's vocabulary subset) runs
 eagerly, as every pass did before. With NumPy arrays (`device_layout(params, numpy)`)
 the same code runs on a CPU, replay being a plain call: the tests check the bookkeeping
@@ -33,14 +34,6 @@ import numpy as np
 
 import gpt2
 from kernels import cuda_matmul, cuda_ops, weights
-
-REPLAY = {"on": True}  # False: every pass eager (the benchmark's "eager" column)
-
-
-def use(replay):
-    """Replay captured steps (True, the default) or run every pass eagerly."""
-    REPLAY["on"] = bool(replay)
-
 
 def device_layout(params, xp=np, dtype="float32"):
     """Plain params (layout.plain_layout) as the GPU's kernels read them, on xp in dtype: every
@@ -64,7 +57,7 @@ def captures(model, cache, inputs, riders=()):
     """Whether a pass over inputs [B, T] runs as a replayed step: the model in device_layout,
     a cache that keeps graphs (kv_cache.init_cache), no riders, at most ROWS_MAX tokens."""
     params = model[0]
-    return (REPLAY["on"] and cache is not None and cache.get("graphs") is not None and not riders
+    return (cache is not None and cache.get("graphs") is not None and not riders
             and isinstance(params["wte"], weights.Embedding) and isinstance(params["wte"].T, cuda_matmul.Matrix)
             and inputs.size <= cuda_matmul.ROWS_MAX)
 

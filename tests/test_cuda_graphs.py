@@ -80,19 +80,6 @@ def test_a_shape_runs_eagerly_twice_then_is_recorded_and_replayed(both):
     assert view["graphs"] is cache["graphs"] and any(key[2:] == (2, 1) for key in cache["graphs"])
 
 
-def test_eager_everywhere_records_nothing_and_gives_the_same_text(both):
-    hparams, _, dev = both
-    want = generate(dev, hparams, 12)
-    cuda_graphs.use(False)
-    try:
-        cache = kv_cache.init_cache(hparams, 1, 32, like=dev["wpe"])
-        kv_cache.next_logits((dev, hparams), cache, [[1, 2, 3]])
-        assert not cache["graphs"]
-        assert generate(dev, hparams, 12) == want
-    finally:
-        cuda_graphs.use(True)
-
-
 @pytest.mark.parametrize("settings", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_text_through_recorded_steps_equals_the_cpu_path(both, settings):
     """60 tokens on the tiny model (n_ctx 64): every row's window restarts on the way."""
