@@ -263,6 +263,35 @@ def tile(x8, sx, xsum, i, n, qb, sw, b, g, c, out, ahead, mask, shift):
                     store8(out, (i + r, o + j), fma8(before, to_float(column_sums(sums, minus)), scale))
 
 
+@njit(inline="always")
+def one_row(x8, sx, xsum, i, qb, sw, b, g, c, out, ahead, mask, shift):
+    """tile's one row, the 4 sets of 16 columns side by side: per quad, one broadcast of the
+    row's 4 inputs serves 8 chains of sums that never wait on each other (a set at a time,
+    2 chains of 8 quads each, every multiply-add waits for the one before). The same
+    integers, the same float steps per group: bitwise tile's outputs."""
+    o = b * W
+    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = zero_sums()  # set s: a_s0 columns 16s.., a_s1 16s+8..
+    for t in range(g * c // 4, (g + 1) * c // 4):
+        prefetch(qb, (b, t + ahead, 0, 0))  # the quad's 4 sets: 128 bytes, two cache lines
+        prefetch(qb, (b, t + ahead, 2, 0))
+        x = quad(x8, (i, 4 * t))
+        lo, hi = low_nibbles(qb, (b, t, 0, 0), mask), high_nibbles(qb, (b, t, 0, 0), mask, shift)
+        a00, a01 = maddubs(a00, lo, x), maddubs(a01, hi, x)
+        lo, hi = low_nibbles(qb, (b, t, 1, 0), mask), high_nibbles(qb, (b, t, 1, 0), mask, shift)
+        a10, a11 = maddubs(a10, lo, x), maddubs(a11, hi, x)
+        lo, hi = low_nibbles(qb, (b, t, 2, 0), mask), high_nibbles(qb, (b, t, 2, 0), mask, shift)
+        a20, a21 = maddubs(a20, lo, x), maddubs(a21, hi, x)
+        lo, hi = low_nibbles(qb, (b, t, 3, 0), mask), high_nibbles(qb, (b, t, 3, 0), mask, shift)
+        a30, a31 = maddubs(a30, lo, x), maddubs(a31, hi, x)
+    minus = 8 * xsum[i, g]
+    for s, (low, high) in enumerate(((a00, a01), (a10, a11), (a20, a21), (a30, a31))):
+        for half, sums in enumerate((low, high)):
+            j = 16 * s + 8 * half
+            scale = fma8(zero8(), sx[i, g], load8(sw, (b, g, j)))
+            before = zero8() if g == 0 else load8(out, (i, o + j))
+            store8(out, (i, o + j), fma8(before, to_float(column_sums(sums, minus)), scale))
+
+
 @when_first_called({"uint8": "void(int8[:, ::1], float32[:, ::1], int32[:, ::1], uint8[:, :, :, ::1], "
                             "uint16[:, :, ::1], float32[:, ::1], int32, int32)"},
                    key=lambda x8, sx, xsum, qb, sw, out, mask, shift: qb.dtype, parallel=True,
@@ -285,7 +314,9 @@ def rows_times_nibbles(n):
                     size = (R - i) // (n_tiles - t)  # n or n + 1
                     # n is a constant: for plans 1 and 2 (1 or 2 rows alone; 7 or more take tiles of 3+)
                     # numba compiles only this branch
-                    if n < 3 or size == n:
+                    if n == 1:
+                        one_row(x8, sx, xsum, i, qb, sw, b, g, c, out, ahead, mask, shift)
+                    elif n < 3 or size == n:
                         tile(x8, sx, xsum, i, n, qb, sw, b, g, c, out, ahead, mask, shift)
                     else:
                         tile(x8, sx, xsum, i, n + 1, qb, sw, b, g, c, out, ahead, mask, shift)
