@@ -4,6 +4,8 @@ bookkeeping (its buffers, positions and padding, a graph per shape, rows joining
 leaving, speculative verification) gives what the eager path gives, with NumPy standing
 in for the device (cuda_graphs.device_layout(params, numpy)). tests/test_cupy.py checks the
 kernels themselves, and replay against eager, on a GPU."""
+import sys
+
 import numpy as np
 import pytest
 
@@ -118,3 +120,18 @@ def test_a_padding_token_stores_nothing_and_attends_to_nothing():
     assert not layer["k"][0, :, 4:].any() and not layer["k"][1, :, 1:].any()  # the padding stored nothing
     assert not out[0, :, 2].any() and not out[1, :, 1:].any()
     np.testing.assert_allclose(out[1, :, 0], v[1, :, 0], rtol=1e-6)  # a first token sees itself alone
+
+
+def test_main_with_backend_cupy_runs_our_layout_end_to_end_on_a_numpy_stand_in(models_dir, capsys, monkeypatch):
+    """main.py --backend cupy with GPT2_GPU_KERNELS=1, CuPy played by NumPy (test_benchmark's
+    stand-in): the wiring from the flags to the recorded steps, speculative decoding included."""
+    import main
+    from test_benchmark import numpy_as_cupy
+    monkeypatch.setitem(sys.modules, "cupy", numpy_as_cupy())
+    monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
+    steps, step = [], cuda_graphs.step
+    monkeypatch.setattr(cuda_graphs, "step", lambda *args: steps.append(args[2].shape) or step(*args))
+    rc = main.main(["--models_dir", models_dir, "--target_model_size", "124M", "--draft_model_size", "355M",
+                    "--temperature", "0", "--n_tokens_to_generate", "20", "--backend", "cupy"])
+    assert rc == 0 and "greedy texts identical: yes" in capsys.readouterr().out
+    assert (1, 1) in steps and any(T > 1 for _, T in steps)  # decode steps and verifications went through it
