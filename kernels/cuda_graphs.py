@@ -73,7 +73,10 @@ def step(model, cache, inputs, n_new, n_logits):
     slots = cache["lengths"][:, None] + np.arange(T)  # [B, T]: a token's position is its slot
     ids_positions = np.stack([inputs, np.where(np.arange(T) < n_new[:, None], slots, -1)])  # [2, B, T]
     shaped = static_step(model, cache, B, T)
-    shaped["ids_positions"][...] = np.asarray(ids_positions, like=shaped["ids_positions"])  # one copy to the device
+    if isinstance(shaped["ids_positions"], np.ndarray):  # the stand-in
+        shaped["ids_positions"][...] = ids_positions
+    else:
+        shaped["ids_positions"].set(ids_positions)  # one copy to the device, into the buffer the graph reads
     shaped["uses"] += 1
     if shaped["replay"] is not None:
         shaped["replay"]()
@@ -85,6 +88,8 @@ def step(model, cache, inputs, n_new, n_logits):
     n_logits = np.broadcast_to(n_logits, (B,))  # [B]
     at = n_new[:, None] - n_logits[:, None] + np.arange(n_logits.max())  # [B, n]
     at = np.clip(at, 0, (n_new - 1).clip(0)[:, None])
+    if at.shape[1] == T and (at == np.arange(T)).all():  # a decode step, a full verification: every token's
+        return logits.copy()  # [B, T, n_vocab]: a copy, since the next replay writes over the graph's own
     return logits[np.asarray(np.arange(B)[:, None], like=logits), np.asarray(at, like=logits)]  # [B, n, n_vocab]: a copy
 
 
