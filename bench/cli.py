@@ -29,7 +29,7 @@ from bench.chunked import bench_chunked
 from bench.common import SHAPES, bandwidth_probe, in_format, load_or_random, machine_info, measure_bandwidth
 from bench.decode import bench_context, bench_decode, bench_layout, time_memmap_load
 from bench.formats import bench_formats, tiny_model_agreement
-from bench.gpu import gpu_benchmark
+from bench.gpu import gpu_benchmark, markdown as gpu_markdown
 from bench.rows import bench_kernels, bench_rows, kernel_start_s
 from bench.prefix import bench_prefix
 from bench.serve import bench_http, bench_serving
@@ -134,7 +134,7 @@ def main(argv=None):
         except utils.LoadError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        return write_results(results, report.gpu_markdown(results), args)
+        return write_results(results, gpu_markdown(results), args)
     probe = bandwidth_probe(1024 if args.quick else 8192)
     bandwidth = measure_bandwidth(probe)
     results = {"command": command, "prompt_len": args.prompt_len, "n_tokens": args.n_tokens,

@@ -409,68 +409,11 @@ def markdown(results):
     return "\n".join(lines)
 
 
-def gpu_markdown(results):
-    lines = [f"GPU: {results['gpu']}, CuPy {results['cupy']}, {results['dtype']}, random weights; one-row matmul "
-             f"{results['bandwidth_GBs']:.0f} GB/s; one CuPy elementwise op costs {results['launch_us']:.1f} us "
-             "of host time.", f"Command: `{results['command']}`", "",
-             f"End to end ({results['prompt_len']}-token prompt, {results['n_tokens']} new tokens, prefill included), "
-             "greedy, against transformers' generate() on the same GPU, shapes and dtype; ours with its own "
-             "kernels, a step replayed as one CUDA graph, and eagerly through CuPy's operations:", "",
-             "| model | batch | this project tok/s | transformers tok/s | ratio | step ms (p50) | CuPy ops step ms | "
-             "weights at full bandwidth ms |", "|---|---|---|---|---|---|---|---|"]
-    failed = []
-    for size, r in results["models"].items():
-        peer = r["transformers"]
-        if isinstance(peer, dict):  # its process crashed or refused
-            failed.append(f"transformers on GPT-2 {size}: {peer['failed']}")
-        theirs = {} if isinstance(peer, dict) else {t["batch"]: t["tok_s"] for t in peer or []}
-        for d in r["decode"]:
-            t = theirs.get(d["batch"])
-            lines.append(f"| {size} | {d['batch']} | {d['end_to_end_tok_s']:.1f} | "
-                         + (f"{t:.1f} | {d['end_to_end_tok_s'] / t:.2f}x |" if t else "- | - |")
-                         + f" {d['itl_ms_p50']:.2f} | {d.get('eager_itl_ms_p50', float('nan')):.2f} | "
-                         f"{r['weights_at_bandwidth_ms']:.2f} |")
-    lines += [""] + failed if failed else []
-    lines += anchors_table(results["models"])
-    if "speculative" in results:
-        lines += [""] + speculative_costs_table(results["speculative"])
-    return "\n".join(lines)
-
-
-def anchors_table(models):
-    """Batch 1, decoding alone (ms a token): ours beside transformers run each way it runs
-    (bench/transformers_peer.py's VARIANTS); a peer that failed says why in its cell."""
-    from bench.transformers_peer import VARIANTS
-
-    def cell(peer):
-        if not peer:
-            return "-", None
-        if isinstance(peer, dict):
-            return peer["failed"], None
-        ms = 1e3 / peer[0]["decode_tok_s"]
-        return f"{ms:.2f}", ms
-    rows = []
-    for size, r in models.items():
-        if "anchors" not in r:
-            continue
-        ours = 1e3 / r["decode"][0]["decode_tok_s"]
-        peers = {"generate": [t for t in r["transformers"] if t["batch"] == 1]
-                 if isinstance(r["transformers"], list) else r["transformers"], **r["anchors"]}
-        cells = {variant: cell(peers.get(variant)) for variant in VARIANTS}
-        static = cells["static"][1]
-        rows.append(f"| {size} | {ours:.2f} | " + " | ".join(cells[v][0] for v in VARIANTS)
-                    + f" | {f'{static / ours:.2f}x' if static else '-'} |")
-    if not rows:
-        return []
-    return ["", "Batch 1, decoding alone, ms a token: ours (its own kernels, each step a replayed CUDA graph) "
-            "beside transformers each way it runs:", "",
-            "| model | ours | " + " | ".join(VARIANTS.values()) + " | ours over the compiled |",
-            "|---|---|" + "---|" * len(VARIANTS) + "---|"] + rows
-
-
 if __name__ == "__main__":
     from bench import plots
     with open(sys.argv[1]) as f:
         results = json.load(f)
-    print(markdown(results) if "machine" in results else gpu_markdown(results))
+    if "machine" not in results:
+        sys.exit(f"{sys.argv[1]} is a GPU run: python -m bench.gpu {sys.argv[1]}")
+    print(markdown(results))
     print(plots.plots(results, sys.argv[2] if len(sys.argv) > 2 else "img"))

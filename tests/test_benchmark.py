@@ -316,7 +316,7 @@ def test_the_gpu_table_sets_ours_beside_transformers_each_way_it_runs():
                                                "static": [{"batch": 1, "decode_tok_s": 400.0}]}},
                           "1558M": {"decode": decode, "weights_at_bandwidth_ms": 2.8, "transformers": peer,
                                     "anchors": {"no_mask": None, "static": {"failed": "crashed (SIGSEGV)"}}}}}
-    text = report.gpu_markdown(results)
+    text = gpu.markdown(results)
     assert "| 124M | 1 | 500.0 | 80.0 | 6.25x | 1.00 | 17.00 | 0.20 |" in text
     assert "| 124M | 1.00 | 10.00 | 5.00 | 2.50 | 2.50x |" in text
     assert "| 1558M | 1.00 | 10.00 | - | crashed (SIGSEGV) | - |" in text
