@@ -90,9 +90,10 @@ def markdown(results):
         theirs = {} if isinstance(peer, dict) else {t["batch"]: t["tok_s"] for t in peer or []}
         for d in r["decode"]:
             t = theirs.get(d["batch"])
+            eager = f"{d['eager_itl_ms_p50']:.2f}" if "eager_itl_ms_p50" in d else "-"  # runs before the column: -
             lines.append(f"| {size} | {d['batch']} | {d['end_to_end_tok_s']:.1f} | "
                          + (f"{t:.1f} | {d['end_to_end_tok_s'] / t:.2f}x |" if t else "- | - |")
-                         + f" {d['itl_ms_p50']:.2f} | {f'{d["eager_itl_ms_p50"]:.2f}' if 'eager_itl_ms_p50' in d else '-'} | "
+                         + f" {d['itl_ms_p50']:.2f} | {eager} | "
                          f"{r['weights_at_bandwidth_ms']:.2f} |")
     lines += [""] + failed if failed else []
     lines += anchors_table(results["models"])
