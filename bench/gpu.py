@@ -79,7 +79,8 @@ def markdown(results):
              "of host time.", f"Command: `{results['command']}`", "",
              f"End to end ({results['prompt_len']}-token prompt, {results['n_tokens']} new tokens, prefill included), "
              "greedy, against transformers' generate() on the same GPU, shapes and dtype; ours with its own "
-             "kernels, a step replayed as one CUDA graph, and eagerly through CuPy's operations:", "",
+             "kernels, a step replayed as one CUDA graph (each run's cache records its graphs anew: its first two "
+             "steps eager, the recording in its second), and eagerly through CuPy's operations:", "",
              "| model | batch | this project tok/s | transformers tok/s | ratio | step ms (p50) | CuPy ops step ms | "
              "weights at full bandwidth ms |", "|---|---|---|---|---|---|---|---|"]
     failed = []
