@@ -368,8 +368,8 @@ def autoregressive_step(batch, model):
     """Every row gains one token, sampled from the model's next-token distribution."""
     logits = kv_cache.next_logits(model, cache(batch, "target"), token_ids(batch),
                                   riders=batch.riders.pop("target", ()))[:, 0]  # [B, n_vocab]
-    u = uniforms(batch, 1)[:, 0]  # [B]: drawn for every row either way, so each row's stream is the same
-    if all(seq.request.settings.argmax for seq in batch.seqs):
+    u = uniforms(batch, 1)[:, 0]  # [B]: drawn even when unused, so a row's generator advances a draw a step
+    if all(seq.request.settings.picks_argmax for seq in batch.seqs):
         tokens = np.argmax(logits, axis=-1).tolist()  # [B]: one launch on a GPU, and only the ids leave it
     else:
         tokens = sampling.sample(distributions(batch, logits), u).tolist()  # [B]: only these leave a GPU

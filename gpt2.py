@@ -21,6 +21,11 @@ NEPs 18 and 13). CuPy's arrays do, so with the weights on a GPU every step runs 
 a CPU each weight matrix is laid out at load as a `Matrix` (README section 4), whose
 `x @ w` runs a compiled loop, and wte as an `Embedding`, whose `wte[tokens]` and `wte.T`
 read that one stored matrix. float16 appears only with CuPy.
+
+A cached pass may also bring its own layer_norm and transformer_block, the same math in
+fewer, larger steps (a compiled loop on a CPU; on a GPU, one launch a product with its
+bias, GELU and residual), and gpt2 calls whichever it holds. Index arrays are made with
+like=x, on x's device, so a GPU step copies nothing from the host.
 """
 import numpy as np
 
@@ -100,14 +105,15 @@ def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, state=None):
     layer norm and the transformer_block the pass runs, and state.logits_at [B, n], the n
     positions of each row that need logits), [B, n, n_vocab], since the 50257-wide head is
     the largest product of a step."""
-    norm, block_fn = (layer_norm, transformer_block) if state is None else (state.layer_norm, state.transformer_block)
-    if state is None:
+    if state is None:  # picoGPT: the whole text, no cache
         positions, attends = np.arange(inputs.shape[1]), [None] * len(blocks)  # [T]
-    else:
+        norm, run_block = layer_norm, transformer_block
+    else:  # a pass over the cache (kv_cache.py)
         positions, attends = state.positions, state.attends  # [B, T]
+        norm, run_block = state.layer_norm, state.transformer_block
     x = wte[inputs] + wpe[positions]  # [B, T, n_embd]
     for block, attend in zip(blocks, attends):
-        x = block_fn(x, **block, n_head=n_head, attend=attend, norm=norm)  # [B, T, n_embd]
+        x = run_block(x, **block, n_head=n_head, attend=attend, norm=norm)  # [B, T, n_embd]
     if state is not None:
         x = x[np.arange(x.shape[0], like=x)[:, None], state.logits_at]  # [B, n, n_embd]: only where logits are needed
     return norm(x, **ln_f) @ wte.T  # [B, T or n, n_vocab]: the head is the token embedding again

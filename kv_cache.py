@@ -114,7 +114,7 @@ def pad_right(rows, pad=0):
 @dataclass
 class Pass:
     """What one model pass needs to know besides its tokens (begin_pass builds it): gpt2.gpt2
-    reads positions, attends, layer_norm and logits_at; attend reads the rest."""
+    reads positions, attends, layer_norm, transformer_block and logits_at; attend reads the rest."""
     positions: np.ndarray  # [B, T] ([1, N] packed): each token's position, which is also its slot in the cache
     mask: np.ndarray  # [B, 1, T, S]: 0 where a query may see a key, -inf where it may not (None with loops)
     groups: list  # [(S, rows)]: the rows whose texts are S tokens long attend over S keys
@@ -124,7 +124,7 @@ class Pass:
     where: object = None  # where each real token's keys and values go (write_slots)
     S: int = 0  # the slots attention reads
     layer_norm: object = gpt2.layer_norm  # the layer norm of this pass: gpt2's, or the kernels' loop
-    transformer_block: object = gpt2.transformer_block  # gpt2's (a GPU's recorded step: the same in fewer launches)
+    transformer_block: object = gpt2.transformer_block  # gpt2's here (a GPU's static step brings cuda_ops's)
     attention: object = None  # the kernels' attention loop attention(q, k, v, positions), or None: attend's NumPy
     attends: object = None  # attend(q, k, v) of each layer, for gpt2.mha (one per cached layer; else repeated)
     parts: list = None  # a packed pass (ride_along): [(Pass, first token, B, T)] of the passes it packs
@@ -244,9 +244,9 @@ def next_logits(model, cache, texts, n_logits=1, riders=()):
         if cache is not None:
             prefill_alone(model, cache, texts, n_logits)
         inputs, n_new = pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
-        if cuda_graphs.captures(model, cache, inputs, riders):  # a GPU's step: one replayed graph
+        if cuda_graphs.fits(model, cache, inputs, riders):  # a GPU's static step, replayed as a CUDA graph
             logits = cuda_graphs.step(model, cache, inputs, n_new, n_logits)  # [B, n, n_vocab]
-            cache["lengths"] += n_new
+            cache["lengths"] += n_new  # (advance's work: the step stored the keys and values)
             return logits
         state = begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wpe"],
                            loops=rowwise.row_ops_for(model))

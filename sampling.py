@@ -61,9 +61,9 @@ class SamplingSettings:
         return self.temperature < GREEDY_BELOW
 
     @property
-    def argmax(self):
-        """Greedy with no penalty: the token is the logits' argmax, which is what
-        probabilities' one-hot and sample pick (the first of equal maxima)."""
+    def picks_argmax(self):
+        """Greedy with nothing that changes the logits first (no penalty, no n-gram ban): the
+        token is the logits' first maximum, as probabilities' one-hot and sample give it."""
         return self.greedy and not self.uses_counts and not self.no_repeat_ngram_size
 
     @property

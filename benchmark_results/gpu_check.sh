@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # A GPU session's one prepared run (issue #61): the GPU's tests, then the benchmark's GPU table
-# (ours with its own kernels, replayed as CUDA graphs, beside CuPy's operations and transformers
-# three ways), each log kept. From the repository root, on the lent machine (the device tool; its
+# (ours with its own kernels, replayed as CUDA graphs, beside CuPy's operations and transformers'
+# generate(): as the decode table runs it, without an attention mask, and compiled with a static
+# cache, the "anchors"), each log kept. From the repository root, on the lent machine (the device tool; its
 # python3 has CuPy, torch, transformers and numba):   bash benchmark_results/gpu_check.sh
-# Output under $OUT (the device tool's folder that comes back: 8 files), else /tmp/gpu-check.
+# Output under $OUT (the device tool's folder that comes back, 8 files at most: these are 8), else
+# /tmp/gpu-check.
 # The timeouts add up to 570 s, inside one device call's 600.
 set -o pipefail
 out=${OUT:-/tmp/gpu-check}
@@ -15,6 +17,7 @@ KERNELS="product or tail or layer_norm_kernel or attention_kernel"
   python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cupy.py -k "$KERNELS"
 } 2>&1 | tee "$out/tests-kernels.txt" | tail -25
+# the end-to-end GPU tests on CuPy's own operations (the default), and the recorded steps' bookkeeping
 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cupy.py tests/test_cuda_graphs.py -k "not ($KERNELS)" \
     2>&1 | tee "$out/tests.txt" | tail -25
 # every end-to-end GPU test again, through our kernels and recorded steps

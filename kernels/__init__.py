@@ -1,4 +1,4 @@
-"""The CPU's kernels and weight formats: the accelerator under gpt2.py's NumPy.
+"""The kernels and weight formats under gpt2.py's NumPy: the CPU's, and a GPU's own.
 
 gpt2.py is the model as math, and it never asks what runs it. On a CPU the kernels enter
 through the weights and the cache, computing the same functions with every row summed in
@@ -16,9 +16,9 @@ a fixed order (each row as if alone):
 - weight_formats.py: bfloat16, int8 and int4 weights; layout.py: the weights laid out once at
   load as the kernels read them, or moved to a GPU.
 
-A GPU's kernels of our own enter the same two ways (with GPT2_GPU_KERNELS=1 until a GPU
-has run their tests): cuda_matmul.py's Matrix, whose __rmatmul__ launches a few-row product
-on device memory, and cuda_ops.py's layer norm and attention, which a step's pass calls;
-cuda_graphs.py records such a step as one CUDA graph and replays it (kv_cache.next_logits
-hands it the passes it can take); cuda.py compiles their CUDA C (NVRTC).
+A GPU's kernels of our own (opt-in: GPT2_GPU_KERNELS=1) enter the same two ways and a
+third: cuda_matmul.py's Matrix, whose __rmatmul__ launches a few-row product on device
+memory; cuda_ops.py's layer norm, attention and transformer block, which a step's pass
+brings; and kv_cache.next_logits, which hands cuda_graphs.py the passes that fit its static
+step, recorded once as a CUDA graph and replayed. cuda.py compiles their CUDA C (NVRTC).
 """

@@ -2,11 +2,11 @@
 
 On a GPU every CuPy call costs the host ~12 us to launch, and a GPT-2 step is hundreds
 of them, so the host, not the GPU, sets the pace. The cure (cuda_graphs.py) is to record
-a whole step once as a CUDA graph and replay it with one call; and a graph cannot hold
-cuBLAS's products under CuPy, nor anything whose shape depends on data. So the few
-operations a step needs that CuPy cannot give in that form are kernels of our own, in
-CUDA C: a few rows times the weights (cuda_matmul.py), and layer norm and attention over
-the cache (cuda_ops.py). Each is source text that NVRTC, CUDA's runtime compiler,
+a whole step once as a CUDA graph and replay it with one call. A few of a step's
+operations are kernels of our own for it, in CUDA C: the products (cuda_matmul.py),
+since CuPy switches cuBLAS off while a stream is recording (cupy/cupy#6290); attention
+(cuda_ops.py), since kv_cache.attend shapes it on the host from each row's length; and
+layer norm and each product's bias, GELU and residual, so that a dozen launches become one. Each is source text that NVRTC, CUDA's runtime compiler,
 compiles on first use (CuPy's RawModule; it caches the result on disk).
 
 This file holds what they share: float16 loaded and stored through float32 (every sum is

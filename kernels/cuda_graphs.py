@@ -4,26 +4,30 @@ Eagerly, a GPT-2 step on a GPU is hundreds of launches, each ~12 us of Python an
 on the host, while the GPU finishes each kernel in a few: the step takes as long as the
 host takes to ask for it (`python benchmark.py --backend cupy`). A CUDA graph is a
 recording of a stream's launches (kernels, copies) with their arguments, pointers
-included; replaying it launches them all from one host call, with none of the Python in
-between. The price: everything a graph does must be the same every time. So a step is
-shaped for it (after vLLM's and gpt-fast's decode graphs):
+included: while a stream is capturing, what is queued on it becomes the graph's nodes
+instead of running. Replaying the graph launches them all from one host call, with none
+of the Python in between. The price: everything a graph does must be the same every time.
+So a step is shaped for it (after vLLM's and gpt-fast's decode graphs):
 
 - The same buffers: the step's token ids and positions are copied into device arrays the
   graph reads ([2, B, T], one copy per step); the keys and values go to the cache's own
   arrays; the logits come out in an array the graph keeps. Every temporary a graph uses
   comes from a memory pool of its own, alive as long as the graph, so that nothing else
   is given its memory between replays.
-- The same shapes: a graph per (rows B, tokens per row T) a cache's steps use, recorded
-  the second time that pair comes; a row with fewer than T tokens is padded with tokens of
-  position -1, which store and attend to nothing (cuda_ops.py).
+- The same shapes: a graph per (rows B, tokens per row T) a cache's steps use. Its first
+  use runs eagerly (every kernel compiles; a prompt's one-off shape stops there), its
+  second too (for its logits: a recording runs nothing) and is recorded, and it is replayed
+  from the third. A row with fewer than T tokens is padded with tokens of position -1,
+  which store and attend to nothing (cuda_ops.py; their wpe[-1] is wpe's last row, unused).
+  kv_cache.begin_pass pins padding to the last slot instead: it masks on the host.
 - Nothing the host must wait for or look at: no cuBLAS (CuPy cannot record it; the
   products are cuda_matmul.py's), no mask built on the host, no data-dependent shape.
 
 The model is gpt2.gpt2 as on the CPU, with a pass (kv_cache.Pass's fields) whose positions
 are a device array and whose attention, layer norm and transformer_block (the same math
-in 8 launches a layer) are cuda_ops's. A pass that does not fit (a
-prompt: more than cuda_matmul.ROWS_MAX tokens, riders, a draft's vocabulary subset) runs
-eagerly, as every pass did before. With NumPy arrays (`device_layout(params, numpy)`)
+in 8 launches a layer) are cuda_ops's. A pass that does not fit (a prompt: more than
+cuda_matmul.ROWS_MAX tokens; riders; a draft's vocabulary subset) runs through
+kv_cache.begin_pass as on the CPU. With NumPy arrays (`device_layout(params, numpy)`)
 the same code runs on a CPU, replay being a plain call: the tests check the bookkeeping
 there, and a GPU checks the kernels.
 """
@@ -44,7 +48,8 @@ def device_layout(params, xp=np, dtype="float32"):
         return xp.asarray(np.asarray(a).astype(dtype, copy=False))
 
     def linear(layer):
-        return {"w": cuda_matmul.Matrix(move(np.ascontiguousarray(np.asarray(layer["w"]).T))), "b": move(layer["b"])}
+        w_t = np.ascontiguousarray(np.asarray(layer["w"]).T)  # [n_out, n_in]
+        return {"w": cuda_matmul.Matrix(move(w_t)), "b": move(layer["b"])}
     blocks = [{"ln_1": {k: move(v) for k, v in block["ln_1"].items()},
                "ln_2": {k: move(v) for k, v in block["ln_2"].items()},
                "attn": {name: linear(block["attn"][name]) for name in ("c_attn", "c_proj")},
@@ -53,9 +58,10 @@ def device_layout(params, xp=np, dtype="float32"):
             "blocks": blocks, "ln_f": {k: move(v) for k, v in params["ln_f"].items()}}
 
 
-def captures(model, cache, inputs, riders=()):
-    """Whether a pass over inputs [B, T] runs as a replayed step: the model in device_layout,
-    a cache that keeps graphs (kv_cache.init_cache), no riders, at most ROWS_MAX tokens."""
+def fits(model, cache, inputs, riders=()):
+    """Whether a pass over inputs [B, T] runs as a static step (`step`): the model in
+    device_layout, a cache that keeps graphs (kv_cache.init_cache), no riders, at most
+    ROWS_MAX tokens (B x T: the rows of each product)."""
     params = model[0]
     return (cache is not None and cache.get("graphs") is not None and not riders
             and isinstance(params["wte"], weights.Embedding) and isinstance(params["wte"].T, cuda_matmul.Matrix)
@@ -65,53 +71,53 @@ def captures(model, cache, inputs, riders=()):
 def step(model, cache, inputs, n_new, n_logits):
     """kv_cache.next_logits's pass over inputs [B, T] (row b: n_new[b] real tokens) on the
     cache's static step for (B, T): eager the first two times that shape comes, recorded as a
-    graph at the second (a prompt's one-off shape never pays for a recording), replayed
-    from the third. Returns logits [B, n, n_vocab] at each row's last n_logits[b] tokens (a
+    graph at the second, replayed from the third (the module's docstring says why). Returns logits [B, n, n_vocab] at each row's last n_logits[b] tokens (a
     row with fewer repeats its last), the tokens' keys and values stored; the caller
     advances the cache."""
     B, T = inputs.shape
     slots = cache["lengths"][:, None] + np.arange(T)  # [B, T]: a token's position is its slot
     ids_positions = np.stack([inputs, np.where(np.arange(T) < n_new[:, None], slots, -1)])  # [2, B, T]
-    shaped = static_step(model, cache, B, T)
-    if isinstance(shaped["ids_positions"], np.ndarray):  # the stand-in
-        shaped["ids_positions"][...] = ids_positions
+    static = static_step(model, cache, B, T)
+    if isinstance(static["ids_positions"], np.ndarray):  # the stand-in
+        static["ids_positions"][...] = ids_positions
     else:
-        shaped["ids_positions"].set(ids_positions)  # one copy to the device, into the buffer the graph reads
-    shaped["uses"] += 1
-    if shaped["replay"] is not None:
-        shaped["replay"]()
-        logits = shaped["logits"]  # [B, T, n_vocab]: the graph's own output, overwritten by its next replay
+        static["ids_positions"].set(ids_positions)  # one copy to the device, into the buffer the graph reads
+    static["uses"] += 1
+    if static["replay"] is not None:
+        static["replay"]()
+        logits = static["logits"]  # [B, T, n_vocab]: the graph's own output, overwritten by its next replay
     else:
-        logits = shaped["forward"]()  # [B, T, n_vocab]
-        if shaped["uses"] == 2:
-            shaped["replay"], shaped["logits"], shaped["keep"] = record(shaped["forward"], logits)
+        logits = static["forward"]()  # [B, T, n_vocab]
+        if static["uses"] == 2:
+            static["replay"], static["logits"], static["graph"] = record(static["forward"], logits)
     n_logits = np.broadcast_to(n_logits, (B,))  # [B]
     at = n_new[:, None] - n_logits[:, None] + np.arange(n_logits.max())  # [B, n]
     at = np.clip(at, 0, (n_new - 1).clip(0)[:, None])
-    if at.shape[1] == T and (at == np.arange(T)).all():  # a decode step, a full verification: every token's
+    if at.shape[1] == T and (at == np.arange(T)).all():  # every token's logits (a decode step, a verification)
         return logits.copy()  # [B, T, n_vocab]: a copy, since the next replay writes over the graph's own
     return logits[np.asarray(np.arange(B)[:, None], like=logits), np.asarray(at, like=logits)]  # [B, n, n_vocab]: a copy
 
 
 def static_step(model, cache, B, T):
     """The step of B rows x T tokens over this cache, made at first use: {"ids_positions": the
-    buffer it reads [2, B, T], "forward": the pass, and once recorded "replay" and "logits"}."""
+    buffer it reads [2, B, T], "forward": the pass, "uses", and once recorded "replay", its
+    "logits" and the "graph" with what it needs kept alive}."""
     params, hparams = model
     key = (id(params), pointer(cache["layers"][0]["k"]), B, T)
     if key not in cache["graphs"]:
         wpe = params["wpe"]
-        ids_positions = np.zeros((2, B, T), np.int64, like=wpe)
+        ids_positions = np.zeros((2, B, T), np.int64, like=wpe)  # [2, B, T]
 
         def forward():
             positions = ids_positions[1]  # [B, T]
             state = types.SimpleNamespace(  # what gpt2.gpt2 reads of a pass (kv_cache.Pass)
                 positions=positions, layer_norm=cuda_ops.layer_norm, transformer_block=cuda_ops.transformer_block,
                 attends=[functools.partial(cuda_ops.attend, positions, layer) for layer in cache["layers"]],
-                logits_at=np.broadcast_to(np.arange(T, like=wpe), (B, T)))  # [B, T]: every token
+                logits_at=np.broadcast_to(np.arange(T, like=wpe), (B, T)))  # [B, T]: every token (step picks)
             return gpt2.gpt2(ids_positions[0], **params, n_head=hparams["n_head"], state=state)  # [B, T, n_vocab]
 
         cache["graphs"][key] = {"ids_positions": ids_positions, "forward": forward, "uses": 0, "replay": None,
-                                "logits": None, "keep": params}  # params kept: their id stays theirs
+                                "logits": None, "graph": None, "params": params}  # kept: id(params) stays theirs
     return cache["graphs"][key]
 
 

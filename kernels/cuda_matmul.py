@@ -1,23 +1,24 @@
 """A few rows times a weight matrix on a GPU: each weight read once, each row as if alone.
 
-A decode step multiplies 1-16 rows by every weight matrix, so it is a matrix-vector
-product (GEMV), bound by reading the weights: 124M's 0.5 GB take 0.2 ms at an H100's
-3 TB/s. cuBLAS would do it, but CuPy cannot record cuBLAS into a CUDA graph
-(cuda_graphs.py), so the step's products are this kernel of ours.
+A decode step multiplies a row per sequence by every weight matrix (a verification, K+1
+a sequence), so it is a matrix-vector product (GEMV), bound by reading the weights:
+124M's 0.5 GB take 0.2 ms at an H100's 3 TB/s. cuBLAS would do it, but CuPy cannot record
+cuBLAS into a CUDA graph (cuda_graphs.py), so the step's products are this kernel of ours.
 
 The weights are stored transposed, w [n_out, n_in], so that each output's weights are one
 contiguous run. A warp (32 threads) computes one output j for every row: lane l reads
-w[j, 4l..4l+3], then the four 128 inputs on, ... (16 bytes a lane, 512 across the warp a
-step: coalesced), multiplies each by every row's inputs there, and keeps one float32 sum
-per row; at the end the 32 lanes' sums meet in a fixed tree (cuda.warp_sum). So the weights are read once for up to
-ROWS rows, and a row's output is summed in the same order whatever rows share the launch:
-batch invariant, as the CPU's kernels are. More than ROWS rows run ROWS at a time (the
-weights come again, mostly from L2). A pass of more than ROWS_MAX rows (a prompt) is a
-matrix product with reuse to exploit, and goes to cuBLAS: eager, never in a graph.
+w[j, 4l..4l+3], then w[j, 4l+128..4l+131], and so on (16 bytes a lane, 512 across the warp
+a step: coalesced), multiplies each by every row's inputs there, and keeps one float32
+sum per row; at the end the 32 lanes' sums meet in a fixed tree (cuda.warp_sum). So the
+weights are read once for up to ROWS rows, and a row's output is summed in the same order
+whatever rows share the launch: batch invariant, as the CPU's kernels are. More than ROWS
+rows run ROWS at a time (the weights come again, mostly from L2). A product of more than
+ROWS_MAX rows (a pass of more tokens: a prompt) has reuse to exploit, and goes to cuBLAS:
+eager, never in a graph.
 
-`linear` also does, as each output is stored, what gpt2.py does right after a product:
-the bias, the GELU of the MLP's first layer and the residual add of a block; each of those
-is otherwise a launch of its own (GELU, eight), and a recorded step is bound by launches.
+`linear` also does, as each output is stored, what gpt2.py does right after a product (its
+*tail*): the bias, the GELU of the MLP's first layer, the residual add of a block. Apart,
+each is a launch of its own (the GELU alone nine), and a recorded step is bound by launches.
 """
 import numpy as np
 
@@ -25,14 +26,13 @@ import gpt2
 from kernels import cuda
 
 ROWS = 8  # rows a warp carries at once: 8 float32 sums a lane
-ROWS_MAX = 64  # rows this kernel takes; a longer pass goes to cuBLAS
+ROWS_MAX = 64  # rows (a pass's tokens, B x T) this kernel takes; more go to cuBLAS
 WARPS = 8  # outputs a block computes (256 threads)
 
-SOURCE = r"""
-#define ROWS 8
-// y[r, j] = tail(sum_k x[r, k] w[j, k]) for r < R: w [n_out, n_in], x [R, n_in], y [R, n_out]. The tail
-// is what gpt2.py does next to a product, done as it is stored: + b[j], then gelu (if gelu), then
-// + res[r, j] (if has_res): one launch instead of three to eleven.
+SOURCE = f"#define ROWS {ROWS}\n" + r"""
+// y[r, j] = tail(sum_k x[r, k] w[j, k]) for r < R: w [n_out, n_in], x [R, n_in], y [R, n_out].
+// The tail is what gpt2.py does next to a product, done as it is stored: + b[j], then gelu (if
+// gelu), then + res[r, j] (if has_res): one launch instead of two to eleven.
 template <typename T>
 __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict__ x, const T* __restrict__ b,
                                    const T* res, T* y, int R, int n_in, int n_out, int gelu, int has_res) {
@@ -100,13 +100,13 @@ def linear(x, w, b, gelu=False, residual=None):
     Matrix, residual like the output [..., n_out]. One launch on a GPU (the tail done as
     each output is stored); NumPy (the stand-in) runs gpt2.py's own functions."""
     rows = x.reshape(-1, x.shape[-1])  # [n, n_in]
-    shape = (*x.shape[:-1], w.stored.shape[0])
+    shape = (*x.shape[:-1], w.stored.shape[0])  # [..., n_out]
     if isinstance(rows, np.ndarray) or rows.shape[0] > ROWS_MAX:
         y = gpt2.linear(x, w, b)  # [..., n_out]
         y = gpt2.gelu(y) if gelu else y
         return y if residual is None else residual + y
     res = None if residual is None else residual.reshape(-1, shape[-1])  # [n, n_out]
-    return launch(rows, w.stored, b, gelu, res).reshape(shape)
+    return launch(rows, w.stored, b, gelu, res).reshape(shape)  # [..., n_out]
 
 
 def launch(rows, w, b, gelu=False, res=None):
@@ -116,12 +116,13 @@ def launch(rows, w, b, gelu=False, res=None):
     rows = cupy.ascontiguousarray(rows, dtype=w.dtype)
     out = cupy.empty((n, w.shape[0]), w.dtype)  # [n, n_out]
     res = out if res is None else cupy.ascontiguousarray(res, dtype=w.dtype)  # (not read without has_res)
-    b = cupy.zeros(w.shape[0], w.dtype) if b is None else b  # a plain product: + 0, exact
+    b = cupy.zeros(w.shape[0], w.dtype) if b is None else b  # [n_out]: a plain product adds 0, exactly
     if b.dtype != w.dtype:  # the kernel reads every array as the weights' dtype
         raise TypeError(f"the bias is {b.dtype}, the weights {w.dtype}: give both one dtype (device_layout does)")
     kernel = cuda.function(SOURCE, "rows_times_columns", w.dtype)
-    kernel((-(-w.shape[0] // WARPS),), (32 * WARPS,), (w, rows, b, res, out, np.int32(n), np.int32(n_in),
-                                                       np.int32(w.shape[0]), np.int32(gelu), np.int32(res is not out)))
+    blocks = -(-w.shape[0] // WARPS)  # ceil(n_out / WARPS): a warp an output
+    kernel((blocks,), (32 * WARPS,), (w, rows, b, res, out, np.int32(n), np.int32(n_in), np.int32(w.shape[0]),
+                                      np.int32(gelu), np.int32(res is not out)))
     return out
 
 
@@ -150,7 +151,7 @@ class Matrix:
     def __rmatmul__(self, x):
         """x [..., n_in] @ self -> [..., n_out]."""
         rows = x.reshape(-1, x.shape[-1])  # [n, n_in]
-        return matmul(rows, self.stored).reshape(*x.shape[:-1], self.stored.shape[0])
+        return matmul(rows, self.stored).reshape(*x.shape[:-1], self.stored.shape[0])  # [..., n_out]
 
     def first(self, n):
         """The first n columns (a view)."""

@@ -1,16 +1,19 @@
-"""Layer norm and attention over the cache as GPU kernels: a step with the same shapes every time.
+"""Layer norm, attention over the cache and the transformer block as GPU kernels: a step
+with the same shapes every time.
 
 A CUDA graph (cuda_graphs.py) replays the same launches on the same buffers, so nothing in
-a captured step may depend on data the host would have to look at: not how many keys a
-row has, nor which rows are padding. kv_cache.attend builds a mask and groups rows by length
-on the host; here each query reads its own position from a device array instead (the
-row_ops.py way: rowwise.attention), and a position of -1 marks a padding token, which
+a recorded step may depend on data the host would have to look at: not how many keys a
+row has, nor which tokens are padding. kv_cache.attend builds a mask and groups rows by
+length on the host; here each query reads its own position from a device array instead
+(the row_ops.py way: rowwise.attention), and a position of -1 marks a padding token, which
 stores nothing and attends to nothing. The keys a query sees are its row's slots
-0..position, which holds both the cached tokens and the ones this step has just stored.
+0..position, which hold both the cached tokens and the ones this step has just stored.
 
-`layer_norm` is gpt2.layer_norm in one launch instead of eight (a block a row, statistics in
-float32 summed in a fixed tree). NumPy arrays take the NumPy reference (`attend_reference`,
-gpt2.layer_norm), so a CPU runs the bookkeeping around these kernels with the same meaning.
+`layer_norm` is gpt2.layer_norm in one launch instead of eleven (a block a row, statistics
+in float32 summed in a fixed tree). `transformer_block` is gpt2.transformer_block's steps,
+mha and ffn written out, each product with its tail in its launch (cuda_matmul.linear). NumPy
+arrays take the NumPy reference (`attend_reference`, gpt2's functions), so a CPU runs the
+bookkeeping around these kernels with the same meaning.
 """
 import numpy as np
 
@@ -63,7 +66,7 @@ __device__ void attend(const T* q, long long sb, long long sh, long long st, con
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
     long long p = positions[bt];
     T* o = out + (size_t)blockIdx.x * D;
-    if (p < 0 || p >= S) {  // padding: zeros, never read
+    if (p < 0 || p >= S) {  // padding: zeros (later layers compute on them; no logits are taken there)
         for (int d = threadIdx.x; d < D; d += blockDim.x) store(o + d, 0.0f);
         return;
     }
@@ -118,14 +121,15 @@ def layer_norm(x, g, b, eps=1e-5):
         raise TypeError(f"layer_norm of {x.dtype} activations with {g.dtype} / {b.dtype} weights: give all one dtype")
     out = cupy.empty_like(x)
     n = x.shape[-1]
-    cuda.function(SOURCE, "layer_norm", x.dtype)((x.size // n,), (THREADS,), (x, g, b, out, np.int32(n), np.float32(eps)))
+    rows = x.size // n  # a block each
+    cuda.function(SOURCE, "layer_norm", x.dtype)((rows,), (THREADS,), (x, g, b, out, np.int32(n), np.float32(eps)))
     return out
 
 
 def attend(positions, layer, q, k, v):
     """One layer's attention in a step of static shapes: store k, v [B, n_head, T, d_head] in
-    the layer's cache at positions [B, T] (device; -1: padding), then attend each query over
-    its row's slots up to its position. Returns [B, n_head, T, d_head] (a view of [B, T,
+    the layer's cache at positions [B, T] (device; -1, or past the cache: padding), then
+    attend each query over its row's slots up to its position. Returns [B, n_head, T, d_head] (a view of [B, T,
     n_head, d_head], so that gpt2.mha's transpose back is free)."""
     if isinstance(q, np.ndarray):
         return attend_reference(positions, layer, q, k, v)
@@ -133,18 +137,20 @@ def attend(positions, layer, q, k, v):
     B, H, T, D = q.shape
     ck, cv = layer["k"], layer["v"]  # [B, H, S, D]
     S = ck.shape[2]
-    if k.strides != q.strides or v.strides != q.strides or q.strides[3] != q.itemsize or D > 256:
+    if k.strides != q.strides or v.strides != q.strides or q.strides[3] != q.itemsize:
         raise ValueError("attend takes q, k, v as gpt2.mha makes them: views of one [B, T, 3, H, D] array")
+    if D > 256:
+        raise ValueError(f"attend holds a query in 256 floats of shared memory: d_head {D} is wider")
     if not (ck.flags.c_contiguous and cv.flags.c_contiguous):
         raise ValueError("attend writes the cache's rows as one contiguous [B, H, S, D] array")
     sb, sh, st = (s // q.itemsize for s in q.strides[:3])
-    n = (np.int64(sb), np.int64(sh), np.int64(st))
-    cuda.function(SOURCE, "store_kv", q.dtype)((B * T,), (THREADS,), (k, v, *n, ck, cv, positions, np.int32(T),
-                                                                       np.int32(H), np.int32(S), np.int32(D)))
+    strides = (np.int64(sb), np.int64(sh), np.int64(st))  # of q, k and v alike, in elements
+    sizes = (np.int32(T), np.int32(H), np.int32(S), np.int32(D))
+    cuda.function(SOURCE, "store_kv", q.dtype)((B * T,), (THREADS,), (k, v, *strides, ck, cv, positions, *sizes))
     out = cupy.empty((B, T, H, D), q.dtype)  # [B, T, H, D]
-    cuda.function(SOURCE, "attend", q.dtype)((B * T * H,), (ATTEND_THREADS,),
-                                             (q, *n, ck, cv, positions, out, np.int32(T), np.int32(H), np.int32(S),
-                                              np.int32(D), np.float32(1.0 / np.sqrt(D))), shared_mem=4 * S)
+    scale = np.float32(1.0 / np.sqrt(D))
+    cuda.function(SOURCE, "attend", q.dtype)((B * T * H,), (ATTEND_THREADS,),  # a block a query, S scores shared
+                                             (q, *strides, ck, cv, positions, out, *sizes, scale), shared_mem=4 * S)
     return out.transpose(0, 2, 1, 3)  # [B, H, T, D]
 
 
@@ -152,19 +158,22 @@ def attend_reference(positions, layer, q, k, v):
     """What `attend` computes, in NumPy: the stand-in on a CPU, and what a GPU test compares with."""
     B, H, T, D = q.shape
     out = np.zeros_like(q)  # [B, H, T, D]
-    real = [(b, t, int(positions[b, t])) for b in range(B) for t in range(T) if positions[b, t] >= 0]
+    S = layer["k"].shape[2]
+    real = [(b, t, int(positions[b, t])) for b in range(B) for t in range(T) if 0 <= positions[b, t] < S]
     for b, t, p in real:  # every key stored first: a query reads its step's earlier tokens too
         layer["k"][b, :, p], layer["v"][b, :, p] = k[b, :, t], v[b, :, t]
     for b, t, p in real:
         keys, values = layer["k"][b, :, :p + 1], layer["v"][b, :, :p + 1]  # [H, p + 1, D]
-        out[b, :, t] = gpt2.attention(q[b, :, t, None], keys, values, np.float32(0.0))[:, 0]  # [H, D]
+        # [H, 1, D] against [H, p + 1, D] -> [H, D]; mask 0: the keys are cut at p already
+        out[b, :, t] = gpt2.attention(q[b, :, t, None], keys, values, np.float32(0.0))[:, 0]
     return out
 
 
 def transformer_block(x, mlp, attn, ln_1, ln_2, n_head, attend, norm):
-    """gpt2.transformer_block, line for line, with each product's tail in the product's own
-    launch (cuda_matmul.linear: the bias, the GELU, the residual add): 8 launches a layer
-    where gpt2.py's functions make about 23, for a recorded step, which is bound by launches."""
+    """gpt2.transformer_block's steps, mha and ffn written out, with each product's tail in
+    the product's own launch (cuda_matmul.linear: the bias, the GELU, the residual add): 8
+    launches a layer where gpt2.transformer_block, given these layer norm and attention
+    kernels, makes about 23; a recorded step is bound by its launches."""
     B, T, n_embd = x.shape
     qkv = cuda_matmul.linear(norm(x, **ln_1), **attn["c_attn"])  # [B, T, 3*n_embd]
     q, k, v = qkv.reshape(B, T, 3, n_head, n_embd // n_head).transpose(2, 0, 3, 1, 4)  # [B, n_head, T, d_head] each

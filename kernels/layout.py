@@ -116,7 +116,7 @@ def to_backend(params, backend="numpy", dtype="float32", kernels=None):
     weights are (gpt2.py says how). kernels (None: GPT2_GPU_KERNELS=1 in the environment):
     each matrix transposed for the GPU's own kernels, whose steps are recorded as CUDA
     graphs (cuda_graphs.device_layout), instead of plain arrays for CuPy's operations and
-    cuBLAS. They are not the default until a GPU has run their tests (tests/test_cupy.py).
+    cuBLAS, the default: the path tests/test_cupy.py has checked on a GPU.
     CuPy is imported only here, so the NumPy path never needs it."""
     if backend == "numpy":
         if dtype == "float16":

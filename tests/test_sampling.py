@@ -42,15 +42,15 @@ def test_greedy_is_argmax_of_penalized_logits():
     assert (sampling.sample(p, np.random.default_rng(0).random(len(p))) == want).all()
 
 
-@pytest.mark.parametrize("kw, argmax", [({}, True), ({"top_k": 5, "top_p": 0.5, "min_p": 0.2}, True),
+@pytest.mark.parametrize("kw, picks", [({}, True), ({"top_k": 5, "top_p": 0.5, "min_p": 0.2}, True),
                                          ({"repetition_penalty": 1.3}, False), ({"presence_penalty": 0.5}, False),
                                          ({"no_repeat_ngram_size": 2}, False)])
-def test_greedy_without_penalties_is_the_plain_argmax(kw, argmax):
-    """Where settings.argmax holds, decoding takes np.argmax(logits): the token the whole path
+def test_greedy_without_penalties_is_the_plain_argmax(kw, picks):
+    """Where settings.picks_argmax holds, decoding takes np.argmax(logits): the token the whole path
     (probabilities' one-hot, then sample) picks, ties (the first of equal maxima) and
     all -inf rows included."""
     s = sampling.SamplingSettings(temperature=0.0, **kw)
-    assert s.argmax == argmax
+    assert s.picks_argmax == picks
     logits = np.concatenate([REF["logits"], np.full((2, REF["logits"].shape[1]), -np.inf, np.float32)])
     logits[0, 7] = logits[0, 9] = logits[0].max() + 1  # a tie
     p = sampling.probabilities(logits, np.zeros_like(logits, dtype=np.int64), s)
