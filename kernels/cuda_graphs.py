@@ -90,7 +90,7 @@ def step(model, cache, inputs, n_new, n_logits):
         logits = static["forward"]()  # [B, T, n_vocab]
         if static["uses"] == 2:
             static["replay"], static["logits"], static["graph"] = record(static["forward"], logits)
-    n_logits = np.broadcast_to(n_logits, (B,))  # [B]
+    n_logits = np.broadcast_to(n_logits, (B,))  # [B]: which tokens' logits, as kv_cache.begin_pass picks them
     at = n_new[:, None] - n_logits[:, None] + np.arange(n_logits.max())  # [B, n]
     at = np.clip(at, 0, (n_new - 1).clip(0)[:, None])
     if at.shape[1] == T and (at == np.arange(T)).all():  # every token's logits (a decode step, a verification)
