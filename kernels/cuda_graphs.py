@@ -27,7 +27,7 @@ The model is gpt2.gpt2 as on the CPU, with a pass (kv_cache.Pass's fields) whose
 are a device array and whose attention, layer norm and transformer_block (the same math
 in 8 launches a layer) are cuda_ops's. A pass that does not fit (a prompt: more than
 cuda_matmul.ROWS_MAX tokens; riders; a draft's vocabulary subset) runs through
-kv_cache.begin_pass as on the CPU. With NumPy arrays (`device_layout(params, numpy)`)
+kv_cache.begin_pass as on the CPU. With NumPy arrays (`layout.device_layout(params, numpy)`)
 the same code runs on a CPU, replay being a plain call: the tests check the bookkeeping
 there, and a GPU checks the kernels.
 """
@@ -39,28 +39,9 @@ import numpy as np
 import gpt2
 from kernels import cuda_matmul, cuda_ops, weights
 
-def device_layout(params, xp=np, dtype="float32"):
-    """Plain params (layout.plain_layout) as the GPU's kernels read them, on xp in dtype: every
-    weight matrix a cuda_matmul.Matrix (its transpose [n_out, n_in]), wte a weights.Embedding
-    over one Matrix, the tied head (wte [n_vocab, n_embd] is the head's transpose already),
-    the other tensors as they are. With xp NumPy: the stand-in a CPU tests with."""
-    def move(a):
-        return xp.asarray(np.asarray(a).astype(dtype, copy=False))
-
-    def linear(layer):
-        w_t = np.ascontiguousarray(np.asarray(layer["w"]).T)  # [n_out, n_in]
-        return {"w": cuda_matmul.Matrix(move(w_t)), "b": move(layer["b"])}
-    blocks = [{"ln_1": {k: move(v) for k, v in block["ln_1"].items()},
-               "ln_2": {k: move(v) for k, v in block["ln_2"].items()},
-               "attn": {name: linear(block["attn"][name]) for name in ("c_attn", "c_proj")},
-               "mlp": {name: linear(block["mlp"][name]) for name in ("c_fc", "c_proj")}} for block in params["blocks"]]
-    return {"wte": weights.Embedding(cuda_matmul.Matrix(move(params["wte"]))), "wpe": move(params["wpe"]),
-            "blocks": blocks, "ln_f": {k: move(v) for k, v in params["ln_f"].items()}}
-
-
 def fits(model, cache, inputs, riders=()):
     """Whether a pass over inputs [B, T] runs as a static step (`step`): the model in
-    device_layout, a cache that keeps graphs (kv_cache.init_cache), no riders, at most
+    layout.device_layout, a cache that keeps graphs (kv_cache.init_cache), no riders, at most
     ROWS_MAX tokens (B x T: the rows of each product)."""
     params = model[0]
     return (cache is not None and cache.get("graphs") is not None and not riders

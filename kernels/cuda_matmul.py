@@ -118,7 +118,7 @@ def launch(rows, w, b, gelu=False, res=None):
     res = out if res is None else cupy.ascontiguousarray(res, dtype=w.dtype)  # (not read without has_res)
     b = cupy.zeros(w.shape[0], w.dtype) if b is None else b  # [n_out]: a plain product adds 0, exactly
     if b.dtype != w.dtype:  # the kernel reads every array as the weights' dtype
-        raise TypeError(f"the bias is {b.dtype}, the weights {w.dtype}: give both one dtype (device_layout does)")
+        raise TypeError(f"the bias is {b.dtype}, the weights {w.dtype}: give both one dtype (layout.device_layout does)")
     kernel = cuda.function(SOURCE, "rows_times_columns", w.dtype)
     blocks = -(-w.shape[0] // WARPS)  # ceil(n_out / WARPS): a warp an output
     kernel((blocks,), (32 * WARPS,), (w, rows, b, res, out, np.int32(n), np.int32(n_in), np.int32(w.shape[0]),

@@ -11,7 +11,7 @@ import os
 import numpy as np
 
 from checkpoint import LoadError
-from kernels import cuda_graphs, rowwise, weight_formats, weights
+from kernels import cuda_matmul, rowwise, weight_formats, weights
 
 
 def decode_layout(params, kernel=None, dtype="float32"):
@@ -115,7 +115,7 @@ def to_backend(params, backend="numpy", dtype="float32", kernels=None):
     GPU once, as `dtype` (float32 or float16). From then on the model runs wherever its
     weights are (gpt2.py says how). kernels (None: GPT2_GPU_KERNELS=1 in the environment):
     each matrix transposed for the GPU's own kernels, whose steps are recorded as CUDA
-    graphs (cuda_graphs.device_layout), instead of plain arrays for CuPy's operations and
+    graphs (device_layout, cuda_graphs.py), instead of plain arrays for CuPy's operations and
     cuBLAS, the default: the path tests/test_cupy.py has checked on a GPU.
     CuPy is imported only here, so the NumPy path never needs it."""
     if backend == "numpy":
@@ -127,11 +127,25 @@ def to_backend(params, backend="numpy", dtype="float32", kernels=None):
         kernels = os.environ.get(GPU_KERNELS_ENV, "0") == "1"
     try:
         if kernels:
-            return cuda_graphs.device_layout(plain_layout(params), cupy, dtype)
+            return device_layout(plain_layout(params), cupy, dtype)
         return tree_map(lambda w: cupy.asarray(w.astype(dtype, copy=False)), plain_layout(params))
     except cupy.cuda.memory.OutOfMemoryError as e:
         raise LoadError(f"the GPU has too little free memory for these weights ({e}): "
                         "try --dtype float16, a smaller model, or --backend numpy")
+
+
+def device_layout(params, xp=np, dtype="float32"):
+    """Plain params (plain_layout) as the GPU's own kernels read them, on xp in dtype: every
+    weight matrix a cuda_matmul.Matrix, its transpose [n_out, n_in]; wte a weights.Embedding
+    over one Matrix, the tied head (wte [n_vocab, n_embd] is the head's transpose already).
+    With xp NumPy: the stand-in a CPU tests the GPU's bookkeeping with."""
+    def move(a):
+        return xp.asarray(np.asarray(a).astype(dtype, copy=False))
+    rest = {name: tensor for name, tensor in params.items() if name != "wte"}
+    transposed = map_linear(rest, lambda layer: {**layer, "w": cuda_matmul.Matrix(
+        move(np.ascontiguousarray(np.asarray(layer["w"]).T)))})  # [n_out, n_in] each
+    moved = tree_map(lambda a: a if isinstance(a, cuda_matmul.Matrix) else move(a), transposed)
+    return {**moved, "wte": weights.Embedding(cuda_matmul.Matrix(move(params["wte"])))}
 
 
 def gpu_library():

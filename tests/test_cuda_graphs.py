@@ -2,7 +2,7 @@
 compiles (NVRTC is a library: no GPU needed, only CuPy), and the recorded step's
 bookkeeping (its buffers, positions and padding, a graph per shape, rows joining and
 leaving, speculative verification) gives what the eager path gives, with NumPy standing
-in for the device (cuda_graphs.device_layout(params, numpy)). tests/test_cupy.py checks the
+in for the device (layout.device_layout(params, numpy)). tests/test_cupy.py checks the
 kernels themselves, and replay against eager, on a GPU."""
 import sys
 
@@ -25,7 +25,7 @@ PROMPTS = [[464, 2068, 7586, 21831], [15496, 11, 995, 0, 383, 2068, 7586, 21831,
 def both(tiny):
     """(hparams, the CPU's params, the same weights in the GPU's layout on NumPy)."""
     _, hparams, params = tiny
-    return hparams, params, cuda_graphs.device_layout(layout.plain_layout(params), np)
+    return hparams, params, layout.device_layout(layout.plain_layout(params), np)
 
 
 def generate(params, hparams, n, settings=GREEDY, seed=0, prompts=PROMPTS):
