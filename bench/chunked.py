@@ -44,10 +44,10 @@ def run_turn(model, long_at, max_prefill_tokens, seed, long_len, stream_tokens, 
     reqs, kinds, sent = {}, {}, [0]
     active, arrived_long, start = [0], [0], time.perf_counter()
 
-    def new(kind, prompt_len, n_new):
+    def new(kind, prompt_len, n_new, arrival_s):
         i = len(reqs)
         reqs[i] = batching.Request(tuple(rng.integers(0, 50000, prompt_len).tolist()), n_new, GREEDY, seed=i,
-                                   arrival_s=time.perf_counter() - start)
+                                   arrival_s=arrival_s)
         kinds[i] = kind
         return i, reqs[i]
 
@@ -56,10 +56,12 @@ def run_turn(model, long_at, max_prefill_tokens, seed, long_len, stream_tokens, 
             time.sleep(max(0.0, long_at[arrived_long[0]] - (time.perf_counter() - start)))
         arrivals = []
         while arrived_long[0] < len(long_at) and long_at[arrived_long[0]] <= time.perf_counter() - start:
-            arrivals.append(new("long", long_len, LONG_TOKENS))
+            # its client sent it then: a prompt run whole keeps the loop from reading it until it ends,
+            # and that wait is part of the prompt's time to first token
+            arrivals.append(new("long", long_len, LONG_TOKENS, long_at[arrived_long[0]]))
             arrived_long[0] += 1
         while sent[0] < n_streams and active[0] < STREAMS:
-            arrivals.append(new("stream", STREAM_PROMPT, stream_tokens))
+            arrivals.append(new("stream", STREAM_PROMPT, stream_tokens, time.perf_counter() - start))
             active[0] += 1
             sent[0] += 1
         return arrivals, (), sent[0] == n_streams and arrived_long[0] == len(long_at), {}

@@ -320,3 +320,20 @@ def test_the_gpu_table_sets_ours_beside_transformers_each_way_it_runs():
     assert "| 124M | 1 | 500.0 | 80.0 | 6.25x | 1.00 | 17.00 | 0.20 |" in text
     assert "| 124M | 1.00 | 10.00 | 5.00 | 2.50 | 2.50x |" in text
     assert "| 1558M | 1.00 | 10.00 | - | crashed (SIGSEGV) | - |" in text
+
+
+def test_chunked_prefill_section_measures_every_way(tmp_path, capsys):
+    """--only chunked: whole, each budget and quiet in turns, each long prompt timed from the moment
+    its client sent it (a whole prefill in the way keeps the loop from reading it, and counts)."""
+    assert benchmark.main(["--quick", "--only", "chunked", "--out", str(tmp_path)]) == 0
+    r = json.load(open(tmp_path / "results.json"))
+    if rowwise.KERNEL != "numba":
+        assert "chunked" not in r and "chunked: skipped" in capsys.readouterr().out
+        return
+    (run,) = r["chunked"]
+    assert [row["way"] for row in run["rows"]] == ["whole", "chunked 8", "quiet"]
+    for row in run["rows"]:
+        assert 0 < row["itl_ms_p50"] <= row["itl_ms_p99"] <= row["itl_ms_max"] and row["tokens_per_s"] > 0
+        if row["way"] != "quiet":  # a long prompt's first token comes after its prefill, from when it was sent
+            assert all(rep["ttft_s"] >= run["prefill_s"] / 2 for rep in row["reps"])
+    assert "| tiny | chunked 8 |" in open(tmp_path / "results.md").read()
