@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import prange, types
+from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from kernels.compiling import when_first_called
@@ -75,6 +75,54 @@ def layer_norm(x, g, b, eps=1e-5):
 QKV = "float32[:, :, :, :]"  # views of the pass's q and the cache's k, v: any strides, rows of d_head contiguous
 
 
+@njit(inline="always")
+def scores(q, k, b, h, t, S, scale, weights):
+    """weights[s] = q[b, h, t] . k[b, h, s] * scale for s < S: 8 lanes summed along d_head, then
+    the lanes in order (hsum8)."""
+    for s in range(S):
+        dot = zero8()
+        for d in range(0, q.shape[3], V):
+            dot = fma8(dot, load8(q, (b, h, t, d)), load8(k, (b, h, s, d)))
+        weights[s] = hsum8(dot) * scale
+
+
+@njit(inline="always")
+def scores_64(q, k, b, h, t, S, scale, weights):
+    """`scores` for d_head 64 (every GPT-2's), the query in 8 registers: the same sums in the
+    same order, so the same bits, without reloading the query for every key."""
+    q0, q1, q2, q3 = load8(q, (b, h, t, 0)), load8(q, (b, h, t, 8)), load8(q, (b, h, t, 16)), load8(q, (b, h, t, 24))
+    q4, q5, q6, q7 = load8(q, (b, h, t, 32)), load8(q, (b, h, t, 40)), load8(q, (b, h, t, 48)), load8(q, (b, h, t, 56))
+    for s in range(S):
+        dot = fma8(fma8(fma8(fma8(zero8(), q0, load8(k, (b, h, s, 0))), q1, load8(k, (b, h, s, 8))),
+                        q2, load8(k, (b, h, s, 16))), q3, load8(k, (b, h, s, 24)))
+        dot = fma8(fma8(fma8(fma8(dot, q4, load8(k, (b, h, s, 32))), q5, load8(k, (b, h, s, 40))),
+                        q6, load8(k, (b, h, s, 48))), q7, load8(k, (b, h, s, 56)))
+        weights[s] = hsum8(dot) * scale
+
+
+@njit(inline="always")
+def values(v, b, h, S, weights, acc):
+    """acc = sum over s < S of weights[s] * v[b, h, s], s in order."""
+    acc[:] = 0.0
+    for s in range(S):
+        for d in range(0, v.shape[3], V):
+            store8(acc, (d,), fma8(load8(acc, (d,)), weights[s], load8(v, (b, h, s, d))))
+
+
+@njit(inline="always")
+def values_64(v, b, h, S, weights, acc):
+    """`values` for d_head 64, the sums in 8 registers instead of acc's memory: the same bits."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = zero8()
+    for s in range(S):
+        w = weights[s]
+        a0, a1 = fma8(a0, w, load8(v, (b, h, s, 0))), fma8(a1, w, load8(v, (b, h, s, 8)))
+        a2, a3 = fma8(a2, w, load8(v, (b, h, s, 16))), fma8(a3, w, load8(v, (b, h, s, 24)))
+        a4, a5 = fma8(a4, w, load8(v, (b, h, s, 32))), fma8(a5, w, load8(v, (b, h, s, 40)))
+        a6, a7 = fma8(a6, w, load8(v, (b, h, s, 48))), fma8(a7, w, load8(v, (b, h, s, 56)))
+    for d, a in enumerate((a0, a1, a2, a3, a4, a5, a6, a7)):
+        store8(acc, (8 * d,), a)
+
+
 @when_first_called({"float32": f"void({QKV}, {QKV}, {QKV}, int64[:, ::1], float32, {QKV})"},
                    key=lambda q, k, v, positions, scale, out: q.dtype, parallel=True)
 def attend(q, k, v, positions, scale, out):
@@ -88,21 +136,21 @@ def attend(q, k, v, positions, scale, out):
         acc = np.empty(D, np.float32)  # [d_head]: the weighted sum of values
         for t in range(T):
             S = min(positions[b, t] + 1, k.shape[2])  # a padding query's slot may lie past the cache's
+            if D == 64:
+                scores_64(q, k, b, h, t, S, scale, weights)
+            else:
+                scores(q, k, b, h, t, S, scale, weights)
             top = np.float32(-np.inf)
             for s in range(S):
-                dot = zero8()
-                for d in range(0, D, V):
-                    dot = fma8(dot, load8(q, (b, h, t, d)), load8(k, (b, h, s, d)))
-                weights[s] = hsum8(dot) * scale
                 top = max(top, weights[s])
             total = np.float32(0.0)
             for s in range(S):
                 weights[s] = math.exp(weights[s] - top)
                 total += weights[s]
-            acc[:] = 0.0
-            for s in range(S):
-                for d in range(0, D, V):
-                    store8(acc, (d,), fma8(load8(acc, (d,)), weights[s], load8(v, (b, h, s, d))))
+            if D == 64:
+                values_64(v, b, h, S, weights, acc)
+            else:
+                values(v, b, h, S, weights, acc)
             for d in range(D):
                 out[b, h, t, d] = acc[d] / total
 

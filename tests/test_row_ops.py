@@ -73,3 +73,27 @@ def test_a_kernel_pass_runs_them_and_stays_within_rounding_of_numpy(tiny, monkey
     monkeypatch.setattr(rowwise, "row_ops_for", lambda model: None)
     np.testing.assert_allclose(fused, two_steps(), rtol=1e-5, atol=1e-5)
     assert not calls
+
+
+def test_d_head_64_keeps_the_query_and_the_sum_in_registers_for_the_same_bits():
+    """attend's path for d_head 64 (every GPT-2) computes the general loops' sums in their order:
+    each helper pair gives the same bits, over keys that fill and do not fill the cache."""
+    from numba import njit
+
+    from kernels.row_ops import scores, scores_64, values, values_64
+
+    @njit
+    def both(q, k, v, S, scale):
+        w, w64, acc, acc64 = (np.zeros(k.shape[2], np.float32), np.zeros(k.shape[2], np.float32),
+                              np.zeros(64, np.float32), np.zeros(64, np.float32))
+        scores(q, k, 1, 2, 0, S, scale, w)
+        scores_64(q, k, 1, 2, 0, S, scale, w64)
+        values(v, 1, 2, S, w, acc)
+        values_64(v, 1, 2, S, w, acc64)
+        return w, w64, acc, acc64
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((2, 3, n, 64), dtype=np.float32) for n in (1, 40, 40))
+    for S in (1, 7, 40):
+        w, w64, acc, acc64 = both(q, k, v, S, np.float32(0.125))
+        assert np.array_equal(w[:S], w64[:S]) and np.array_equal(acc, acc64) and np.any(acc != 0)
