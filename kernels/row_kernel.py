@@ -49,6 +49,10 @@ Why the prefetch: while the core is busy with multiply-adds, fewer loads are in 
 and the weights arrive later than they could; a pass then costs its memory time plus its
 arithmetic. Asking for the weights a few KiB ahead (the `prefetch` intrinsic below,
 LLVM's llvm.prefetch) keeps memory busy while the arithmetic runs, so the two overlap.
+A register tile reads 16 of a row's 64 weights a k-step, a new cache line each time, so
+its loads wait for L2 unless the line was asked into L1 too (`prefetch_l1`, one chunk
+ahead): 4-17% off the products of a pass over 4 or 5 rows (benchmark_results/NOTES.md,
+"A tile alone asks L1 for its lines").
 `python benchmark.py --only rows` measures what a pass over n rows costs (beside a gemv
 per row and one sgemm).
 
@@ -198,18 +202,30 @@ def zero8(typingctx):
     return float32x8(), codegen
 
 
-@intrinsic
-def prefetch(typingctx, a, index):
-    """Ask the cache for the line that holds a[index]. A hint: it never faults (even past
-    the end of the array) and changes no value, only when the bytes arrive."""
+def _prefetch_to(locality):
+    """LLVM's llvm.prefetch of the line that holds a[index]: read, data, `locality` (3: into
+    L1, the closest cache; 2: L2)."""
     def codegen(context, builder, signature, args):
         address = _address(context, builder, signature.args[0], args[0], args[1])
         i32 = ir.IntType(32)
         llvm_prefetch = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [address.type, i32, i32, i32]), "llvm.prefetch.p0")
-        builder.call(llvm_prefetch, [address, i32(0), i32(2), i32(1)])  # read, keep in L2, data
+        builder.call(llvm_prefetch, [address, i32(0), i32(locality), i32(1)])
         return context.get_dummy_value()
-    return types.void(a, index), codegen
+    return codegen
+
+
+@intrinsic
+def prefetch(typingctx, a, index):
+    """Ask the cache (L2) for the line that holds a[index]. A hint: it never faults (even
+    past the end of the array) and changes no value, only when the bytes arrive."""
+    return types.void(a, index), _prefetch_to(2)
+
+
+@intrinsic
+def prefetch_l1(typingctx, a, index):
+    """`prefetch` into L1: for a line wanted soon, a few hundred cycles on."""
+    return types.void(a, index), _prefetch_to(3)
 
 
 FORMATS = ("float32", "uint16")  # float32 and bfloat16's bits (weight_formats.py)
@@ -249,13 +265,19 @@ def row_times_blocks(x, wb, out):
 
 
 @njit(inline="always")
-def tile(x, i, n, wb, b, k0, chunk, acc, ahead):
+def tile(x, i, n, wb, b, k0, chunk, acc, ahead, near):
     """Rows i..i+n-1 of x (n = 3..6) times steps k0..k0+chunk-1 of block b, in register
     tiles of n rows x 16 columns: sNv holds row i+N's columns j+8v..j+8v+7 (up to 12
     registers of sums, 2 of weights, 1 for a row's x: 15 of AVX2's 16). The tile starts
     from zero or from acc [R, W], where the previous chunk parked it. Per k, two loads of
     weights serve 2n multiply-adds. n is a constant where this is called (inlined), so
-    LLVM drops the rows past n and each n compiles to a tile of its own."""
+    LLVM drops the rows past n and each n compiles to a tile of its own.
+    Each k-step asks L2 for the strip's line `ahead` k-steps on; a tile alone in its pass
+    also asks L1 for the line `near` k-steps on (a constant: 0 is none). A strip reads a
+    new line every k-step, and waiting for L2 at each was what a pass of a few rows spent
+    beyond its memory time. With more tiles, the chunk's later tiles find its lines in L1
+    already, and the extra hint made such passes slower; so did it a tile of 6 rows, which
+    has no register to spare for it."""
     for j in range(0, W, 16):
         s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = s40 = s41 = s50 = s51 = zero8()
         if k0 > 0:
@@ -270,6 +292,8 @@ def tile(x, i, n, wb, b, k0, chunk, acc, ahead):
                 s50, s51 = load8(acc, (i + 5, j)), load8(acc, (i + 5, j + 8))
         for k in range(k0, k0 + chunk):
             prefetch(wb, (b, k + ahead, j))
+            if near:
+                prefetch_l1(wb, (b, k + near, j))
             w0, w1 = load8(wb, (b, k, j)), load8(wb, (b, k, j + 8))  # the tile's 16 weights of step k
             x0, x1, x2 = x[i, k], x[i + 1, k], x[i + 2, k]
             s00, s01 = fma8(s00, x0, w0), fma8(s01, x0, w1)
@@ -368,15 +392,18 @@ def rows_times_blocks(n):
         for b in prange(n_blocks):
             acc = np.empty((R, W), np.float32)  # [R, W]: this block's sums, between chunks
             for k0 in range(0, n_in, chunk):
+                if n > 2 and R == n:  # a tile alone (of 3-5 rows) asks L1 for its lines a chunk on (see `tile`)
+                    tile(x, 0, n, wb, b, k0, chunk, acc, ahead, CHUNK)
+                    continue
                 i = 0
                 for t in range(n_tiles):
                     size = (R - i) // (n_tiles - t)  # n or n + 1, each a constant in its call (see `tile`)
                     if n == 2:  # n is a constant: numba compiles only the branch it takes
                         two_rows(x, i, wb, b, k0, acc, ahead)  # plan 2 is 2 rows alone (7 or more: tiles of 3+)
                     elif size == n:
-                        tile(x, i, n, wb, b, k0, chunk, acc, ahead)
+                        tile(x, i, n, wb, b, k0, chunk, acc, ahead, 0)
                     else:
-                        tile(x, i, n + 1, wb, b, k0, chunk, acc, ahead)
+                        tile(x, i, n + 1, wb, b, k0, chunk, acc, ahead, 0)
                     i += size
             out[:, b * W:(b + 1) * W] = acc
     return kernel
