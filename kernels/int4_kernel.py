@@ -50,8 +50,8 @@ from numba.extending import intrinsic, models, register_model
 from kernels import compiling
 from kernels.compiling import when_first_called
 from kernels.int8_kernel import I16x16, I32x8, int16x16, int32x8, to_float, to_int16
-from kernels.row_kernel import (AHEAD_ROWS, W, _address, fma8, load8, prefetch, store8, tile_plan,
-                                zero8)
+from kernels.row_kernel import (AHEAD_ROWS, W, _address, fma8, load8, prefetch, prefetch_l1, store8,
+                                tile_plan, zero8)
 from kernels.weight_formats import INT4_GROUP, from_bfloat16, int4_group
 
 X8_MAX = 127  # not 128: symmetric, and a vpmaddubsw pair stays within 2 x 15 x 127
@@ -223,11 +223,12 @@ compiling.REGISTRY["kernels.int4_kernel.to_x8"] = lambda dtype, plan: to_x8(np.z
 
 
 @njit(inline="always")
-def tile(x8, sx, xsum, i, n, qb, sw, b, g, c, out, ahead, mask, shift):
+def tile(x8, sx, xsum, i, n, qb, sw, b, g, c, out, ahead, mask, shift, near):
     """Rows i..i+n-1 (n = 1..6, a constant where called) times group g of block b's inputs:
     per set of 16 columns, 2n registers of 16-bit sums over the group's quads (per quad one
     load of weights serves 2n vpmaddubsw), then each row's sums added to out as
-    fma(float(sum - 8 xsum), sw * sx, out)."""
+    fma(float(sum - 8 xsum), sw * sx, out). A tile alone in its pass also asks L1 for its
+    set's weights `near` quads on (a constant, 0: none), as row_kernel.tile does."""
     o = b * W  # the block's first output
     for s in range(4):  # sets of 16 columns
         # per row, two registers of 16 int16 lanes: 8 columns x 2 pair sums (with VNNI 8 int32 lanes:
@@ -235,6 +236,8 @@ def tile(x8, sx, xsum, i, n, qb, sw, b, g, c, out, ahead, mask, shift):
         a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = zero_sums()
         for t in range(g * c // 4, (g + 1) * c // 4):  # t: the quad of inputs 4t..4t+3
             prefetch(qb, (b, t + ahead, s, 0))
+            if near:
+                prefetch_l1(qb, (b, t + near, s, 0))
             lo, hi = low_nibbles(qb, (b, t, s, 0), mask), high_nibbles(qb, (b, t, s, 0), mask, shift)
             x0 = quad(x8, (i, 4 * t))
             a00, a01 = maddubs(a00, lo, x0), maddubs(a01, hi, x0)
@@ -309,6 +312,9 @@ def rows_times_nibbles(n):
         n_tiles = -(-R // 6)
         for b in prange(n_blocks):
             for g in range(4 * quads // c):
+                if n > 2 and R == n:  # a tile alone (3-5 rows) asks L1 for the next group's weights
+                    tile(x8, sx, xsum, 0, n, qb, sw, b, g, c, out, ahead, mask, shift, INT4_GROUP // 4)
+                    continue
                 i = 0
                 for t in range(n_tiles):
                     size = (R - i) // (n_tiles - t)  # n or n + 1
@@ -317,9 +323,9 @@ def rows_times_nibbles(n):
                     if n == 1:
                         one_row(x8, sx, xsum, i, qb, sw, b, g, c, out, ahead, mask, shift)
                     elif n < 3 or size == n:
-                        tile(x8, sx, xsum, i, n, qb, sw, b, g, c, out, ahead, mask, shift)
+                        tile(x8, sx, xsum, i, n, qb, sw, b, g, c, out, ahead, mask, shift, 0)
                     else:
-                        tile(x8, sx, xsum, i, n + 1, qb, sw, b, g, c, out, ahead, mask, shift)
+                        tile(x8, sx, xsum, i, n + 1, qb, sw, b, g, c, out, ahead, mask, shift, 0)
                     i += size
     return kernel
 

@@ -48,8 +48,8 @@ from numba.extending import intrinsic, models, register_model
 
 from kernels import compiling
 from kernels.compiling import when_first_called
-from kernels.row_kernel import (AHEAD, AHEAD_ROWS, VECTOR, W, _address, float32x8, fma8, load8, prefetch, store8,
-                                tile_plan, zero8)
+from kernels.row_kernel import (AHEAD, AHEAD_ROWS, VECTOR, W, _address, float32x8, fma8, load8, prefetch,
+                                prefetch_l1, store8, tile_plan, zero8)
 
 C = 64  # inputs per activation block (fewer where a matrix has fewer: the test models)
 X16_MAX = 32767
@@ -249,15 +249,19 @@ def row_times_pairs(x16, sx, qb, out):
 
 
 @njit(inline="always")
-def tile(x16, sx, i, n, qb, b, kc, c, acc, ahead):
+def tile(x16, sx, i, n, qb, b, kc, c, acc, ahead, near):
     """Rows i..i+n-1 (n = 3..6) times inputs kc..kc+c-1 of block b, in tiles of n rows x
     16 columns (up to 12 registers of sums, 2 of weights, 1 for a row's pair of x16):
     per input pair, two loads of weights serve 2n vpmaddwd. Then each sum is added to
-    acc [R, W] as fma(float(sum), sx, acc). n is a constant where this is called."""
+    acc [R, W] as fma(float(sum), sx, acc). n is a constant where this is called. A tile
+    alone in its pass also asks L1 for its weights `near` pairs on (a constant, 0: none),
+    as row_kernel.tile does."""
     for j in range(0, W, 16):
         a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = izero()
         for p in range(kc // 2, (kc + c) // 2):
             prefetch(qb, (b, p + ahead, j, 0))
+            if near:
+                prefetch_l1(qb, (b, p + near, j, 0))
             w0, w1 = load16(qb, (b, p, j, 0)), load16(qb, (b, p, j + 8, 0))  # 16 columns x 2 inputs
             x0, x1, x2 = pair(x16, (i, 2 * p)), pair(x16, (i + 1, 2 * p)), pair(x16, (i + 2, 2 * p))
             a00, a01 = madd(a00, x0, w0), madd(a01, x0, w1)
@@ -317,15 +321,18 @@ def rows_times_pairs(n):
         for b in prange(n_blocks):
             acc = np.empty((R, W), np.float32)  # [R, W]: this block's sums, between blocks of inputs
             for kc in range(0, 2 * half, c):
+                if n > 2 and R == n:  # a tile alone (3-5 rows) asks L1 for the next block of inputs' weights
+                    tile(x16, sx, 0, n, qb, b, kc, c, acc, ahead, C // 2)
+                    continue
                 i = 0
                 for t in range(n_tiles):
                     size = (R - i) // (n_tiles - t)  # n or n + 1
                     if n == 2:  # n is a constant: numba compiles only the branch it takes
                         two_rows(x16, sx, i, qb, b, kc, c, acc, ahead)  # plan 2 is 2 rows alone
                     elif size == n:
-                        tile(x16, sx, i, n, qb, b, kc, c, acc, ahead)
+                        tile(x16, sx, i, n, qb, b, kc, c, acc, ahead, 0)
                     else:
-                        tile(x16, sx, i, n + 1, qb, b, kc, c, acc, ahead)
+                        tile(x16, sx, i, n + 1, qb, b, kc, c, acc, ahead, 0)
                     i += size
             out[:, b * W:(b + 1) * W] = acc
     return kernel
