@@ -140,7 +140,8 @@ def cost(loop):
     n = loop[2]
     if not n:
         return 0.5
-    tile_rows = n if n <= 2 else n + (n + 1)  # plans 1 and 2 are one tile; plan n >= 3 has tiles of n and n + 1
+    # plans 1 and 2 are one tile; plan n >= 3 has tiles of n and n + 1, and n again for a tile alone
+    tile_rows = n if n <= 2 else 2 * n + (n + 1)
     return 1 + 0.2 * tile_rows
 
 
