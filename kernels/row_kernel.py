@@ -51,8 +51,7 @@ arithmetic. Asking for the weights a few KiB ahead (the `prefetch` intrinsic bel
 LLVM's llvm.prefetch) keeps memory busy while the arithmetic runs, so the two overlap.
 A register tile reads 16 of a row's 64 weights a k-step, a new cache line each time, so
 its loads wait for L2 unless the line was asked into L1 too (`prefetch_l1`, one chunk
-ahead): 4-17% off the products of a pass over 4 or 5 rows (benchmark_results/NOTES.md,
-"A tile alone asks L1 for its lines").
+ahead; measured in benchmark_results/NOTES.md, "A tile alone asks L1 for its lines").
 `python benchmark.py --only rows` measures what a pass over n rows costs (beside a gemv
 per row and one sgemm).
 
@@ -276,8 +275,8 @@ def tile(x, i, n, wb, b, k0, chunk, acc, ahead, near):
     also asks L1 for the line `near` k-steps on (a constant: 0 is none). A strip reads a
     new line every k-step, and waiting for L2 at each was what a pass of a few rows spent
     beyond its memory time. With more tiles, the chunk's later tiles find its lines in L1
-    already, and the extra hint made such passes slower; so did it a tile of 6 rows, which
-    has no register to spare for it."""
+    already, and the extra hint made such passes slower; it made a tile of 6 rows slower
+    too, which has no register to spare for it."""
     for j in range(0, W, 16):
         s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = s40 = s41 = s50 = s51 = zero8()
         if k0 > 0:
