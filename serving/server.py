@@ -34,7 +34,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
@@ -233,12 +232,11 @@ def make_app(engine):
 def listen(args, engine):
     """Serve the engine's routes on uvicorn, on a thread of its own: the HTTP server."""
     try:
-        listener = socket.create_server((args.host, args.port), backlog=2048)
-        sockets.segments_as_on_ethernet(listener)
+        listener = sockets.listener(args.host, args.port, args.max_connections)
     except OSError as e:
         raise OSError(f"cannot listen on {args.host}:{args.port} ({os.strerror(e.errno)}): pick another --port or --host")
     app = sockets.guard(make_app(engine), args.api_key, args.max_body_bytes, args.read_timeout_s)
-    http = sockets.connection_protocol(args.max_connections, args.read_timeout_s, args.write_timeout_s)
+    http = sockets.connection_protocol(listener, args.max_connections, args.read_timeout_s, args.write_timeout_s)
     config = uvicorn.Config(app, http=http, lifespan="off", log_level="warning", access_log=False,
                             timeout_keep_alive=args.keep_alive_s, timeout_graceful_shutdown=args.drain_s)
     httpd = sockets.Server(config, engine)

@@ -35,6 +35,7 @@ RESERVED = 2  # connections past max_connections that may ask /health and /metri
 # LINGERING of them at once: past that, a refused connection is closed at once (its files are needed)
 LINGER_S, LINGER_BYTES, LINGERING = 1.0, 1 << 16, 32
 FILES_TO_SPARE = 64  # open files besides the connections: the listener, checkpoints, pipes, numba's cache
+BACKLOG = 2048  # connections the kernel holds for accept(); asyncio also accepts up to this many at a wakeup
 BUSY_BODY = b'{"error": {"message": "too many connections; retry later", "type": "server_busy", "param": null, "code": 503}}'
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(BUSY_BODY), BUSY_BODY))
@@ -112,7 +113,39 @@ def guard(app, key, max_bytes, read_timeout_s):
     return guarded
 
 
-def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
+class Listener(socket.socket):
+    """The listening socket, which hands asyncio a connection only while the process has
+    a file for it (max_connections + RESERVED + LINGERING open at most). asyncio accepts every
+    waiting connection (up to BACKLOG) at a wakeup before any protocol sees one; where accept()
+    then fails for want of files, asyncio logs and schedules a retry for each failure of the
+    burst, each of which arms the listener again: thousands of accepts and tracebacks a second
+    (CPython's BaseSelectorEventLoop._accept_connection). So the limit is kept here, where a
+    connection is accepted: one past it is answered 503 and closed at once."""
+
+    def accept(self):
+        while True:
+            conn, address = super().accept()  # BlockingIOError once none wait: asyncio's burst ends
+            if self.open < self.room:
+                self.open += 1  # one less at its protocol's connection_lost
+                return conn, address
+            conn.setblocking(False)
+            try:
+                conn.send(BUSY)  # a fresh socket's empty buffer takes it whole
+            except OSError:  # the client already left
+                pass
+            conn.close()
+
+
+def listener(host, port, max_connections):
+    """A Listener on host:port for max_connections (see connection_protocol)."""
+    with socket.create_server((host, port), backlog=BACKLOG) as plain:
+        sock = Listener(fileno=plain.detach())
+    sock.room, sock.open = max_connections + RESERVED + LINGERING, 0
+    segments_as_on_ethernet(sock)
+    return sock
+
+
+def connection_protocol(listener, max_connections, read_timeout_s, write_timeout_s):
     """uvicorn's HTTP/1.1 protocol (h11) with what it lacks for clients one cannot trust:
     - no Nagle delay: headers and body leave in two writes, and Nagle's algorithm would hold
       the second until the client ACKs the first, which it delays by 40 ms;
@@ -120,10 +153,11 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
       read: minutes of a stream's tokens (~250 bytes each) before its stall would show;
     - a connection limit at accept time: past max_connections (and RESERVED more for /health
       and /metrics, so that a liveness probe is answered when the server is busiest) a
-      connection is answered 503 and closed, so the process never runs out of files (where
-      asyncio's accept loop would spin, logging). Closed as nginx's lingering close does: what
+      connection is answered 503 and closed. Closed as nginx's lingering close does: what
       its client sent is read and dropped until it closes, for LINGER_S at most (a close with
-      unread bytes would be a TCP reset, and the client would lose the 503);
+      unread bytes would be a TCP reset, and the client would lose the 503); LINGERING of them
+      at once, and past those the listener refuses at once, so the process never runs out of
+      files (Listener);
     - a request's headers must arrive within read_timeout_s of the connection being free
       for one (a new connection that sends nothing, a slowloris trickling headers);
     - a stream is written at its client's pace (`paced`), and a client must read some of its
@@ -292,6 +326,7 @@ def connection_protocol(max_connections, read_timeout_s, write_timeout_s):
             self.transport.abort()
 
         def connection_lost(self, exc):
+            listener.open -= 1
             lingering.discard(self)
             for deadline in (self.header_deadline, self.write_deadline):
                 if deadline:
@@ -353,7 +388,7 @@ def enough_files(max_connections):
     some to spare for the checkpoints and the listener), or say which flag to lower."""
     if resource is None:  # Windows: no such limit to raise
         return
-    need = max_connections + FILES_TO_SPARE
+    need = max_connections + RESERVED + LINGERING + FILES_TO_SPARE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < need:
         if hard != resource.RLIM_INFINITY and hard < need:
