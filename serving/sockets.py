@@ -384,8 +384,9 @@ def queued(transport, request):
 
 
 def enough_files(max_connections):
-    """Raise this process's open-file limit to what max_connections needs (a socket each, and
-    some to spare for the checkpoints and the listener), or say which flag to lower."""
+    """Raise this process's open-file limit to what max_connections needs (a socket each, as
+    many for the RESERVED and LINGERING ones, and some to spare for the checkpoints and the
+    listener), or say which flag to lower."""
     if resource is None:  # Windows: no such limit to raise
         return
     need = max_connections + RESERVED + LINGERING + FILES_TO_SPARE
@@ -393,7 +394,7 @@ def enough_files(max_connections):
     if soft != resource.RLIM_INFINITY and soft < need:
         if hard != resource.RLIM_INFINITY and hard < need:
             raise ValueError(f"--max_connections {max_connections} needs {need} open files and this process may "
-                             f"open {hard} (ulimit -n): lower --max_connections to {hard - FILES_TO_SPARE} or less")
+                             f"open {hard} (ulimit -n): lower --max_connections to {hard - (need - max_connections)} or less")
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
