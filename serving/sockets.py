@@ -215,8 +215,11 @@ def connection_protocol(listener, max_connections, read_timeout_s, write_timeout
             self.transport.write(BUSY)
             if len(lingering) >= LINGERING:
                 return self.transport.close()
+            try:
+                self.transport.write_eof()
+            except OSError:  # its client left before it was accepted, and our 503 met its reset
+                return self.transport.abort()
             lingering.add(self)
-            self.transport.write_eof()
             self.header_deadline = self.loop.call_later(LINGER_S, self.transport.abort)
 
         def data_received(self, data):

@@ -4,6 +4,7 @@ and each fails on that server. Every bad request gets an answer (never a dropped
 connection), every resource a client can hold is bounded, and the others go on."""
 import http.client
 import json
+import logging
 import os
 import resource
 import signal
@@ -256,6 +257,26 @@ def test_4_past_the_connection_limit_a_request_gets_503(tight):
             sock.close()
     assert wait_until(lambda: exchange(httpd, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")[0]
                       == 200, 10)
+
+
+def test_4_a_client_gone_before_its_refusal_is_no_traceback(tight, caplog):
+    """A client past the limit that sent its request and closed before the server got to
+    it: the 503 meets a reset, and shutting the connection's write side failed (ENOTCONN),
+    a traceback in the log each time (a hostile client's churn)."""
+    httpd, _ = tight
+    held = [connect(httpd) for _ in range(48 + sockets.RESERVED)]
+    try:
+        time.sleep(0.2)
+        for _ in range(20):
+            sock = connect(httpd)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.shutdown(socket.SHUT_WR)
+            sock.close()
+        time.sleep(0.5)
+    finally:
+        for sock in held:
+            sock.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def cpu_seconds(pid):
