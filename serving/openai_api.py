@@ -158,6 +158,8 @@ def to_requests(body, model, encoder, hparams, max_model_len, max_queue):
     if body.best_of is not None and body.best_of != body.n:
         raise ApiError(f"best_of (the best n of best_of choices) is not implemented: leave it out or set it to "
                        f"n ({body.n})", "best_of")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError("stream_options is only allowed when stream is true", "stream_options")
     if body.logprobs is not None and body.echo:
         raise ApiError("echo with logprobs would need the prompt's logprobs, which this server does not compute: "
                        "leave out one of them", "logprobs")
@@ -214,7 +216,7 @@ def new_choice(index, prompt_ids, encoder, how):
     text = encoder.decode(prompt_ids) if how["echo"] else ""
     logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     return {"index": index, "tokens": [], "text": text, "generated_from": len(text), "sent": 0,
-            "logprobs": logprobs if how["logprobs"] is not None else None, "logprobs_sent": 0,
+            "logprobs": logprobs if how["logprobs"] is not None else None,
             "utf8": codecs.getincrementaldecoder("utf-8")(errors="replace"), "finish_reason": None}
 
 
@@ -267,12 +269,13 @@ def add_logprobs(choice, token, logprobs, encoder):
 
 
 def new_logprobs(choice):
-    """The logprobs of the tokens not yet streamed (all of them for a whole response)."""
-    lp, k = choice["logprobs"], choice["logprobs_sent"]
+    """The logprobs of the tokens not yet streamed (all of them for a whole response),
+    let go of here: a stream would otherwise hold a KB a token (n_top of them) to its end."""
+    lp = choice["logprobs"]
     if lp is None:
         return None
-    choice["logprobs_sent"] = len(lp["tokens"])
-    return {key: values[k:] for key, values in lp.items()}
+    choice["logprobs"] = {key: [] for key in lp}
+    return lp
 
 
 def ready_text(choice, stop):

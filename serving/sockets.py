@@ -184,7 +184,9 @@ def connection_protocol(listener, max_connections, read_timeout_s, write_timeout
     holds its stream back and its window is open, the server writes into that window until it
     is full (`filling`; meanwhile its edge moves as its kernel packs small segments, read or
     not): from there every read shows; a client that then reads nothing for another
-    write_timeout_s is cut off. An edge carried on by the server's own bytes (the window the
+    write_timeout_s is cut off. A client being filled is watched until a read shows, even
+    while nothing waits unsent: a kernel whose client reads nothing may go on taking a KiB
+    at a time (Linux grows a buffer that small segments crowd, up to tcp_rmem's largest). An edge carried on by the server's own bytes (the window the
     same) is not taken for a read."""
     lingering = set()
 
@@ -314,11 +316,13 @@ def connection_protocol(listener, max_connections, read_timeout_s, write_timeout
                     self.taken, self.taken_at, self.filling = edge, now, False  # a read
             overdue = now - self.taken_at - write_timeout_s  # seconds past the deadline
             if overdue >= 0 and (heard_s_ago is None or heard_s_ago <= overdue or overdue >= PROBE_S):
-                in_flight = self.transport.get_write_buffer_size() + queued(self.transport, SIOCOUTQ)
-                if self.filling or advertised is None or in_flight or advertised < ETHERNET_MSS:
+                # bytes its window would not take (sent and not yet acknowledged is no sign: a
+                # delayed ACK holds an event's bytes there for up to 40 ms after each write)
+                unsent = self.transport.get_write_buffer_size() + queued(self.transport, SIOCOUTQNSD)
+                if self.filling or advertised is None or unsent or advertised < ETHERNET_MSS:
                     return self.reset()
                 self.filling, self.taken_at = True, now
-            if self.flow.write_paused or self.held or self.behind():
+            if self.filling or self.flow.write_paused or self.held or self.behind():  # filling: until a read shows
                 self.write_deadline = self.loop.call_later(LAG_CHECK_S, self.check_writes)
 
         def reset(self):

@@ -432,6 +432,7 @@ def test_8_the_bearer_scheme_is_case_insensitive_and_a_bad_header_is_401(tight, 
     ({"prompt": "x", "best_of": 3}, "best_of"), ({"prompt": "x", "logit_bias": {"50256": -100}}, "logit_bias"),
     ({"prompt": "x", "suffix": "end"}, "suffix"), ({"prompt": "x", "stop": {}}, "stop"),
     ({"prompt": "x", "stop": 0}, "stop"), ({"prompt": "x", "max_token": 5}, "max_token"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # as OpenAI: only with stream
 ])
 def test_8_fields_not_served_are_refused_never_ignored(tight, body, param):
     status, got = exchange(tight[0], request(body))

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ROOT
 from kernels import rowwise
-from serving import openai_api, prefix_cache, server
+from serving import openai_api, prefix_cache, scheduler, server
 from test_server_limits import error_of, exchange, request, wait_until
 from test_server_pauses import completion_text, dechunked
 
@@ -80,13 +80,19 @@ def test_a_steady_reader_with_a_large_buffer_gets_its_whole_stream(models_dir):
 
 
 @LINUX
-def test_a_reader_that_stops_is_still_cut_off_within_twice_the_timeout(paced):
+@pytest.mark.parametrize("rcvbuf", [256 * 1024, None])
+def test_a_reader_that_stops_is_still_cut_off_within_twice_the_timeout(paced, rcvbuf):
     """A client that reads nothing (its large buffer takes what it can) is cut off: after
     --write_timeout_s without a read its window is filled (a slow reader's reads may not show
-    before), then after another, as its kernel says within a probe (PROBE_S)."""
+    before), then after another, as its kernel says within a probe (PROBE_S). With the
+    kernel's own buffer (None), Linux goes on taking a KiB at a time from a client that reads
+    nothing (it grows a buffer that small segments crowd, up to tcp_rmem's largest: 32 MiB
+    from Linux 6.16): while its window was being filled, the watch on it ended whenever
+    nothing waited unsent and began again from zero, so it was never cut off."""
     httpd, engine = paced
     sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * 1024)
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.connect(("127.0.0.1", httpd.address[1]))
     sock.sendall(request({**BODY, "max_tokens": 10 ** 6, "stream": True}, headers=""))  # more than its buffer takes
     assert wait_until(lambda: engine["running"], 10)
@@ -186,6 +192,24 @@ def test_ready_text_holds_back_exactly_the_tails_that_may_become_a_stop_string()
             sent += openai_api.ready_text(choice, stop)
             may_start = [p for s in stop for p in range(max(0, i - len(s) + 1), i) if s.startswith(full[p:i])]
             assert sent == full[:min(may_start + [i])]
+
+
+def test_a_stream_lets_go_of_the_logprobs_it_has_sent(tiny):
+    """A streamed choice's logprobs, a KB a token with n_top of them, were kept to the
+    stream's end (a hostile client's long stream with n = 8 and logprobs = 5). Streamed
+    a chunk a token, what was sent adds up to the whole, and nothing sent is held."""
+    encoder = tiny[0]
+    how = {"stop": [], "eos": encoder.eot_token, "logprobs": 2, "echo": False}
+    tokens = encoder.encode(" the stream lets go of what it has sent")
+    streamed, whole = openai_api.new_choice(0, [1], encoder, how), openai_api.new_choice(0, [1], encoder, how)
+    sent = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for i, token in enumerate(tokens):
+        for choice in (streamed, whole):
+            openai_api.grow(choice, scheduler.Event("token", 0, token=token), encoder, how, (-0.5 * i, [(token, -0.5)]))
+        for key, values in openai_api.new_logprobs(streamed).items():
+            sent[key] += values
+        assert not any(streamed["logprobs"].values())
+    assert sent == openai_api.new_logprobs(whole) and len(sent["tokens"]) == len(tokens)
 
 
 def test_an_error_quotes_at_most_a_few_hundred_characters_of_what_was_sent(paced):
