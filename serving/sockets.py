@@ -186,8 +186,11 @@ def connection_protocol(listener, max_connections, read_timeout_s, write_timeout
     not): from there every read shows; a client that then reads nothing for another
     write_timeout_s is cut off. A client being filled is watched until a read shows, even
     while nothing waits unsent: a kernel whose client reads nothing may go on taking a KiB
-    at a time (Linux grows a buffer that small segments crowd, up to tcp_rmem's largest). An edge carried on by the server's own bytes (the window the
-    same) is not taken for a read."""
+    at a time (Linux grows a buffer that small segments crowd, up to tcp_rmem's largest).
+    What TCP cannot tell: a stream made more slowly than such a kernel takes it (many rows
+    sharing the engine) never backs up, and its client looks like a reader until that
+    buffer is full (32 MiB from Linux 6.16); --max_model_len bounds what it holds a row for.
+    An edge carried on by the server's own bytes (the window the same) is not taken for a read."""
     lingering = set()
 
     class Connection(H11Protocol):
@@ -277,7 +280,7 @@ def connection_protocol(listener, max_connections, read_timeout_s, write_timeout
                 self.first_edge = self.first_edge or edge
                 if edge > self.first_edge + ETHERNET_MSS:
                     self.window = max(self.window, window[1])
-            if not self.window or self.filling:
+            if not self.window or self.filling or window is None:  # (None: also once it is closed)
                 return self.transport.get_write_buffer_size() + queued(self.transport, SIOCOUTQNSD) > 0
             unread = self.transport.get_write_buffer_size() + queued(self.transport, SIOCOUTQ) + self.window - window[1]
             return unread > min(self.window // 2, max(UNREAD_BYTES, self.window // 8))
@@ -400,8 +403,9 @@ def enough_files(max_connections):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < need:
         if hard != resource.RLIM_INFINITY and hard < need:
+            most = hard - (need - max_connections)
             raise ValueError(f"--max_connections {max_connections} needs {need} open files and this process may "
-                             f"open {hard} (ulimit -n): lower --max_connections to {hard - (need - max_connections)} or less")
+                             f"open {hard} (ulimit -n): lower --max_connections to {most} or less")
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 

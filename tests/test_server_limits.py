@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -277,6 +278,25 @@ def test_4_a_client_gone_before_its_refusal_is_no_traceback(tight, caplog):
         for sock in held:
             sock.close()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the window is told by Linux's tcp_info")
+def test_4_a_closed_connection_is_not_behind(tight):
+    """A connection that had learned its client's window, then was closed (cut off, or the
+    server stopping) while its request still made tokens: each token's delivery asked
+    whether its client was behind, and the closed socket's missing window raised there."""
+    httpd, _ = tight
+    sock = connect(httpd)
+    sock.sendall(request({"prompt": "x", "max_tokens": 50, "stream": True}))
+    assert wait_until(lambda: httpd.server_state.connections, 10)
+    connection = next(iter(httpd.server_state.connections))
+    connection.window = 65536  # as learned from a client that read (behind)
+    closed = threading.Event()
+    connection.loop.call_soon_threadsafe(lambda: (connection.transport.abort(), closed.set()))
+    assert closed.wait(10)
+    time.sleep(0.1)  # the socket's own close comes a loop turn after abort
+    assert connection.behind() is False
+    sock.close()
 
 
 def cpu_seconds(pid):
