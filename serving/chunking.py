@@ -85,7 +85,8 @@ def prefill_waiting(batch, models, waiting, filling):
     still being prefilled (/metrics: gpt2_prefill_tokens_waiting)."""
     first = len(batch.seqs) - len(filling)
     return (sum(len(request.prompt) for _, request in waiting)
-            + sum(still_to_prefill(batch, models, b)["target"] + 1 for b in range(first, len(batch.seqs))))
+            + sum(still_to_prefill(batch, models, b)["target"] + 1 for b in range(first, len(batch.seqs))
+                  if not batch.seqs[b].finished))  # (finished: cancelled, leaving at this iteration's end)
 
 
 def swap(batch, a, b):

@@ -160,6 +160,20 @@ def test_the_prompt_tokens_waiting_are_counted(models):
     assert seen[("token", 0)] == 120 and seen[("token", 1)] == 60 and seen[("token", 2)] == 0
 
 
+def test_a_prompt_cancelled_while_prefilled_is_no_longer_counted_as_waiting(models):
+    """The gauge counted a cancelled row's prompt until the next request came (a client's
+    cancel storm left it at hundreds of tokens, with nothing running)."""
+    chunks_or_skip(models)
+    arrive, calls, stats = scheduler.from_list([batching.Request(tuple(range(60)), 5, GREEDY)], [0]), iter(range(99)), \
+        batching.Stats()
+
+    def intake(now, idle):
+        arrived, _, closed, _ = arrive(now, idle)
+        return arrived, [0] if next(calls) == 2 else [], closed, {}
+    events = list(scheduler.loop(intake, *decoder(models, "autoregressive"), 2, 64, stats=stats, max_prefill_tokens=8))
+    assert [e.kind for e in events] == ["finished"] and stats.prefill_waiting == 0
+
+
 def test_a_request_cancelled_while_its_prompt_is_prefilled_finishes_with_nothing(models):
     """Request 0's client leaves while its 60-token prompt is half computed (budget 8): it
     finishes with no tokens and no timings (it never had a first token), and the others go on,
