@@ -271,6 +271,10 @@ def check(args):
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise ValueError(f"--max_model_len must be >= 2 (a prompt token and a new one), got {args.max_model_len}")
+    key = args.api_key
+    if key is not None and not (key and key == key.strip() and key.isascii() and key.isprintable()):
+        # an empty key let 'Bearer ' in; one with spaces at its ends, or not ASCII, no client could send
+        raise ValueError("--api_key must be printable ASCII, not empty and without spaces at its ends")
     for name in ("max_connections", "max_body_bytes", "keep_alive_s", "read_timeout_s", "write_timeout_s",
                  "drain_s"):
         if not getattr(args, name) > 0:

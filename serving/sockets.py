@@ -46,7 +46,10 @@ def envelope(e):
 
 
 def error_response(e, close=False):
-    return JSONResponse(envelope(e), status_code=e.status, headers={"Connection": "close"} if close else None)
+    headers = {"Connection": "close"} if close else {}
+    if e.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"  # the scheme it asks for (RFC 9110 requires the header)
+    return JSONResponse(envelope(e), status_code=e.status, headers=headers)
 
 
 def key_refusal(scope, key):

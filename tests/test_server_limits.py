@@ -445,7 +445,21 @@ def test_8_every_route_but_health_needs_the_key(tight, path):
     ("Authorization: Bearer\r\n", 401), (f"Authorization: {KEY}\r\n", 401), ("Authorization: Basic eDp5\r\n", 401),
 ])
 def test_8_the_bearer_scheme_is_case_insensitive_and_a_bad_header_is_401(tight, header, status):
-    assert exchange(tight[0], request({"prompt": "x", "max_tokens": 1}, headers=header))[0] == status
+    status_got, got = exchange(tight[0], request({"prompt": "x", "max_tokens": 1}, headers=header))
+    assert status_got == status
+    head = got.split(b"\r\n\r\n")[0].lower()
+    assert (b"\r\nwww-authenticate: bearer\r\n" in head) == (status == 401)  # RFC 9110: a 401 names its scheme
+
+
+@pytest.mark.parametrize("key", ["", " sesame", "sesame\n", "s\u00e9same"])
+def test_8_a_key_no_client_could_send_is_refused_at_the_start(models_dir, key):
+    """An empty key let 'Authorization: Bearer ' in (an unset $KEY: no protection); one with
+    spaces at its ends could never match (the token is stripped); a non-ASCII one, only
+    from clients that send raw UTF-8 headers."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "server.py"), "--models_dir", models_dir,
+                           "--target_model_size", "124M", "--port", "0", "--api_key", key],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--api_key" in proc.stderr
 
 
 @pytest.mark.parametrize("body, param", [
