@@ -302,6 +302,8 @@ def serve_until_stopped(argv=None):
     while not stop_asked.wait(1.0) and httpd.thread.is_alive() and not engine["failed"]:
         pass
     print(f"error: {engine['failed']}: stopping" if engine["failed"] else "stopping", file=sys.stderr)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the drain and the exit are the answer to one: more would
+        signal.signal(sig, signal.SIG_IGN)  # land while Python exits, with its default handlers back (-15)
     stop(httpd, engine)
     return 1 if engine["failed"] else 0
 
