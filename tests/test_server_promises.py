@@ -96,6 +96,10 @@ def test_a_reader_that_stops_is_still_cut_off_within_twice_the_timeout(paced, rc
     sock.connect(("127.0.0.1", httpd.address[1]))
     sock.sendall(request({**BODY, "max_tokens": 10 ** 6, "stream": True}, headers=""))  # more than its buffer takes
     assert wait_until(lambda: engine["running"], 10)
+    port = sock.getsockname()[1]
+    connection = next(c for c in httpd.server_state.connections if c.transport.get_extra_info("peername")[1] == port)
+    # the first timeout starts once its kernel has taken what it takes and it falls behind (seconds of the stream)
+    assert wait_until(lambda: connection.write_deadline is not None, 6 * WRITE_TIMEOUT_S)
     started = time.monotonic()
     assert wait_until(lambda: not httpd.server_state.connections, 6 * WRITE_TIMEOUT_S)
     # twice the timeout, the probes that confirm each, and the engine's time to fill its window (~2 s here)
