@@ -238,7 +238,8 @@ def listen(args, engine):
     app = sockets.guard(make_app(engine), args.api_key, args.max_body_bytes, args.read_timeout_s)
     http = sockets.connection_protocol(listener, args.max_connections, args.read_timeout_s, args.write_timeout_s)
     config = uvicorn.Config(app, http=http, lifespan="off", log_level="warning", access_log=False,
-                            timeout_keep_alive=args.keep_alive_s, timeout_graceful_shutdown=args.drain_s)
+                            backlog=sockets.BACKLOG, timeout_keep_alive=args.keep_alive_s,
+                            timeout_graceful_shutdown=args.drain_s)
     httpd = sockets.Server(config, engine)
     httpd.address = listener.getsockname()[:2]
     httpd.thread = threading.Thread(target=httpd.run, kwargs={"sockets": [listener]}, daemon=True)

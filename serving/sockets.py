@@ -35,7 +35,7 @@ RESERVED = 2  # connections past max_connections that may ask /health and /metri
 # LINGERING of them at once: past that, a refused connection is closed at once (its files are needed)
 LINGER_S, LINGER_BYTES, LINGERING = 1.0, 1 << 16, 32
 FILES_TO_SPARE = 64  # open files besides the connections: the listener, checkpoints, pipes, numba's cache
-BACKLOG = 2048  # connections the kernel holds for accept(); asyncio also accepts up to this many at a wakeup
+BACKLOG = 2048  # connections the kernel holds for accept(), and asyncio accepts at one wakeup (uvicorn's backlog)
 BUSY_BODY = b'{"error": {"message": "too many connections; retry later", "type": "server_busy", "param": null, "code": 503}}'
 BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(BUSY_BODY), BUSY_BODY))
@@ -397,9 +397,9 @@ def queued(transport, request):
 
 
 def enough_files(max_connections):
-    """Raise this process's open-file limit to what max_connections needs (a socket each, as
-    many for the RESERVED and LINGERING ones, and some to spare for the checkpoints and the
-    listener), or say which flag to lower."""
+    """Raise this process's open-file limit to what max_connections needs (a socket each, one
+    more for each RESERVED and LINGERING connection, and some to spare for the checkpoints and
+    the listener), or say which flag to lower."""
     if resource is None:  # Windows: no such limit to raise
         return
     need = max_connections + RESERVED + LINGERING + FILES_TO_SPARE
