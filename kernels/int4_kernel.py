@@ -52,7 +52,7 @@ from kernels.compiling import when_first_called
 from kernels.int8_kernel import I16x16, I32x8, int16x16, int32x8, to_float, to_int16
 from kernels.row_kernel import (AHEAD_ROWS, W, _address, fma8, load8, prefetch, prefetch_l1, store8,
                                 tile_plan, zero8)
-from kernels.weight_formats import INT4_GROUP, from_bfloat16, int4_group
+from kernels.weight_formats import INT4_GROUP, from_bfloat16
 
 X8_MAX = 127  # not 128: symmetric, and a vpmaddubsw pair stays within 2 x 15 x 127
 if INT4_GROUP // 4 * 2 * 15 * X8_MAX > 32767:  # a group's 16-bit sums would wrap (gpt-fast's 128 would)
@@ -347,7 +347,7 @@ def matmul(rows, qb, n_out, sw):
     n_blocks = -(-n_out // W)
     qb, sw = qb[:n_blocks], sw[:n_blocks]
     x = np.ascontiguousarray(rows, dtype=np.float32)  # [n, n_in]
-    x8, sx, xsum = to_x8(x, int4_group(x.shape[1]))  # [n, n_in], [n, n_in / c], [n, n_in / c]
+    x8, sx, xsum = to_x8(x, x.shape[1] // sw.shape[1])  # [n, n_in], [n, n_in / c], [n, n_in / c]: c as sw's groups
     out = np.empty((len(x), n_blocks * W), np.float32)  # [n, n_blocks * W]
     rows_times_nibbles(x8, sx, xsum, qb, sw, out, 15, 4)  # mask and shift: see _nibbles
     return out[:, :n_out]  # [n, n_out]
