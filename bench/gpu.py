@@ -2,8 +2,9 @@
 
 Decode speed at each size and batch, eagerly through CuPy's operations and with our own
 kernels, each step replayed as a CUDA graph (kernels/cuda_graphs.py), next to transformers on the same GPU (in a process
-of its own, peers.py), what one CuPy call costs the host, the GPU's bandwidth, and the
-speculative costs. Every model has random weights of its real shape.
+of its own, peers.py), what one CuPy call costs the host, the GPU's bandwidth, and speculative
+decoding through our kernels: its costs, and runs end to end beside plain decoding (the CPU's
+controlled drafter, bench/speculation.py). Every model has random weights of its real shape.
 """
 import argparse
 import json
@@ -12,7 +13,7 @@ import sys
 import numpy as np
 
 from bench.common import greedy, matmul_weight_bytes, prompt_ids, random_params, timed
-from bench.speculation import bench_speculative_costs
+from bench.speculation import bench_speculative_costs, bench_speculative_end_to_end
 from bench import report
 from bench.transformers_peer import VARIANTS, transformers_apart
 from kernels import layout
@@ -40,11 +41,12 @@ def gpu_benchmark(args, command):
     print(f"{results['gpu']}: one-row matmul {bandwidth:.0f} GB/s, one CuPy op {launch_s * 1e6:.1f} us of host time",
           flush=True)
     loaded, ours_of = {}, {}  # each size in CuPy's plain arrays, and in our kernels' layout
-    for size in dict.fromkeys(args.sizes + ([args.draft, args.target] if "speculative" in args.only else [])):
+    decoded = args.sizes if "decode" in args.only else []
+    for size in dict.fromkeys(decoded + ([args.draft, args.target] if "speculative" in args.only else [])):
         params, hparams = random_params(size, seed=len(loaded))
         loaded[size] = (layout.to_backend(params, "cupy", args.dtype), hparams)
         ours = ours_of[size] = (layout.to_backend(params, "cupy", args.dtype, kernels=True), hparams)
-        if size not in args.sizes:
+        if size not in decoded:
             continue
         rows = []
         for B in args.batch_sizes:
@@ -68,7 +70,9 @@ def gpu_benchmark(args, command):
                                                                            timeout_s=ANCHOR_TIMEOUT_S)
                                                for variant in args.anchors}}
     if "speculative" in args.only:
-        results["speculative"] = bench_speculative_costs(ours_of[args.draft], ours_of[args.target], args)
+        draft, target = ours_of[args.draft], ours_of[args.target]
+        costs = bench_speculative_costs(draft, target, args)
+        results["speculative"] = dict(costs, end_to_end=bench_speculative_end_to_end(draft, target, costs, args))
     return results
 
 
@@ -76,15 +80,26 @@ def markdown(results):
     """The GPU run's tables (report.py's markdown is the CPU's)."""
     lines = [f"GPU: {results['gpu']}, CuPy {results['cupy']}, {results['dtype']}, random weights; one-row matmul "
              f"{results['bandwidth_GBs']:.0f} GB/s; one CuPy elementwise op costs {results['launch_us']:.1f} us "
-             "of host time.", f"Command: `{results['command']}`", "",
-             f"End to end ({results['prompt_len']}-token prompt, {results['n_tokens']} new tokens, prefill included), "
-             "greedy, against transformers' generate() on the same GPU, shapes and dtype; ours with its own "
+             "of host time.", f"Command: `{results['command']}`"]
+    if results["models"]:  # --only speculative decodes no size on its own
+        lines += decode_table(results["models"], results)
+    if "speculative" in results:
+        s = results["speculative"]
+        lines += [""] + report.speculative_costs_table(s) + (report.end_to_end_table(s) if "end_to_end" in s else [])
+    return "\n".join(lines)
+
+
+def decode_table(models, results):
+    """Ours (graphed, and through CuPy's operations) beside transformers, each size and batch;
+    then the batch-1 anchors."""
+    lines = ["", f"End to end ({results['prompt_len']}-token prompt, {results['n_tokens']} new tokens, prefill "
+             "included), greedy, against transformers' generate() on the same GPU, shapes and dtype; ours with its own "
              "kernels, a step replayed as one CUDA graph (each run's cache records its graphs anew: its first two "
              "steps eager, the recording in its second), and eagerly through CuPy's operations:", "",
              "| model | batch | this project tok/s | transformers tok/s | ratio | step ms (p50) | CuPy ops step ms | "
              "weights at full bandwidth ms |", "|---|---|---|---|---|---|---|---|"]
     failed = []
-    for size, r in results["models"].items():
+    for size, r in models.items():
         peer = r["transformers"]
         if isinstance(peer, dict):  # its process crashed or refused
             failed.append(f"transformers on GPT-2 {size}: {peer['failed']}")
@@ -97,10 +112,7 @@ def markdown(results):
                          + f" {d['itl_ms_p50']:.2f} | {eager} | "
                          f"{r['weights_at_bandwidth_ms']:.2f} |")
     lines += [""] + failed if failed else []
-    lines += anchors_table(results["models"])
-    if "speculative" in results:
-        lines += [""] + report.speculative_costs_table(results["speculative"])
-    return "\n".join(lines)
+    return lines + anchors_table(models)
 
 
 def anchors_table(models):

@@ -238,7 +238,25 @@ def test_gpu_benchmark_runs_end_to_end(tmp_path, capsys, monkeypatch):
     assert [d["batch"] for d in r["models"]["tiny"]["decode"]] == [1, 2]
     assert all(d["decode_tok_s"] > 0 for d in r["models"]["tiny"]["decode"])
     assert [row["K"] for row in r["speculative"]["by_K"]] == [1, 2]
-    assert "Speculative decoding: draft tiny -> target tiny" in (tmp_path / "results.md").read_text()
+    e2e = r["speculative"]["end_to_end"]  # through our kernels' recorded steps (each run checks its text is greedy's)
+    assert e2e[0]["decoder"] == "autoregressive" and e2e[0]["tok_s"] > 0
+    assert {(e["a"], e["draft_vocab"]) for e in e2e[1:]} == {(0.8, 0), (0.8, 1000)}
+    assert all(e["speedup"] > 0 and e["tok_s"] > 0 for e in e2e[1:])
+    text = (tmp_path / "results.md").read_text()
+    assert "Speculative decoding: draft tiny -> target tiny" in text and "Measured end to end" in text
+
+
+def test_gpu_benchmark_only_speculative_decodes_nothing_else(tmp_path, capsys, monkeypatch):
+    """--only speculative on a GPU: the speculative costs and runs alone (no decode table, no
+    transformers), so a GPU session can spend a call on them."""
+    monkeypatch.setitem(sys.modules, "cupy", numpy_as_cupy())
+    peers = []
+    monkeypatch.setattr(gpu, "transformers_apart", lambda *a, **k: peers.append(a))
+    assert benchmark.main(["--backend", "cupy", "--quick", "--only", "speculative", "--out", str(tmp_path)]) == 0
+    r = json.load(open(tmp_path / "results.json"))
+    assert r["models"] == {} and not peers and len(r["speculative"]["end_to_end"]) == 3
+    text = (tmp_path / "results.md").read_text()
+    assert "transformers tok/s" not in text and "Measured end to end" in text
 
 
 @pytest.mark.parametrize("peer_format", ["F32", "F16", "Q8_0", "Q4_0"])

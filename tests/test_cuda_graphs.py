@@ -82,6 +82,29 @@ def test_a_shape_runs_eagerly_twice_then_is_recorded_and_replayed(both):
     assert view["graphs"] is cache["graphs"] and any(key[2:] == (2, 1) for key in cache["graphs"])
 
 
+@pytest.mark.parametrize("T", [1, 5])
+def test_a_timed_pass_on_a_static_step_is_a_replay(both, monkeypatch, T):
+    """The benchmark's and main.py's costs (cli/timing.pass_seconds) time replays of the
+    recorded step, not the eager passes before it (the second of which records): on a GPU
+    those cost several times a replay. The CPU's kernels keep their one warm-up."""
+    from cli import timing
+    hparams, params, dev = both
+    replays, step = [], cuda_graphs.step
+
+    def watched(model, cache, inputs, n_new, n_logits):
+        replays.append(cuda_graphs.static_step(model, cache, *inputs.shape)["replay"] is not None)
+        return step(model, cache, inputs, n_new, n_logits)
+    monkeypatch.setattr(cuda_graphs, "step", watched)
+    for reps in (1, 3):
+        replays.clear()
+        assert timing.pass_seconds((dev, hparams), 16, T, reps=reps) > 0
+        assert replays == [False, False] + [True] * reps  # two warm-ups, then every timed pass a replay
+    passes, next_logits, steps = [], kv_cache.next_logits, len(replays)
+    monkeypatch.setattr(kv_cache, "next_logits", lambda *a, **k: passes.append(1) or next_logits(*a, **k))
+    timing.pass_seconds((params, hparams), 16, T, reps=2)
+    assert len(passes) == 3 and len(replays) == steps  # the CPU: one warm-up, no static step
+
+
 @pytest.mark.parametrize("settings", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_text_through_recorded_steps_equals_the_cpu_path(both, settings):
     """60 tokens on the tiny model (n_ctx 64): every row's window restarts on the way."""
