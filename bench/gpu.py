@@ -43,11 +43,11 @@ def gpu_benchmark(args, command):
     loaded, ours_of = {}, {}  # each size in CuPy's plain arrays, and in our kernels' layout
     decoded = args.sizes if "decode" in args.only else []
     for size in dict.fromkeys(decoded + ([args.draft, args.target] if "speculative" in args.only else [])):
-        params, hparams = random_params(size, seed=len(loaded))
-        loaded[size] = (layout.to_backend(params, "cupy", args.dtype), hparams)
+        params, hparams = random_params(size, seed=len(ours_of))
         ours = ours_of[size] = (layout.to_backend(params, "cupy", args.dtype, kernels=True), hparams)
-        if size not in decoded:
+        if size not in decoded:  # speculative decoding runs through our kernels only
             continue
+        loaded[size] = (layout.to_backend(params, "cupy", args.dtype), hparams)
         rows = []
         for B in args.batch_sizes:
             prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]

@@ -254,7 +254,9 @@ def test_gpu_benchmark_only_speculative_decodes_nothing_else(tmp_path, capsys, m
     monkeypatch.setattr(gpu, "transformers_apart", lambda *a, **k: peers.append(a))
     assert benchmark.main(["--backend", "cupy", "--quick", "--only", "speculative", "--out", str(tmp_path)]) == 0
     r = json.load(open(tmp_path / "results.json"))
-    assert r["models"] == {} and not peers and len(r["speculative"]["end_to_end"]) == 3
+    e2e = r["speculative"]["end_to_end"]  # plain, then a = 0.8 with each draft vocabulary (at K and at the best K)
+    assert r["models"] == {} and not peers and {(e["a"], e["draft_vocab"]) for e in e2e} == {
+        (None, None), (0.8, 0), (0.8, 1000)}
     text = (tmp_path / "results.md").read_text()
     assert "transformers tok/s" not in text and "Measured end to end" in text
 
