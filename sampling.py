@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpt2 import softmax  # the model's own: exp(x - max) / sum
+from kernels import cuda_sampling
 
 # Below this temperature decoding is greedy, as in vLLM: dividing logits by a smaller
 # number overflows float32, and the distribution is one-hot to float32 precision unless
@@ -174,13 +175,22 @@ def log_softmax(x):
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def process_logits(logits, counts, s, prompt_counts=None):
-    """Logits [..., n_vocab] after every processor: -inf marks a removed token."""
+def penalize(logits, counts, s, prompt_counts=None):
+    """Logits [..., n_vocab] after the penalties, which read the text's token counts."""
+    if s.uses_counts:  # the host's counts go to the logits' device
+        counts = np.asarray(counts, like=logits)
+        prompt_counts = None if prompt_counts is None else np.asarray(prompt_counts, like=logits)
     if s.repetition_penalty != 1.0:
         logits = apply_repetition_penalty(logits, counts, s.repetition_penalty)
     if s.presence_penalty or s.frequency_penalty:
         generated = counts if s.penalize_prompt or prompt_counts is None else counts - prompt_counts
         logits = apply_presence_frequency_penalty(logits, generated, s.presence_penalty, s.frequency_penalty)
+    return logits
+
+
+def process_logits(logits, counts, s, prompt_counts=None):
+    """Logits [..., n_vocab] after every processor: -inf marks a removed token."""
+    logits = penalize(logits, counts, s, prompt_counts)
     if s.greedy:
         return logits  # only the argmax matters, the warpers cannot change it
     logits = apply_temperature(logits, s.temperature)
@@ -192,9 +202,8 @@ def process_logits(logits, counts, s, prompt_counts=None):
 def probabilities(logits, counts, s, prompt_counts=None):
     """The distribution [..., n_vocab] that decoding draws from (float32), computed
     where the logits are (NumPy, or CuPy on a GPU)."""
-    if s.uses_counts:  # the host's counts go to the logits' device
-        counts = np.asarray(counts, like=logits)
-        prompt_counts = None if prompt_counts is None else np.asarray(prompt_counts, like=logits)
+    if cuda_sampling.takes(logits):  # a GPU's kernels of our own: the same, in one launch a call
+        return cuda_sampling.probabilities(logits, counts, s, prompt_counts)
     logits = process_logits(logits.astype(np.float32, copy=False), counts, s, prompt_counts)
     if s.greedy:
         greedy = np.zeros(logits.shape, dtype=np.float32, like=logits)
@@ -212,6 +221,8 @@ def sample(probs, u):
     A token no row can draw adds 0.0 to every sum, which changes no bit of it, so the sums
     run over the drawable tokens only: a greedy or top-k batch sums a few columns, and
     every row gets the token it would get from its whole row."""
+    if cuda_sampling.takes(probs):  # a GPU's kernels of our own: the same token, in one launch
+        return cuda_sampling.sample(probs, u)
     peak = probs.max(axis=-1)  # [B]: NaN or inf anywhere in a row shows here
     if not (bool(np.isfinite(peak).all()) and bool((peak > 0).all()) and bool(probs.min() >= 0)):
         raise ValueError("cannot sample: a distribution holds NaN, inf or negative values, or no mass at all")

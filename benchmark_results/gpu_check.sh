@@ -21,7 +21,7 @@ if [ "${1:-}" = speculative ]; then
         | tee "$out/spec.txt" | tail -40
     exit
 fi
-KERNELS="product or tail or layer_norm_kernel or attention_kernel"
+KERNELS="product or tail or layer_norm_kernel or attention_kernel or sampling_kernel"
 # our kernels alone first: a fault in one (an illegal address) is sticky and would fail every later test
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"

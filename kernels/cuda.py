@@ -92,10 +92,10 @@ def module(source):
 
 
 @functools.cache
-def function(source, name, dtype):
-    """The kernel `name` for activations of dtype, from source (looked up once: a lookup
-    costs the host a driver call)."""
-    return module(source).get_function(name + suffix(dtype))
+def function(source, name, dtype=None):
+    """The kernel `name` from source, for activations of dtype where it has one for each
+    (looked up once: a lookup costs the host a driver call)."""
+    return module(source).get_function(name if dtype is None else name + suffix(dtype))
 
 
 def check(source):

@@ -109,6 +109,11 @@ def plain_layout(params):
 GPU_KERNELS_ENV = "GPT2_GPU_KERNELS"  # 1: the GPU's own kernels and recorded steps (cuda_graphs.py)
 
 
+def gpu_kernels():
+    """Whether a GPU runs our own kernels (GPU_KERNELS_ENV=1), not CuPy's operations."""
+    return os.environ.get(GPU_KERNELS_ENV, "0") == "1"
+
+
 def to_backend(params, backend="numpy", dtype="float32", kernels=None):
     """The params on the array library that runs them. NumPy keeps them as they are
     (memory-mapped, or laid out in their format at load); CuPy copies every tensor to the
@@ -124,7 +129,7 @@ def to_backend(params, backend="numpy", dtype="float32", kernels=None):
         return params  # bfloat16, int8 and int4 were converted as they were laid out (decode_layout)
     cupy = gpu_library()
     if kernels is None:
-        kernels = os.environ.get(GPU_KERNELS_ENV, "0") == "1"
+        kernels = gpu_kernels()
     try:
         if kernels:
             return device_layout(plain_layout(params), cupy, dtype)

@@ -13,7 +13,7 @@ import batching
 import kv_cache
 import sampling
 import speculative
-from kernels import cuda, cuda_graphs, cuda_matmul, cuda_ops, layout
+from kernels import cuda, cuda_graphs, cuda_matmul, cuda_ops, cuda_sampling, layout
 from serving import scheduler
 
 GREEDY = sampling.SamplingSettings(temperature=0.0)
@@ -38,7 +38,8 @@ def spec(params, hparams, n, K, settings=GREEDY, seed=0):
                                             speculative.SpeculativeConfig(K=K))
 
 
-@pytest.mark.parametrize("source", [cuda_matmul.SOURCE, cuda_ops.SOURCE], ids=["matmul", "ops"])
+@pytest.mark.parametrize("source", [cuda_matmul.SOURCE, cuda_ops.SOURCE, cuda_sampling.SOURCE],
+                         ids=["matmul", "ops", "sampling"])
 def test_the_cuda_sources_compile_without_a_gpu(source):
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC comes with CuPy (pip install cupy-cuda12x)")
     cuda.check(source)

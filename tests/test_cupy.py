@@ -9,7 +9,7 @@ import kv_cache
 import sampling
 import speculative
 import utils
-from kernels import cuda_matmul, cuda_ops, layout
+from kernels import cuda_matmul, cuda_ops, cuda_sampling, layout
 
 cupy = pytest.importorskip("cupy")
 try:
@@ -132,6 +132,54 @@ def test_the_attention_kernel_matches_numpy_with_padding():
     got = cuda_ops.attend(cupy.asarray(positions), gpu, dq, dk, dv)
     np.testing.assert_allclose(cupy.asnumpy(got), want, atol=1e-5, rtol=0)
     assert np.array_equal(cupy.asnumpy(gpu["k"]), cpu["k"]) and np.array_equal(cupy.asnumpy(gpu["v"]), cpu["v"])
+
+
+def sampling_cases():
+    """(logits [R, n_vocab], settings): GPT-2's vocabulary, logits like a model's; a draft
+    head's -inf columns; a top-p cut inside a run of tied tokens (ids scattered, lower ids
+    dropped first); a top-p no token's mass reaches (the last of two tied tokens stays)."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((5, 50257), dtype=np.float32) * 3
+    cut = logits.copy()
+    cut[:, 8192:] = -np.inf
+    ties = np.zeros((2, 1000), np.float32)
+    ties[:, rng.choice(1000, 10, replace=False)] = 5.0  # 10 tokens of 6.0% each over 990 of 0.04%
+    two = np.full((1, 1000), -200.0, np.float32)  # exp(-200) is 0 in float32
+    two[0, [100, 900]] = 0.0
+    S = sampling.SamplingSettings
+    return [(logits, S(temperature=0.8, top_p=0.9)), (logits, S(top_k=40)), (logits, S(temperature=0.7, min_p=0.05)),
+            (logits, S(temperature=1.3, top_k=200, top_p=0.5, min_p=0.01)), (logits, S(temperature=0.0)),
+            (cut, S(temperature=0.8, top_p=0.95, top_k=50000)), (ties, S(top_p=0.33)), (ties, S(top_k=5, top_p=0.55)),
+            (two, S(top_p=1e-9))]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_the_sampling_kernel_gives_sampling_pys_distribution(case):
+    """The same tokens kept, the same probabilities to float32's rounding of sums in another order."""
+    logits, s = sampling_cases()[case]
+    want = sampling.probabilities(logits, None, s)
+    got = cupy.asnumpy(cuda_sampling.probabilities(cupy.asarray(logits), None, s))
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert np.array_equal(got > 0, want > 0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
+
+
+def test_the_sampling_kernel_draws_sampling_pys_token():
+    """Rows with zeros, a one-hot row, u at 1 and near 0: sampling.sample's tokens; a row
+    with NaN is refused as sampling.sample refuses it."""
+    rng = np.random.default_rng(1)
+    probs = rng.dirichlet(np.full(50257, 0.1), 64).astype(np.float32)  # [64, n_vocab]
+    probs[:16, rng.random(50257) < 0.5] = 0.0
+    probs[16] = 0.0
+    probs[16, 777] = 1.0
+    u = 1.0 - rng.random(64)
+    u[:2] = 1.0, 1e-12
+    want = sampling.sample(probs, u)
+    got = cuda_sampling.sample(cupy.asarray(probs), u)
+    assert isinstance(got, cupy.ndarray) and np.array_equal(cupy.asnumpy(got), want)
+    probs[3, 5] = np.nan
+    with pytest.raises(ValueError, match="cannot sample"):
+        cuda_sampling.sample(cupy.asarray(probs), u)
 
 
 @pytest.mark.parametrize("K", [0, 4])

@@ -1,0 +1,281 @@
+"""Sampling on a GPU in two launches: sampling.py's distribution and its draw, row by row.
+
+Eagerly, sampling.probabilities is a dozen CuPy operations a row group (temperature, a
+partition for top-k, a sort, a cumulative sum and a scatter for top-p, two softmaxes) and
+sampling.sample another dozen with four waits for the device: on a GPU, where a recorded
+step (cuda_graphs.py) takes about a millisecond, that host time would cost as much as the
+model. Here each is one kernel, a block of 1024 threads a row:
+
+- `probabilities`: the penalties stay CuPy's operations (they read the host's counts);
+  then temperature, top-k, top-p and min-p as sampling.py applies them, and the softmax.
+  top-k and top-p need no sort. Both ask for the smallest value w such that the weight of
+  the values up to w exceeds a target (top-k: a count, the (n - k)-th value ascending;
+  top-p: probability mass, transformers' cumulative sum from the least likely crossing
+  1 - top_p), and a radix select answers it in four passes over the row: a histogram of
+  each value's next 8 bits (floats ordered as unsigned integers), then the bucket where the
+  running weight crosses. Masses are summed as integers (2^-52 units), so the histograms
+  come out the same whatever order the threads add in, and a row's distribution the same
+  bits every time. Tokens tied with w go in transformers' order (its stable sort: lower ids
+  first), a fifth select, over their ids, finding where the cut falls among them.
+- `sample`: sampling.sample's inversion of the CDF at u (float64 running sums, a prefix
+  sum across the block), the same token, and -1 for a row that is not a distribution.
+
+The distribution's bits can differ from NumPy's in the last place (exp, and sums added in
+another order), so a token whose cumulative mass falls within rounding of top_p's cut
+may be kept on one and not the other; tests/test_cupy.py compares the two.
+"""
+import numpy as np
+
+import sampling
+from kernels import cuda
+
+THREADS = 1024  # a block a row: 50257 tokens are 50 a thread
+MASS = 2.0 ** 52  # a probability's integer units in the top-p select: sums of <= 1 fit in 64 bits
+
+SOURCE = f"#define THREADS {THREADS}\n#define MASS {MASS!r}\n" + r"""
+#define FULL 0xffffffffu
+typedef unsigned long long u64;
+
+// floats as unsigned ints in the same order (-inf lowest), and back
+__device__ __forceinline__ unsigned int key_of(float x) {
+    unsigned int u = __float_as_uint(x + 0.0f);  // -0 as +0: equal floats, equal keys
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float value_of(unsigned int k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// The smallest key w among elements i < n with in(i) whose weights up to w sum past target:
+// sum_{in(i), key(i) <= w} weight(i) > target. Returns 0 where none does (the weights of all
+// sum to at most target); else 1, with *w and *below = the weight of keys < w. Four passes of
+// 8 bits each; hist is 256 u64 of shared memory. Every thread returns the same.
+template <typename In, typename Key, typename Weight>
+__device__ int select_crossing(int n, In in, Key key, Weight weight, u64 target, u64* hist,
+                               unsigned int* w, u64* below) {
+    __shared__ unsigned int prefix_s;
+    __shared__ u64 below_s;
+    __shared__ int crossed_s;
+    unsigned int prefix = 0, mask = 0;
+    if (threadIdx.x == 0) { prefix_s = 0; below_s = 0; crossed_s = 1; }
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            if (!in(i)) continue;
+            unsigned int k = key(i);
+            if ((k & mask) != prefix) continue;
+            u64 wt = weight(i);
+            if (wt) atomicAdd(&hist[(k >> shift) & 255u], wt);  // integers: any order, the same sum
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {  // a warp finds the bucket: 8 a lane, a scan across lanes
+            int lane = threadIdx.x;
+            u64 s = 0;
+            for (int j = 0; j < 8; j++) s += hist[lane * 8 + j];
+            u64 inclusive = s;
+            for (int o = 1; o < 32; o <<= 1) {
+                u64 t = __shfl_up_sync(FULL, inclusive, o);
+                if (lane >= o) inclusive += t;
+            }
+            u64 base = below_s;
+            unsigned int crossing = __ballot_sync(FULL, base + inclusive > target);
+            if (crossing == 0) {
+                if (lane == 0) crossed_s = 0;
+            } else if (lane == __ffs(crossing) - 1) {
+                u64 at = base + inclusive - s;
+                int b = lane * 8;
+                while (at + hist[b] <= target) at += hist[b++];
+                prefix_s = prefix | ((unsigned int)b << shift);
+                below_s = at;
+            }
+        }
+        __syncthreads();
+        if (!crossed_s) return 0;
+        prefix = prefix_s;
+        mask |= 255u << shift;
+    }
+    *w = prefix;
+    *below = below_s;
+    return 1;
+}
+
+// the row's largest value and its first index (np.argmax), in every thread
+__device__ void block_argmax(const float* x, int n, float t, float* m, int* at) {
+    __shared__ float vs[32];
+    __shared__ int is[32];
+    float v = NEG_INF;
+    int i_best = n;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float xi = x[i] / t;
+        if (xi > v || (i_best == n && xi == v)) { v = xi; i_best = i; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(FULL, v, o);
+        int oi = __shfl_xor_sync(FULL, i_best, o);
+        if (ov > v || (ov == v && oi < i_best)) { v = ov; i_best = oi; }
+    }
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) { vs[threadIdx.x / 32] = v; is[threadIdx.x / 32] = i_best; }
+    __syncthreads();
+    v = NEG_INF;
+    i_best = n;
+    for (int j = 0; j < blockDim.x / 32; j++)
+        if (vs[j] > v || (vs[j] == v && is[j] < i_best)) { v = vs[j]; i_best = is[j]; }
+    *m = v;
+    *at = i_best;
+}
+
+// p[r] = the distribution sampling.probabilities draws from, for logits[r] (penalties applied):
+// greedy: one-hot at the first largest; else x = logits / temperature, then top_k (0: off), top-p
+// (thr = float32(1 - top_p), 0: off), min_p (0: off), softmax. p holds exp(x - max) on the way.
+extern "C" __global__ void probabilities(const float* logits, float* p, int n, int greedy, float temperature,
+                                         int top_k, float thr, float min_p) {
+    __shared__ u64 hist[256];
+    __shared__ float part[32];
+    const float* x = logits + (size_t)blockIdx.x * n;
+    float* pr = p + (size_t)blockIdx.x * n;
+    float m;
+    int first;
+    block_argmax(x, n, greedy ? 1.0f : temperature, &m, &first);
+    if (greedy) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) pr[i] = i == first ? 1.0f : 0.0f;
+        return;
+    }
+    // top-k: keep x >= the k-th largest, the (n - k)-th ascending (0-based)
+    unsigned int kth = 0;
+    u64 below;
+    if (top_k > 0 && top_k < n)
+        select_crossing(n, [&](int i) { return true; }, [&](int i) { return key_of(x[i] / temperature); },
+                        [&](int i) { return (u64)1; }, (u64)(n - top_k), hist, &kth, &below);
+    float z = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float xi = x[i] / temperature;
+        float e = key_of(xi) >= kth ? expf(xi - m) : 0.0f;
+        pr[i] = e;
+        z += e;
+    }
+    z = block_sum(z, part);  // its barriers order the stores above before the reads below
+    if (thr > 0.0f) {  // top-p: drop the least likely while their cumulative mass stays <= thr
+        auto key = [&](int i) { return key_of(x[i] / temperature); };
+        auto mass = [&](float e) { return (u64)__double2ull_rn((double)(e / z) * MASS); };
+        unsigned int w, cut;
+        u64 w_below, ids_below;
+        unsigned int first_kept = 0;  // the lowest id kept among the tokens tied at w
+        if (select_crossing(n, [&](int i) { return true; }, key, [&](int i) { return mass(pr[i]); },
+                            (u64)__double2ull_rn((double)thr * MASS), hist, &w, &w_below)) {
+            u64 each = mass(expf(value_of(w) - m));  // the mass of each token tied at w
+            u64 dropped = ((u64)__double2ull_rn((double)thr * MASS) - w_below) / each;  // the first ids tied at w
+            if (dropped > 0 &&
+                select_crossing(n, [&](int i) { return key(i) == w; }, [&](int i) { return (unsigned int)i; },
+                                [&](int i) { return (u64)1; }, dropped - 1, hist, &cut, &ids_below))
+                first_kept = cut + 1;
+        } else {  // everything sums to <= thr: only the last of the ascending order stays (transformers)
+            w = key_of(m);
+            first_kept = 0;
+            __shared__ int last_s;
+            if (threadIdx.x == 0) last_s = -1;
+            __syncthreads();
+            for (int i = threadIdx.x; i < n; i += blockDim.x)
+                if (key(i) == w) atomicMax(&last_s, i);
+            __syncthreads();
+            first_kept = last_s;
+        }
+        float z2 = 0.0f;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            unsigned int k = key(i);
+            if (k < w || (k == w && (unsigned int)i < first_kept)) pr[i] = 0.0f;
+            z2 += pr[i];
+        }
+        z = block_sum(z2, part);
+    }
+    if (min_p > 0.0f) {  // drop what is less likely than min_p times the most likely (exp(0) / z)
+        float floor_p = min_p * (1.0f / z), z3 = 0.0f;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            if (pr[i] / z < floor_p) pr[i] = 0.0f;
+            z3 += pr[i];
+        }
+        z = block_sum(z3, part);
+    }
+    for (int i = threadIdx.x; i < n; i += blockDim.x) pr[i] = pr[i] / z;
+}
+
+// tokens[r] = the first token whose cumulative probability reaches u[r] times the row's total
+// (float64 sums), as sampling.sample; -1 where the row holds NaN, inf or a negative, or no mass
+extern "C" __global__ void sample(const float* p, const double* u, long long* tokens, int n) {
+    __shared__ double scan[2][THREADS];
+    __shared__ int count_s, last_s;
+    const float* pr = p + (size_t)blockIdx.x * n;
+    int t = threadIdx.x, chunk = (n + THREADS - 1) / THREADS, lo = min(n, t * chunk), hi = min(n, lo + chunk);
+    double s = 0.0;
+    int bad = 0, last = -1;
+    for (int i = lo; i < hi; i++) {
+        float v = pr[i];
+        if (!(v >= 0.0f) || v == __int_as_float(0x7f800000)) bad = 1;  // NaN, negative, inf
+        else if (v > 0.0f) { s += v; last = i; }
+    }
+    bad = __syncthreads_or(bad);
+    int any_mass = __syncthreads_or(last >= 0);
+    if (t == 0) { count_s = 0; last_s = -1; }
+    // an inclusive prefix sum of the threads' sums, in a fixed order (Hillis and Steele)
+    int from = 0;
+    scan[0][t] = s;
+    __syncthreads();
+    for (int o = 1; o < THREADS; o <<= 1) {
+        double sum = scan[from][t];
+        if (t >= o) sum += scan[from][t - o];
+        scan[1 - from][t] = sum;
+        from = 1 - from;
+        __syncthreads();
+    }
+    double target = u[blockIdx.x] * scan[from][THREADS - 1], cdf = t ? scan[from][t - 1] : 0.0;
+    int below = 0;
+    for (int i = lo; i < hi; i++) {
+        float v = pr[i];
+        if (v > 0.0f) cdf += v;
+        below += cdf < target;
+    }
+    atomicAdd(&count_s, below);
+    atomicMax(&last_s, last);
+    __syncthreads();
+    if (t == 0) tokens[blockIdx.x] = bad || !any_mass ? -1 : min(count_s, last_s);
+}
+"""
+
+
+def takes(x):
+    """Whether these kernels sample from x: a device array where the GPU's kernels of our own
+    are chosen (layout.GPU_KERNELS_ENV); everything else takes sampling.py's operations."""
+    if isinstance(x, np.ndarray):
+        return False
+    from kernels import layout
+    return layout.gpu_kernels()
+
+
+def probabilities(logits, counts, s, prompt_counts=None):
+    """sampling.probabilities on the device: the penalties as CuPy's operations, the rest
+    of the distribution [..., n_vocab] (float32) in one launch a call."""
+    import cupy
+    logits = sampling.penalize(logits.astype(np.float32, copy=False), counts, s, prompt_counts)
+    n = logits.shape[-1]
+    rows = cupy.ascontiguousarray(logits.reshape(-1, n))  # [R, n_vocab]
+    p = cupy.empty_like(rows)  # [R, n_vocab]
+    top_k = int(s.top_k) if 0 < s.top_k < n else 0
+    thr = np.float32(1.0 - s.top_p) if s.top_p < 1.0 else np.float32(0.0)  # as NumPy compares: float32
+    settings = (np.int32(s.greedy), np.float32(s.temperature), np.int32(top_k), thr, np.float32(s.min_p))
+    if rows.shape[0]:
+        cuda.function(SOURCE, "probabilities")((rows.shape[0],), (THREADS,), (rows, p, np.int32(n), *settings))
+    return p.reshape(logits.shape)  # [..., n_vocab]
+
+
+def sample(probs, u):
+    """sampling.sample on the device: one token per row of probs [B, n_vocab] at u [B]
+    (a device array), or sampling.sample's ValueError for a row that is not a distribution."""
+    import cupy
+    B, n = probs.shape
+    probs = cupy.ascontiguousarray(probs, dtype=np.float32)
+    tokens = cupy.empty(B, np.int64)  # [B]
+    if B:
+        cuda.function(SOURCE, "sample")((B,), (THREADS,), (probs, cupy.asarray(u, np.float64), tokens, np.int32(n)))
+    if (tokens.get() < 0).any():  # the host waits for the ids here, as sampling.sample does
+        raise ValueError("cannot sample: a distribution holds NaN, inf or negative values, or no mass at all")
+    return tokens
