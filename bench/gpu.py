@@ -7,18 +7,23 @@ decoding through our kernels: its costs, and runs end to end beside plain decodi
 controlled drafter, bench/speculation.py). Every model has random weights of its real shape.
 """
 import argparse
+import contextlib
 import json
+import os
 import sys
 
 import numpy as np
 
 from bench.common import greedy, matmul_weight_bytes, prompt_ids, random_params, timed
 from bench.speculation import bench_speculative_costs, bench_speculative_end_to_end
+import batching
+import sampling
 from bench import report
 from bench.transformers_peer import VARIANTS, transformers_apart
 from kernels import layout
 
 ANCHOR_TIMEOUT_S = 150  # an anchor (transformers another way) that takes longer is its line: "timed out"
+SAMPLED = sampling.SamplingSettings(temperature=0.8, top_p=0.9)  # main.py's defaults
 
 
 def gpu_benchmark(args, command):
@@ -58,9 +63,15 @@ def gpu_benchmark(args, command):
                 row.update({f"{way}end_to_end_tok_s": float(np.median([r.tokens_per_s for r in runs[1:]])),
                             f"{way}decode_tok_s": float(np.median([r.decode_tokens_per_s for r in runs[1:]])),
                             f"{way}itl_ms_p50": float(np.median([r.itl_ms(50) for r in runs[1:]]))})
+            runs = []  # ours again, sampling as main.py does by default: on the device (cuda_sampling.py)
+            with sampling_on_device():
+                timed(lambda: runs.append(batching.generate(batching.requests(prompts, args.n_tokens, SAMPLED),
+                                                            ours)[1]), args.reps)
+            row["sampled_itl_ms_p50"] = float(np.median([r.itl_ms(50) for r in runs[1:]]))
             rows.append(row)
         hbm_ms = 1e3 * matmul_weight_bytes(loaded[size][0]) / (bandwidth * 1e9)
-        print(f"  GPT-2 {size}: " + "; ".join(f"batch {r['batch']} a step {r['itl_ms_p50']:.2f} ms (CuPy's operations "
+        print(f"  GPT-2 {size}: " + "; ".join(f"batch {r['batch']} a step {r['itl_ms_p50']:.2f} ms, sampled "
+                                            f"{r['sampled_itl_ms_p50']:.2f} ms (CuPy's operations "
                                             f"{r['eager_itl_ms_p50']:.2f} ms)" for r in rows)
               + f"; its weights at full bandwidth {hbm_ms:.2f} ms", flush=True)  # before the peers, which may hang
         alone = argparse.Namespace(**{**vars(args), "batch_sizes": [1]})  # the anchors: batch 1
@@ -74,6 +85,22 @@ def gpu_benchmark(args, command):
         costs = bench_speculative_costs(draft, target, args)
         results["speculative"] = dict(costs, end_to_end=bench_speculative_end_to_end(draft, target, costs, args))
     return results
+
+
+@contextlib.contextmanager
+def sampling_on_device():
+    """Sampling through cuda_sampling.py's kernels, which GPT2_GPU_KERNELS=1 chooses for a whole
+    process: set only around the runs that sample, since this process also loads models for
+    CuPy's operations (layout.to_backend reads the same switch)."""
+    before = os.environ.get(layout.GPU_KERNELS_ENV)
+    os.environ[layout.GPU_KERNELS_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[layout.GPU_KERNELS_ENV]
+        else:
+            os.environ[layout.GPU_KERNELS_ENV] = before
 
 
 def markdown(results):
@@ -95,9 +122,10 @@ def decode_table(models, results):
     lines = ["", f"End to end ({results['prompt_len']}-token prompt, {results['n_tokens']} new tokens, prefill "
              "included), greedy, against transformers' generate() on the same GPU, shapes and dtype; ours with its own "
              "kernels, a step replayed as one CUDA graph (each run's cache records its graphs anew: its first two "
-             "steps eager, the recording in its second), and eagerly through CuPy's operations:", "",
-             "| model | batch | this project tok/s | transformers tok/s | ratio | step ms (p50) | CuPy ops step ms | "
-             "weights at full bandwidth ms |", "|---|---|---|---|---|---|---|---|"]
+             "steps eager, the recording in its second), and eagerly through CuPy's operations; sampled: ours with "
+             f"main.py's defaults (temperature {SAMPLED.temperature}, top-p {SAMPLED.top_p}), sampled on the device:",
+             "", "| model | batch | this project tok/s | transformers tok/s | ratio | step ms (p50) | sampled step ms | "
+             "CuPy ops step ms | weights at full bandwidth ms |", "|---|---|---|---|---|---|---|---|---|"]
     failed = []
     for size, r in models.items():
         peer = r["transformers"]
@@ -106,10 +134,11 @@ def decode_table(models, results):
         theirs = {} if isinstance(peer, dict) else {t["batch"]: t["tok_s"] for t in peer or []}
         for d in r["decode"]:
             t = theirs.get(d["batch"])
-            eager = f"{d['eager_itl_ms_p50']:.2f}" if "eager_itl_ms_p50" in d else "-"  # runs before the column: -
+            eager, sampled = (f"{d[key]:.2f}" if key in d else "-"  # runs before the column: -
+                              for key in ("eager_itl_ms_p50", "sampled_itl_ms_p50"))
             lines.append(f"| {size} | {d['batch']} | {d['end_to_end_tok_s']:.1f} | "
                          + (f"{t:.1f} | {d['end_to_end_tok_s'] / t:.2f}x |" if t else "- | - |")
-                         + f" {d['itl_ms_p50']:.2f} | {eager} | "
+                         + f" {d['itl_ms_p50']:.2f} | {sampled} | {eager} | "
                          f"{r['weights_at_bandwidth_ms']:.2f} |")
     lines += [""] + failed if failed else []
     return lines + anchors_table(models)

@@ -16,9 +16,10 @@ a fixed order (each row as if alone):
 - weight_formats.py: bfloat16, int8 and int4 weights; layout.py: the weights laid out once at
   load as the kernels read them, or moved to a GPU.
 
-A GPU's kernels of our own (opt-in: GPT2_GPU_KERNELS=1) enter the same two ways and a
-third: cuda_matmul.py's Matrix, whose __rmatmul__ launches a few-row product on device
+A GPU's kernels of our own (opt-in: GPT2_GPU_KERNELS=1) enter the same two ways and two
+more: cuda_matmul.py's Matrix, whose __rmatmul__ launches a few-row product on device
 memory; cuda_ops.py's layer norm, attention and transformer block, which a step's pass
-brings; and kv_cache.next_logits, which hands cuda_graphs.py the passes that fit its static
-step, recorded once as a CUDA graph and replayed. cuda.py compiles their CUDA C (NVRTC).
+brings; kv_cache.next_logits, which hands cuda_graphs.py the passes that fit its static
+step, recorded once as a CUDA graph and replayed; and sampling.py, whose distribution and
+draw on device arrays are cuda_sampling.py's two kernels. cuda.py compiles their CUDA C (NVRTC).
 """

@@ -236,7 +236,7 @@ def test_gpu_benchmark_runs_end_to_end(tmp_path, capsys, monkeypatch):
     r = json.load(open(tmp_path / "results.json"))
     assert r["gpu"] == "no GPU" and r["bandwidth_GBs"] > 0 and r["launch_us"] > 0
     assert [d["batch"] for d in r["models"]["tiny"]["decode"]] == [1, 2]
-    assert all(d["decode_tok_s"] > 0 for d in r["models"]["tiny"]["decode"])
+    assert all(d["decode_tok_s"] > 0 and d["sampled_itl_ms_p50"] > 0 for d in r["models"]["tiny"]["decode"])
     assert [row["K"] for row in r["speculative"]["by_K"]] == [1, 2]
     e2e = r["speculative"]["end_to_end"]  # through our kernels' recorded steps (each run checks its text is greedy's)
     assert e2e[0]["decoder"] == "autoregressive" and e2e[0]["tok_s"] > 0
@@ -328,7 +328,7 @@ def test_the_gpu_table_sets_ours_beside_transformers_each_way_it_runs():
     """Batch 1 in ms a token: ours, generate() with and without a mask, and compiled with a
     static cache; a peer that failed is its cell's words, not the end of the table."""
     decode = [{"batch": 1, "end_to_end_tok_s": 500.0, "decode_tok_s": 1000.0, "itl_ms_p50": 1.0,
-               "eager_end_to_end_tok_s": 50.0, "eager_decode_tok_s": 60.0, "eager_itl_ms_p50": 17.0}]
+               "sampled_itl_ms_p50": 1.1, "eager_end_to_end_tok_s": 50.0, "eager_decode_tok_s": 60.0, "eager_itl_ms_p50": 17.0}]
     peer = [{"batch": 1, "tok_s": 80.0, "decode_tok_s": 100.0}]
     results = {"gpu": "H100", "cupy": "14.2", "dtype": "float32", "bandwidth_GBs": 3000.0, "launch_us": 12.0,
                "command": "python benchmark.py --backend cupy", "prompt_len": 16, "n_tokens": 64,
@@ -338,7 +338,7 @@ def test_the_gpu_table_sets_ours_beside_transformers_each_way_it_runs():
                           "1558M": {"decode": decode, "weights_at_bandwidth_ms": 2.8, "transformers": peer,
                                     "anchors": {"no_mask": None, "static": {"failed": "crashed (SIGSEGV)"}}}}}
     text = gpu.markdown(results)
-    assert "| 124M | 1 | 500.0 | 80.0 | 6.25x | 1.00 | 17.00 | 0.20 |" in text
+    assert "| 124M | 1 | 500.0 | 80.0 | 6.25x | 1.00 | 1.10 | 17.00 | 0.20 |" in text
     assert "| 124M | 1.00 | 10.00 | 5.00 | 2.50 | 2.50x |" in text
     assert "| 1558M | 1.00 | 10.00 | - | crashed (SIGSEGV) | - |" in text
 
