@@ -21,17 +21,17 @@ if [ "${1:-}" = speculative ]; then
         | tee "$out/spec.txt" | tail -40
     exit
 fi
-KERNELS="product or tail or layer_norm_kernel or attention_kernel or sampling_kernel"
-# our kernels alone first: a fault in one (an illegal address) is sticky and would fail every later test
+# our kernels alone first, each against NumPy (-k on-gpu: not their CPU runs): a fault in one (an
+# illegal address) is sticky and would fail every later test
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"
-  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cupy.py -k "$KERNELS"
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -k on-gpu
 } 2>&1 | tee "$out/tests-kernels.txt" | tail -25
 # the end-to-end GPU tests on CuPy's own operations (the default), and the recorded steps' bookkeeping
-timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cupy.py tests/test_cuda_graphs.py -k "not ($KERNELS)" \
-    2>&1 | tee "$out/tests.txt" | tail -25
-# every end-to-end GPU test again, through our kernels and recorded steps
-GPT2_GPU_KERNELS=1 timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_cupy.py -k "not ($KERNELS)" 2>&1 \
+timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cupy.py tests/test_cuda_graphs.py 2>&1 \
+    | tee "$out/tests.txt" | tail -25
+# every end-to-end GPU test again, through our kernels, recorded steps and sampling on the device
+GPT2_GPU_KERNELS=1 timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_cupy.py 2>&1 \
     | tee "$out/tests-our-kernels.txt" | tail -25
 timeout 160 python3 benchmark.py --backend cupy --only decode --sizes 124M --batch_sizes 1 8 --reps 2 \
     --n_tokens 64 --out "$out/bench-124M" 2>&1 | tee "$out/bench.txt" | tail -15

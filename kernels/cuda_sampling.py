@@ -22,7 +22,10 @@ model. Here each is one kernel, a block of 1024 threads a row:
 
 The distribution's bits can differ from NumPy's in the last place (exp, and sums added in
 another order), so a token whose cumulative mass falls within rounding of top_p's cut
-may be kept on one and not the other; tests/test_cupy.py compares the two.
+may be kept on one and not the other, and a draw at u within rounding of a token's
+cumulative mass may take its neighbour. CuPy compiles with flush-to-zero, so a
+probability below float32's smallest normal number (1.2e-38) counts as 0 on a GPU.
+tests/test_cuda_kernels.py compares the kernels with sampling.py, on a GPU and on a CPU.
 """
 import numpy as np
 
@@ -60,13 +63,23 @@ __device__ int select_crossing(int n, In in, Key key, Weight weight, u64 target,
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
         __syncthreads();
+        // a thread's run of weights into one bucket goes in one atomic: near values share their
+        // top bits, and 50257 atomics on one address would wait on each other
+        int run = -1;
+        u64 run_weight = 0;
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
             if (!in(i)) continue;
             unsigned int k = key(i);
             if ((k & mask) != prefix) continue;
-            u64 wt = weight(i);
-            if (wt) atomicAdd(&hist[(k >> shift) & 255u], wt);  // integers: any order, the same sum
+            int bucket = (k >> shift) & 255u;
+            if (bucket != run) {
+                if (run_weight) atomicAdd(&hist[run], run_weight);  // integers: any order, the same sum
+                run = bucket;
+                run_weight = 0;
+            }
+            run_weight += weight(i);
         }
+        if (run_weight) atomicAdd(&hist[run], run_weight);
         __syncthreads();
         if (threadIdx.x < 32) {  // a warp finds the bucket: 8 a lane, a scan across lanes
             int lane = threadIdx.x;
@@ -128,8 +141,9 @@ __device__ void block_argmax(const float* x, int n, float t, float* m, int* at) 
 // p[r] = the distribution sampling.probabilities draws from, for logits[r] (penalties applied):
 // greedy: one-hot at the first largest; else x = logits / temperature, then top_k (0: off), top-p
 // (thr = float32(1 - top_p), 0: off), min_p (0: off), softmax. p holds exp(x - max) on the way.
-extern "C" __global__ void probabilities(const float* logits, float* p, int n, int greedy, float temperature,
-                                         int top_k, float thr, float min_p) {
+extern "C" __global__ void __launch_bounds__(THREADS) probabilities(const float* logits, float* p, int n, int greedy,
+                                                                    float temperature, int top_k, float thr,
+                                                                    float min_p) {
     __shared__ u64 hist[256];
     __shared__ float part[32];
     const float* x = logits + (size_t)blockIdx.x * n;
@@ -201,9 +215,10 @@ extern "C" __global__ void probabilities(const float* logits, float* p, int n, i
 
 // tokens[r] = the first token whose cumulative probability reaches u[r] times the row's total
 // (float64 sums), as sampling.sample; -1 where the row holds NaN, inf or a negative, or no mass
-extern "C" __global__ void sample(const float* p, const double* u, long long* tokens, int n) {
+extern "C" __global__ void __launch_bounds__(THREADS) sample(const float* p, const double* u, long long* tokens,
+                                                             int n) {
     __shared__ double scan[2][THREADS];
-    __shared__ int count_s, last_s;
+    __shared__ int first_s, last_s;
     const float* pr = p + (size_t)blockIdx.x * n;
     int t = threadIdx.x, chunk = (n + THREADS - 1) / THREADS, lo = min(n, t * chunk), hi = min(n, lo + chunk);
     double s = 0.0;
@@ -215,7 +230,7 @@ extern "C" __global__ void sample(const float* p, const double* u, long long* to
     }
     bad = __syncthreads_or(bad);
     int any_mass = __syncthreads_or(last >= 0);
-    if (t == 0) { count_s = 0; last_s = -1; }
+    if (t == 0) { first_s = n; last_s = -1; }
     // an inclusive prefix sum of the threads' sums, in a fixed order (Hillis and Steele)
     int from = 0;
     scan[0][t] = s;
@@ -227,17 +242,22 @@ extern "C" __global__ void sample(const float* p, const double* u, long long* to
         from = 1 - from;
         __syncthreads();
     }
+    // the first token whose running sum reaches the target: a chunk's sum starts from the tree's,
+    // which may differ from the chunk before's own in the last bit, so the sums need not rise
+    // across chunks; the first crossing is still a token with mass, and the lowest one wins
     double target = u[blockIdx.x] * scan[from][THREADS - 1], cdf = t ? scan[from][t - 1] : 0.0;
-    int below = 0;
+    int first = n;
     for (int i = lo; i < hi; i++) {
         float v = pr[i];
-        if (v > 0.0f) cdf += v;
-        below += cdf < target;
+        if (v > 0.0f) {
+            cdf += v;
+            if (cdf >= target) { first = i; break; }
+        }
     }
-    atomicAdd(&count_s, below);
+    atomicMin(&first_s, first);
     atomicMax(&last_s, last);
     __syncthreads();
-    if (t == 0) tokens[blockIdx.x] = bad || !any_mass ? -1 : min(count_s, last_s);
+    if (t == 0) tokens[blockIdx.x] = bad || !any_mass ? -1 : first_s < n ? first_s : last_s;
 }
 """
 
@@ -275,7 +295,8 @@ def sample(probs, u):
     probs = cupy.ascontiguousarray(probs, dtype=np.float32)
     tokens = cupy.empty(B, np.int64)  # [B]
     if B:
-        cuda.function(SOURCE, "sample")((B,), (THREADS,), (probs, cupy.asarray(u, np.float64), tokens, np.int32(n)))
+        cuda.function(SOURCE, "sample")((B,), (THREADS,), (probs, cupy.ascontiguousarray(u, np.float64), tokens,
+                                                           np.int32(n)))
     if (tokens.get() < 0).any():  # the host waits for the ids here, as sampling.sample does
         raise ValueError("cannot sample: a distribution holds NaN, inf or negative values, or no mass at all")
     return tokens

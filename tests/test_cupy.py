@@ -9,7 +9,7 @@ import kv_cache
 import sampling
 import speculative
 import utils
-from kernels import cuda_matmul, cuda_ops, cuda_sampling, layout
+from kernels import cuda_matmul, layout
 
 cupy = pytest.importorskip("cupy")
 try:
@@ -59,36 +59,6 @@ def test_weights_live_on_the_gpu(both, kernels):
     assert all(isinstance(w, cupy.ndarray) and w.dtype == np.float32 for w in arrays)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("R, n_in", [(1, 1600), (3, 1600), (8, 1600), (13, 1600), (64, 1600), (3, 771)])
-def test_the_few_row_product_matches_numpy_and_each_row_is_as_if_alone(dtype, R, n_in):
-    """n_out 300: a last block of outputs half full; n_in 1600 (1558M's width: four inputs a
-    load), 771 (one at a time)."""
-    rng = np.random.default_rng(R)
-    w = (rng.standard_normal((300, n_in), dtype=np.float32) * 0.02).astype(dtype)  # [n_out, n_in]
-    x = rng.standard_normal((R, n_in), dtype=np.float32).astype(dtype)
-    got = cuda_matmul.matmul(cupy.asarray(x), cupy.asarray(w))
-    assert got.dtype == dtype and got.shape == (R, 300)
-    want = x.astype(np.float32) @ w.astype(np.float32).T
-    tolerance = {"atol": 1e-4, "rtol": 0} if dtype == np.float32 else {"atol": 2e-2, "rtol": 1e-2}
-    np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float32), want, **tolerance)
-    alone = cuda_matmul.matmul(cupy.asarray(x[-1:]), cupy.asarray(w))
-    assert np.array_equal(cupy.asnumpy(got[-1:]), cupy.asnumpy(alone))
-
-
-@pytest.mark.parametrize("gelu, residual", [(False, False), (True, False), (False, True)])
-def test_a_products_tail_in_its_launch_matches_gpt2s_functions(gelu, residual):
-    rng = np.random.default_rng(1)
-    x, res = rng.standard_normal((5, 768), dtype=np.float32), rng.standard_normal((5, 300), dtype=np.float32)
-    w, b = rng.standard_normal((768, 300), dtype=np.float32) * 0.05, rng.standard_normal(300, dtype=np.float32)
-    want = gpt2.linear(x, w, b)
-    want = gpt2.gelu(want) if gelu else want
-    want = res + want if residual else want
-    matrix = cuda_matmul.Matrix(cupy.asarray(np.ascontiguousarray(w.T)))
-    got = cuda_matmul.linear(cupy.asarray(x), matrix, cupy.asarray(b), gelu, cupy.asarray(res) if residual else None)
-    np.testing.assert_allclose(cupy.asnumpy(got), want, atol=2e-5, rtol=0)
-
-
 def test_recorded_steps_give_the_cpus_logits(both):
     """12 steps of three rows, replayed from the third: logits within 1e-4 of the CPU's pass."""
     hparams, params, _ = both
@@ -103,83 +73,6 @@ def test_recorded_steps_give_the_cpus_logits(both):
         for text, token in zip(texts, want[:, -1].argmax(-1)):
             text.append(int(token))
     assert any(shaped["replay"] is not None for shaped in gpu["graphs"].values())
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_the_layer_norm_kernel_matches_gpt2s(dtype):
-    rng = np.random.default_rng(0)
-    x, g, b = (rng.standard_normal(shape, dtype=np.float32).astype(dtype) for shape in ((2, 3, 1600), (1600,), (1600,)))
-    got = cuda_ops.layer_norm(*(cupy.asarray(a) for a in (x, g, b)))
-    want = gpt2.layer_norm(x.astype(np.float32), g.astype(np.float32), b.astype(np.float32))
-    assert got.dtype == dtype and got.shape == x.shape
-    np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float32), want, atol=1e-5 if dtype == np.float32 else 1e-2)
-
-
-def test_the_attention_kernel_matches_numpy_with_padding():
-    """q, k, v as gpt2.mha makes them (views of one array); a row of 2 tokens after 37 cached,
-    a row of 1 (its first), padding in between: the same keys stored, the same outputs."""
-    rng = np.random.default_rng(0)
-    B, T, H, D, S = 2, 3, 3, 64, 40
-    qkv = rng.standard_normal((B, T, 3 * H * D), dtype=np.float32)
-    q, k, v = qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)  # [B, H, T, D] each
-    cached = rng.standard_normal((2, B, H, S, D), dtype=np.float32)
-    positions = np.array([[37, 38, -1], [0, -1, -1]])
-    cpu = {"k": cached[0].copy(), "v": cached[1].copy()}
-    want = cuda_ops.attend_reference(positions, cpu, q, k, v)
-    gpu = {"k": cupy.asarray(cached[0]), "v": cupy.asarray(cached[1])}
-    d_qkv = cupy.asarray(qkv)
-    dq, dk, dv = d_qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)
-    got = cuda_ops.attend(cupy.asarray(positions), gpu, dq, dk, dv)
-    np.testing.assert_allclose(cupy.asnumpy(got), want, atol=1e-5, rtol=0)
-    assert np.array_equal(cupy.asnumpy(gpu["k"]), cpu["k"]) and np.array_equal(cupy.asnumpy(gpu["v"]), cpu["v"])
-
-
-def sampling_cases():
-    """(logits [R, n_vocab], settings): GPT-2's vocabulary, logits like a model's; a draft
-    head's -inf columns; a top-p cut inside a run of tied tokens (ids scattered, lower ids
-    dropped first); a top-p no token's mass reaches (the last of two tied tokens stays)."""
-    rng = np.random.default_rng(0)
-    logits = rng.standard_normal((5, 50257), dtype=np.float32) * 3
-    cut = logits.copy()
-    cut[:, 8192:] = -np.inf
-    ties = np.zeros((2, 1000), np.float32)
-    ties[:, rng.choice(1000, 10, replace=False)] = 5.0  # 10 tokens of 6.0% each over 990 of 0.04%
-    two = np.full((1, 1000), -200.0, np.float32)  # exp(-200) is 0 in float32
-    two[0, [100, 900]] = 0.0
-    S = sampling.SamplingSettings
-    return [(logits, S(temperature=0.8, top_p=0.9)), (logits, S(top_k=40)), (logits, S(temperature=0.7, min_p=0.05)),
-            (logits, S(temperature=1.3, top_k=200, top_p=0.5, min_p=0.01)), (logits, S(temperature=0.0)),
-            (cut, S(temperature=0.8, top_p=0.95, top_k=50000)), (ties, S(top_p=0.33)), (ties, S(top_k=5, top_p=0.55)),
-            (two, S(top_p=1e-9))]
-
-
-@pytest.mark.parametrize("case", range(9))
-def test_the_sampling_kernel_gives_sampling_pys_distribution(case):
-    """The same tokens kept, the same probabilities to float32's rounding of sums in another order."""
-    logits, s = sampling_cases()[case]
-    want = sampling.probabilities(logits, None, s)
-    got = cupy.asnumpy(cuda_sampling.probabilities(cupy.asarray(logits), None, s))
-    assert got.dtype == np.float32 and got.shape == want.shape
-    assert np.array_equal(got > 0, want > 0)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
-
-
-def test_the_sampling_kernel_draws_sampling_pys_token():
-    """Rows with zeros, a one-hot row, u at 1 and near 0: sampling.sample's tokens; a row
-    with NaN is refused as sampling.sample refuses it."""
-    rng = np.random.default_rng(1)
-    probs = rng.dirichlet(np.full(50257, 0.1), 64).astype(np.float32)  # [64, n_vocab]
-    probs[:16, rng.random(50257) < 0.5] = 0.0
-    probs[16] = 0.0
-    probs[16, 777] = 1.0
-    u = 1.0 - rng.random(64)
-    u[:2] = 1.0, 1e-12
-    want = sampling.sample(probs, u)
-    got = cuda_sampling.sample(cupy.asarray(probs), u)
-    assert isinstance(got, cupy.ndarray) and np.array_equal(cupy.asnumpy(got), want)
-    probs[3, 5] = np.nan
-    with pytest.raises(ValueError, match="cannot sample"):
-        cuda_sampling.sample(cupy.asarray(probs), u)
 
 
 @pytest.mark.parametrize("K", [0, 4])
