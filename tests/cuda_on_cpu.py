@@ -8,6 +8,7 @@ import functools
 import hashlib
 import os
 import re
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -20,9 +21,12 @@ BUILD = os.path.join(tempfile.gettempdir(), "gpt2-cuda-on-cpu")
 
 
 def unavailable():
-    """Why the kernels cannot run here (no C++20 compiler), or None."""
+    """Why the kernels cannot run here (no C++20 compiler, too few threads allowed), or None."""
     if shutil.which("g++") is None:
         return "g++ is not installed"
+    threads = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    if threads != resource.RLIM_INFINITY and threads < 4096:  # a block is up to 1024 threads at once
+        return f"this user may start {threads} threads (ulimit -u), a block takes up to 1024"
     probe = subprocess.run(["g++", "-std=c++20", "-fsyntax-only", "-x", "c++", "-"], input="#include <barrier>\n",
                            capture_output=True, text=True)
     return f"g++ lacks C++20's <barrier>: {probe.stderr.strip()[:200]}" if probe.returncode else None
