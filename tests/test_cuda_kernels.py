@@ -12,7 +12,7 @@ import pytest
 import cuda_on_cpu
 import gpt2
 import sampling
-from kernels import cuda, cuda_matmul, cuda_ops, cuda_sampling
+from kernels import cuda, cuda_matmul, cuda_ops, cuda_sampling, layout
 
 
 @pytest.fixture(params=["on-gpu", "on-cpu"])
@@ -142,6 +142,20 @@ def test_the_sampling_kernel_draws_sampling_pys_token(cupy):
     probs[3, 5] = np.nan
     with pytest.raises(ValueError, match="cannot sample"):
         cuda_sampling.sample(cupy.asarray(probs), u)
+
+
+def test_sampling_py_hands_device_arrays_to_the_kernels_where_ours_are_chosen(cupy, monkeypatch):
+    """GPT2_GPU_KERNELS=1: sampling.probabilities and sampling.sample on device arrays are the
+    kernels' (their results device arrays), with sampling.py's results."""
+    monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
+    logits, s = sampling_cases()[0]
+    u = 1.0 - np.random.default_rng(3).random(len(logits))
+    p = sampling.probabilities(cupy.asarray(logits), None, s)
+    tokens = sampling.sample(p, u)
+    assert isinstance(p, cupy.ndarray) and isinstance(tokens, cupy.ndarray)
+    want = sampling.probabilities(logits, None, s)
+    assert np.array_equal(cupy.asnumpy(p) > 0, want > 0)
+    assert np.array_equal(cupy.asnumpy(tokens), sampling.sample(want, u))
 
 
 def test_a_transformer_block_of_kernels_is_the_stand_ins(cupy):
