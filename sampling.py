@@ -202,7 +202,7 @@ def process_logits(logits, counts, s, prompt_counts=None):
 def probabilities(logits, counts, s, prompt_counts=None):
     """The distribution [..., n_vocab] that decoding draws from (float32), computed
     where the logits are (NumPy, or CuPy on a GPU)."""
-    if cuda_sampling.takes(logits):  # a GPU's kernels of our own: the same, in one launch a call
+    if cuda_sampling.takes(logits):  # a GPU's kernels of our own: the same, one launch after the penalties
         return cuda_sampling.probabilities(logits, counts, s, prompt_counts)
     logits = process_logits(logits.astype(np.float32, copy=False), counts, s, prompt_counts)
     if s.greedy:

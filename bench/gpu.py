@@ -1,10 +1,12 @@
 """`--backend cupy`: the benchmark on an NVIDIA GPU.
 
 Decode speed at each size and batch, eagerly through CuPy's operations and with our own
-kernels, each step replayed as a CUDA graph (kernels/cuda_graphs.py), next to transformers on the same GPU (in a process
-of its own, peers.py), what one CuPy call costs the host, the GPU's bandwidth, and speculative
-decoding through our kernels: its costs, and runs end to end beside plain decoding (the CPU's
-controlled drafter, bench/speculation.py). Every model has random weights of its real shape.
+kernels, each step replayed as a CUDA graph (kernels/cuda_graphs.py), greedy and sampled with
+main.py's default settings on the device (kernels/cuda_sampling.py), next to transformers on
+the same GPU (in a process of its own, peers.py), what one CuPy call costs the host, the GPU's
+bandwidth, and speculative decoding through our kernels: its costs, and runs end to end beside
+plain decoding (the CPU's controlled drafter, bench/speculation.py). Every model has random
+weights of its real shape.
 """
 import argparse
 import contextlib
@@ -52,22 +54,20 @@ def gpu_benchmark(args, command):
         ours = ours_of[size] = (layout.to_backend(params, "cupy", args.dtype, kernels=True), hparams)
         if size not in decoded:  # speculative decoding runs through our kernels only
             continue
-        loaded[size] = (layout.to_backend(params, "cupy", args.dtype), hparams)
+        loaded[size] = (layout.to_backend(params, "cupy", args.dtype, kernels=False), hparams)
         rows = []
         for B in args.batch_sizes:
             prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]
             row = {"batch": B}
             for way, model in (("eager_", loaded[size]), ("", ours)):  # CuPy's operations; our kernels, graphed
-                runs = []
-                timed(lambda: runs.append(greedy(prompts, model, args.n_tokens)[1]), args.reps)
-                row.update({f"{way}end_to_end_tok_s": float(np.median([r.tokens_per_s for r in runs[1:]])),
-                            f"{way}decode_tok_s": float(np.median([r.decode_tokens_per_s for r in runs[1:]])),
-                            f"{way}itl_ms_p50": float(np.median([r.itl_ms(50) for r in runs[1:]]))})
-            runs = []  # ours again, sampling as main.py does by default: on the device (cuda_sampling.py)
-            with sampling_on_device():
-                timed(lambda: runs.append(batching.generate(batching.requests(prompts, args.n_tokens, SAMPLED),
-                                                            ours)[1]), args.reps)
-            row["sampled_itl_ms_p50"] = float(np.median([r.itl_ms(50) for r in runs[1:]]))
+                stats = decoded_stats(lambda: greedy(prompts, model, args.n_tokens), args.reps)
+                row.update({f"{way}end_to_end_tok_s": stats(lambda r: r.tokens_per_s),
+                            f"{way}decode_tok_s": stats(lambda r: r.decode_tokens_per_s),
+                            f"{way}itl_ms_p50": stats(lambda r: r.itl_ms(50))})
+            with sampling_on_device():  # ours again, main.py's default settings, sampled by cuda_sampling.py
+                stats = decoded_stats(lambda: batching.generate(batching.requests(prompts, args.n_tokens, SAMPLED),
+                                                                ours), args.reps)
+            row["sampled_itl_ms_p50"] = stats(lambda r: r.itl_ms(50))
             rows.append(row)
         hbm_ms = 1e3 * matmul_weight_bytes(loaded[size][0]) / (bandwidth * 1e9)
         print(f"  GPT-2 {size}: " + "; ".join(f"batch {r['batch']} a step {r['itl_ms_p50']:.2f} ms, sampled "
@@ -85,6 +85,14 @@ def gpu_benchmark(args, command):
         costs = bench_speculative_costs(draft, target, args)
         results["speculative"] = dict(costs, end_to_end=bench_speculative_end_to_end(draft, target, costs, args))
     return results
+
+
+def decoded_stats(decode, reps):
+    """Runs decode() (-> (tokens, batching.Stats)) as timed() does; returns f -> the median of
+    f(stats) over the runs after the first (its warm-up)."""
+    runs = []
+    timed(lambda: runs.append(decode()[1]), reps)
+    return lambda f: float(np.median([f(r) for r in runs[1:]]))
 
 
 @contextlib.contextmanager
@@ -123,9 +131,10 @@ def decode_table(models, results):
              "included), greedy, against transformers' generate() on the same GPU, shapes and dtype; ours with its own "
              "kernels, a step replayed as one CUDA graph (each run's cache records its graphs anew: its first two "
              "steps eager, the recording in its second), and eagerly through CuPy's operations; sampled: ours with "
-             f"main.py's defaults (temperature {SAMPLED.temperature}, top-p {SAMPLED.top_p}), sampled on the device:",
+             f"main.py's default settings (temperature {SAMPLED.temperature}, top-p {SAMPLED.top_p}), sampled by "
+             "our kernels on the device (as GPT2_GPU_KERNELS=1 chooses):",
              "", "| model | batch | this project tok/s | transformers tok/s | ratio | step ms (p50) | "
-             "sampled step ms | CuPy ops step ms | weights at full bandwidth ms |", "|---" * 9 + "|"]
+             "sampled step ms (p50) | CuPy ops step ms (p50) | weights at full bandwidth ms |", "|---" * 9 + "|"]
     failed = []
     for size, r in models.items():
         peer = r["transformers"]

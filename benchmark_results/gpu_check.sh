@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# A GPU session's one prepared run (issue #61): the GPU's tests, then the benchmark's GPU table
-# (ours with its own kernels, replayed as CUDA graphs, beside CuPy's operations and transformers'
-# generate(): as the decode table runs it, without an attention mask, and compiled with a static
-# cache, the "anchors"), each log kept. From the repository root, on the lent machine (the device tool; its
-# python3 has CuPy, torch, transformers and numba):   bash benchmark_results/gpu_check.sh
-# Output under $OUT (the device tool's folder that comes back, 8 files at most: these are 8), else
-# /tmp/gpu-check.
+# A GPU session's one prepared run (issue #61): the GPU's tests, then the benchmark's GPU table:
+# ours with its own kernels, replayed as CUDA graphs (greedy, and sampled on the device), beside
+# CuPy's operations and transformers' generate() three ways (as the decode table runs it, without
+# an attention mask, and compiled with a static cache: the "anchors"). Every step runs and keeps
+# its log whatever failed before it (no set -e). From the repository root, on a machine with an
+# NVIDIA GPU whose python3 has CuPy, torch, transformers and numba:   bash benchmark_results/gpu_check.sh
+# Output under $OUT (our GPU sessions' tool brings back that folder, 8 files at most: these are 8),
+# else /tmp/gpu-check.
 # The timeouts add up to 570 s, inside one device call's 600.
 # A second call, where the device budget still holds ~6 minutes after the first (a warm machine
 # waits only briefly for it):   bash benchmark_results/gpu_check.sh speculative

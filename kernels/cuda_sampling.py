@@ -1,10 +1,11 @@
 """Sampling on a GPU in two launches: sampling.py's distribution and its draw, row by row.
 
-Eagerly, sampling.probabilities is a dozen CuPy operations a row group (temperature, a
-partition for top-k, a sort, a cumulative sum and a scatter for top-p, two softmaxes) and
-sampling.sample another dozen with four waits for the device: on a GPU, where a recorded
-step (cuda_graphs.py) takes about a millisecond, that host time would cost as much as the
-model. Here each is one kernel, a block of 1024 threads a row:
+Eagerly, sampling.probabilities is a dozen CuPy operations (temperature, a partition for
+top-k, a sort, a cumulative sum and a scatter for top-p, softmaxes) and sampling.sample
+another dozen with four waits for the device, each operation ~12 us of the host's time
+(`python benchmark.py --backend cupy` prints it): as much as the launches of a recorded
+step (cuda_graphs.py). Here, after the penalties, each is one kernel, a block of 1024
+threads a row:
 
 - `probabilities`: the penalties stay CuPy's operations (they read the host's counts);
   then temperature, top-k, top-p and min-p as sampling.py applies them, and the softmax.
@@ -16,9 +17,9 @@ model. Here each is one kernel, a block of 1024 threads a row:
   running weight crosses. Masses are summed as integers (2^-52 units), so the histograms
   come out the same whatever order the threads add in, and a row's distribution the same
   bits every time. Tokens tied with w go in transformers' order (its stable sort: lower ids
-  first), a fifth select, over their ids, finding where the cut falls among them.
+  first): a further select, over their ids, finds where the cut falls among them.
 - `sample`: sampling.sample's inversion of the CDF at u (float64 running sums, a prefix
-  sum across the block), the same token, and -1 for a row that is not a distribution.
+  sum across the block), and -1 for a row that is not a distribution.
 
 The distribution's bits can differ from NumPy's in the last place (exp, and sums added in
 another order), so a token whose cumulative mass falls within rounding of top_p's cut
@@ -175,10 +176,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) probabilities(const float*
         unsigned int w, cut;
         u64 w_below, ids_below;
         unsigned int first_kept = 0;  // the lowest id kept among the tokens tied at w
-        if (select_crossing(n, [&](int i) { return true; }, key, [&](int i) { return mass(pr[i]); },
-                            (u64)__double2ull_rn((double)thr * MASS), hist, &w, &w_below)) {
+        u64 target = (u64)__double2ull_rn((double)thr * MASS);
+        if (select_crossing(n, [&](int i) { return true; }, key, [&](int i) { return mass(pr[i]); }, target, hist,
+                            &w, &w_below)) {
             u64 each = mass(expf(value_of(w) - m));  // the mass of each token tied at w
-            u64 dropped = ((u64)__double2ull_rn((double)thr * MASS) - w_below) / each;  // the first ids tied at w
+            u64 dropped = (target - w_below) / each;  // the first ids tied at w
             if (dropped > 0 &&
                 select_crossing(n, [&](int i) { return key(i) == w; }, [&](int i) { return (unsigned int)i; },
                                 [&](int i) { return (u64)1; }, dropped - 1, hist, &cut, &ids_below))
@@ -267,13 +269,13 @@ def takes(x):
     are chosen (layout.GPU_KERNELS_ENV); everything else takes sampling.py's operations."""
     if isinstance(x, np.ndarray):
         return False
-    from kernels import layout
+    from kernels import layout  # here: layout imports the CPU's kernels, which sampling.py does not need
     return layout.gpu_kernels()
 
 
 def probabilities(logits, counts, s, prompt_counts=None):
     """sampling.probabilities on the device: the penalties as CuPy's operations, the rest
-    of the distribution [..., n_vocab] (float32) in one launch a call."""
+    of the distribution [..., n_vocab] (float32) in one launch."""
     import cupy
     logits = sampling.penalize(logits.astype(np.float32, copy=False), counts, s, prompt_counts)
     n = logits.shape[-1]

@@ -2,7 +2,8 @@
 // with a block's threads as std::threads, __syncthreads as a std::barrier, a warp's shuffles
 // through a barrier of its 32 threads, atomics as std::atomic_ref. Blocks run one after
 // another, so __shared__ (a static here) is the running block's. It checks what a kernel
-// computes; not its speed, nor a race the GPU's weaker memory ordering would expose.
+// computes; not its speed, nor a race the GPU's weaker memory ordering would expose, nor the
+// GPU's own arithmetic (flush-to-zero, the last bit of expf).
 #pragma once
 #include <math.h>
 #include <algorithm>
@@ -97,7 +98,7 @@ using std::min;
 
 // the kernel call f over a grid of gx blocks of bx threads, with shmem bytes of dynamic shared memory
 void launch(int gx, int bx, int shmem, std::function<void()> f) {
-    std::vector<char> shared(shmem + 16);
+    std::vector<char> shared(shmem + 16);  // never empty: a kernel without any still gets a pointer
     dynamic_shared = shared.data();
     blockDim.x = bx;
     gridDim.x = gx;

@@ -2,7 +2,8 @@
 NumPy, and RawModule's CUDA C compiled by g++ against cuda_on_cpu.h (a block's threads as
 std::threads). A machine without a GPU (CI) checks each kernel's numbers against NumPy with
 it, as tests/test_cuda_kernels.py does on a GPU; it cannot see speed, nor races that the
-GPU's weaker memory ordering alone would expose."""
+GPU's weaker memory ordering alone would expose, nor the GPU's arithmetic where it differs
+(flush-to-zero, the last bit of expf)."""
 import ctypes
 import functools
 import hashlib
@@ -25,7 +26,7 @@ def unavailable():
     if shutil.which("g++") is None:
         return "g++ is not installed"
     threads = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-    if threads != resource.RLIM_INFINITY and threads < 4096:  # a block is up to 1024 threads at once
+    if threads != resource.RLIM_INFINITY and threads < 4096:  # a block's 1024, beside the user's other threads
         return f"this user may start {threads} threads (ulimit -u), a block takes up to 1024"
     probe = subprocess.run(["g++", "-std=c++20", "-fsyntax-only", "-x", "c++", "-"], input="#include <barrier>\n",
                            capture_output=True, text=True)

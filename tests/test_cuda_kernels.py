@@ -27,7 +27,7 @@ def cupy(request, monkeypatch):
     else:
         why = cuda_on_cpu.unavailable()
         if why:
-            pytest.skip(f"CUDA C on a CPU needs a C++20 compiler: {why}")
+            pytest.skip(f"CUDA C cannot run on this CPU: {why}")
         cupy = cuda_on_cpu.cupy()
         monkeypatch.setitem(sys.modules, "cupy", cupy)
     cuda.module.cache_clear()  # compiled for one or the other
@@ -115,7 +115,7 @@ def sampling_cases():
             (two, S(top_p=1e-9))]
 
 
-@pytest.mark.parametrize("case", range(9))
+@pytest.mark.parametrize("case", range(len(sampling_cases())))
 def test_the_sampling_kernel_gives_sampling_pys_distribution(cupy, case):
     """The same tokens kept, the same probabilities to float32's rounding of sums in another order."""
     logits, s = sampling_cases()[case]
