@@ -21,9 +21,10 @@ import gpt2
 from kernels import cuda, cuda_matmul
 
 THREADS = 256  # a layer norm's block, and a step's key and value stores
-ATTEND_THREADS = 128  # an attention block: 4 warps, each a key at a time
+ATTEND_THREADS = 256  # an attention block: 8 warps
+ATTEND_KEYS = 4  # the keys a warp reads at once
 
-SOURCE = r"""
+SOURCE = f"#define WARPS {ATTEND_THREADS // 32}\n#define KEYS {ATTEND_KEYS}\n" + r"""
 template <typename T>
 __device__ void layer_norm_rows(const T* x, const T* g, const T* b, T* y, int n, float eps) {
     __shared__ float part[32];
@@ -56,12 +57,15 @@ __device__ void store_kv(const T* k, const T* v, long long sb, long long sh, lon
 }
 
 // out[b, t, h] = softmax(q k^T / sqrt(D)) v over slots 0..positions[b, t] of row b's cache;
-// a block a query (blockIdx.x = (b * n_tok + t) * H + h), scores in shared memory [S]
+// a block a query (blockIdx.x = (b * n_tok + t) * H + h), scores in shared memory [S]. Its warps
+// take the keys KEYS at a time in turn, for the scores and for the values alike: a decode step
+// has a block a head, so many keys' reads must be in flight within a block for the cache to
+// stream at all.
 template <typename T>
 __device__ void attend(const T* q, long long sb, long long sh, long long st, const T* ck, const T* cv,
                        const long long* positions, T* out, int n_tok, int H, int S, int D, float scale) {
     extern __shared__ float scores[];
-    __shared__ float qs[256], part[32];
+    __shared__ float qs[256], part[32], sums[WARPS][256];
     int h = blockIdx.x % H, bt = blockIdx.x / H, b = bt / n_tok, t = bt % n_tok;
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
     long long p = positions[bt];
@@ -75,11 +79,20 @@ __device__ void attend(const T* q, long long sb, long long sh, long long st, con
     __syncthreads();
     const T* kr = ck + ((size_t)b * H + h) * S * D;
     const T* vr = cv + ((size_t)b * H + h) * S * D;
-    for (int s = warp; s <= p; s += n_warps) {  // a warp a key: its lanes read the key's D values together
-        float dot = 0.0f;
-        for (int d = lane; d < D; d += 32) dot = fmaf(qs[d], load(kr + (size_t)s * D + d), dot);
-        dot = warp_sum(dot);
-        if (lane == 0) scores[s] = dot * scale;
+    for (int s0 = warp * KEYS; s0 <= p; s0 += n_warps * KEYS) {  // a warp KEYS keys at once, its lanes
+        float dot[KEYS];                                              // reading each key's D values together
+        #pragma unroll
+        for (int k = 0; k < KEYS; k++) dot[k] = 0.0f;
+        for (int d = lane; d < D; d += 32) {
+            #pragma unroll
+            for (int k = 0; k < KEYS; k++)
+                if (s0 + k <= p) dot[k] = fmaf(qs[d], load(kr + (size_t)(s0 + k) * D + d), dot[k]);
+        }
+        #pragma unroll
+        for (int k = 0; k < KEYS; k++) {
+            float score = warp_sum(dot[k]);
+            if (lane == 0 && s0 + k <= p) scores[s0 + k] = score * scale;
+        }
     }
     __syncthreads();
     float m = NEG_INF;
@@ -90,10 +103,27 @@ __device__ void attend(const T* q, long long sb, long long sh, long long st, con
     z = block_sum(z, part);  // its barriers also order the exponentials' stores before the reads below
     for (int s = threadIdx.x; s <= p; s += blockDim.x) scores[s] /= z;
     __syncthreads();
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float acc = 0.0f;
-        for (int s = 0; s <= p; s++) acc = fmaf(scores[s], load(vr + (size_t)s * D + d), acc);
-        store(o + d, acc);
+    float acc[8];  // lane's d = lane + 32 j, j < 8: D <= 256
+    #pragma unroll
+    for (int j = 0; j < 8; j++) acc[j] = 0.0f;
+    for (int s0 = warp * KEYS; s0 <= p; s0 += n_warps * KEYS) {  // as for the scores: KEYS keys a warp
+        #pragma unroll
+        for (int k = 0; k < KEYS; k++) {
+            if (s0 + k > p) break;
+            const T* vs = vr + (size_t)(s0 + k) * D;
+            #pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (lane + 32 * j < D) acc[j] = fmaf(scores[s0 + k], load(vs + lane + 32 * j), acc[j]);
+        }
+    }
+    #pragma unroll
+    for (int j = 0; j < 8; j++)
+        if (lane + 32 * j < D) sums[warp][lane + 32 * j] = acc[j];
+    __syncthreads();
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {  // the warps' sums, in the order of the warps
+        float total = 0.0f;
+        for (int w = 0; w < n_warps; w++) total += sums[w][d];
+        store(o + d, total);
     }
 }
 

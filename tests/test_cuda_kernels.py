@@ -77,15 +77,17 @@ def test_the_layer_norm_kernel_matches_gpt2s(cupy, dtype):
     np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float32), want, atol=1e-5 if dtype == np.float32 else 1e-2)
 
 
-def test_the_attention_kernel_matches_numpy_with_padding(cupy):
-    """q, k, v as gpt2.mha makes them (views of one array); a row of 2 tokens after 37 cached,
-    a row of 1 (its first), padding in between: the same keys stored, the same outputs."""
+@pytest.mark.parametrize("S, positions", [(40, [[37, 38, -1], [0, -1, -1]]), (300, [[250, 251, 299], [5, -1, -1]])])
+def test_the_attention_kernel_matches_numpy_with_padding(cupy, S, positions):
+    """q, k, v as gpt2.mha makes them (views of one array); a row of 2 or 3 tokens after many
+    cached (up to the cache's last slot), a row of 1, padding in between: the same keys
+    stored, the same outputs."""
     rng = np.random.default_rng(0)
-    B, T, H, D, S = 2, 3, 3, 64, 40
+    B, T, H, D = 2, 3, 3, 64
     qkv = rng.standard_normal((B, T, 3 * H * D), dtype=np.float32)
     q, k, v = qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)  # [B, H, T, D] each
     cached = rng.standard_normal((2, B, H, S, D), dtype=np.float32)
-    positions = np.array([[37, 38, -1], [0, -1, -1]])
+    positions = np.array(positions)
     cpu = {"k": cached[0].copy(), "v": cached[1].copy()}
     want = cuda_ops.attend_reference(positions, cpu, q, k, v)
     gpu = {"k": cupy.asarray(cached[0]), "v": cupy.asarray(cached[1])}
