@@ -202,8 +202,8 @@ def process_logits(logits, counts, s, prompt_counts=None):
 def probabilities(logits, counts, s, prompt_counts=None):
     """The distribution [..., n_vocab] that decoding draws from (float32), computed
     where the logits are (NumPy, or CuPy on a GPU)."""
-    if cuda_sampling.takes(logits):  # a GPU's kernels of our own: the same, one launch after the penalties
-        return cuda_sampling.probabilities(logits, counts, s, prompt_counts)
+    if cuda_sampling.takes(logits):  # a GPU's kernels of our own: the rest in one launch
+        return cuda_sampling.distribution(penalize(logits.astype(np.float32, copy=False), counts, s, prompt_counts), s)
     logits = process_logits(logits.astype(np.float32, copy=False), counts, s, prompt_counts)
     if s.greedy:
         greedy = np.zeros(logits.shape, dtype=np.float32, like=logits)

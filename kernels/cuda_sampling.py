@@ -7,8 +7,8 @@ another dozen with four waits for the device, each operation ~12 us of the host'
 step (cuda_graphs.py). Here, after the penalties, each is one kernel, a block of 1024
 threads a row:
 
-- `probabilities`: the penalties stay CuPy's operations (they read the host's counts);
-  then temperature, top-k, top-p and min-p as sampling.py applies them, and the softmax.
+- `distribution`: after the penalties (CuPy's operations: they read the host's counts),
+  temperature, top-k, top-p and min-p as sampling.py applies them, and the softmax.
   top-k and top-p need no sort. Both ask for the smallest value w such that the weight of
   the values up to w exceeds a target (top-k: a count, the (n - k)-th value ascending;
   top-p: probability mass, transformers' cumulative sum from the least likely crossing
@@ -30,7 +30,6 @@ tests/test_cuda_kernels.py compares the kernels with sampling.py, on a GPU and o
 """
 import numpy as np
 
-import sampling
 from kernels import cuda
 
 THREADS = 1024  # a block a row: 50257 tokens are 50 a thread
@@ -142,9 +141,9 @@ __device__ void block_argmax(const float* x, int n, float t, float* m, int* at) 
 // p[r] = the distribution sampling.probabilities draws from, for logits[r] (penalties applied):
 // greedy: one-hot at the first largest; else x = logits / temperature, then top_k (0: off), top-p
 // (thr = float32(1 - top_p), 0: off), min_p (0: off), softmax. p holds exp(x - max) on the way.
-extern "C" __global__ void __launch_bounds__(THREADS) probabilities(const float* logits, float* p, int n, int greedy,
-                                                                    float temperature, int top_k, float thr,
-                                                                    float min_p) {
+extern "C" __global__ void __launch_bounds__(THREADS) distribution(const float* logits, float* p, int n, int greedy,
+                                                                   float temperature, int top_k, float thr,
+                                                                   float min_p) {
     __shared__ u64 hist[256];
     __shared__ float part[32];
     const float* x = logits + (size_t)blockIdx.x * n;
@@ -273,19 +272,18 @@ def takes(x):
     return layout.gpu_kernels()
 
 
-def probabilities(logits, counts, s, prompt_counts=None):
-    """sampling.probabilities on the device: the penalties as CuPy's operations, the rest
-    of the distribution [..., n_vocab] (float32) in one launch."""
+def distribution(logits, s):
+    """sampling.probabilities on the device after the penalties: logits [..., n_vocab] (their
+    penalties applied) to the distribution (float32) under settings s, in one launch."""
     import cupy
-    logits = sampling.penalize(logits.astype(np.float32, copy=False), counts, s, prompt_counts)
     n = logits.shape[-1]
-    rows = cupy.ascontiguousarray(logits.reshape(-1, n))  # [R, n_vocab]
+    rows = cupy.ascontiguousarray(logits.reshape(-1, n), dtype=np.float32)  # [R, n_vocab]
     p = cupy.empty_like(rows)  # [R, n_vocab]
     top_k = int(s.top_k) if 0 < s.top_k < n else 0
     thr = np.float32(1.0 - s.top_p) if s.top_p < 1.0 else np.float32(0.0)  # as NumPy compares: float32
     settings = (np.int32(s.greedy), np.float32(s.temperature), np.int32(top_k), thr, np.float32(s.min_p))
     if rows.shape[0]:
-        cuda.function(SOURCE, "probabilities")((rows.shape[0],), (THREADS,), (rows, p, np.int32(n), *settings))
+        cuda.function(SOURCE, "distribution")((rows.shape[0],), (THREADS,), (rows, p, np.int32(n), *settings))
     return p.reshape(logits.shape)  # [..., n_vocab]
 
 
