@@ -13,12 +13,14 @@ import resource
 import shutil
 import subprocess
 import tempfile
+import threading
 import types
 
 import numpy as np
 
 HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_on_cpu.h")
 BUILD = os.path.join(tempfile.gettempdir(), "gpt2-cuda-on-cpu")
+TIMEOUT_S = 300  # a launch here takes seconds
 
 
 def unavailable():
@@ -131,7 +133,13 @@ class RawModule:
             assert len(grid) == len(block) == 1 and len(args) == len(params), (name, grid, block, len(args))
             values = [pointer(a) if "*" in t else (a.item() if hasattr(a, "item") else a)
                       for (t, _), a in zip(params, args)]
-            function(int(grid[0]), int(block[0]), int(shared_mem), *values)
+            # in a thread of its own, so that a kernel whose barrier waits forever (a bug that would
+            # hang a GPU too) fails its test instead of hanging the suite
+            launch = threading.Thread(target=function, args=(int(grid[0]), int(block[0]), int(shared_mem), *values),
+                                      daemon=True)
+            launch.start()
+            launch.join(TIMEOUT_S)
+            assert not launch.is_alive(), f"kernel {name} still running after {TIMEOUT_S} s: a barrier or a loop that never ends"
         return call
 
 
