@@ -139,7 +139,7 @@ class RawModule:
                                       daemon=True)
             launch.start()
             launch.join(TIMEOUT_S)
-            assert not launch.is_alive(), f"kernel {name} still running after {TIMEOUT_S} s: a barrier or a loop that never ends"
+            assert not launch.is_alive(), f"kernel {name} still runs after {TIMEOUT_S} s: a barrier or loop never ends"
         return call
 
 
