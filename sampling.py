@@ -19,6 +19,10 @@ token in the text so far, prompt included; `prompt_counts`: in the prompt):
 - repetition_penalty (transformers, CTRL): every token of the text, prompt included;
 - presence_penalty and frequency_penalty (the OpenAI API's formula): the
   generated tokens only, unless penalize_prompt counts the prompt's too.
+
+Where a GPU runs kernels of our own (GPT2_GPU_KERNELS=1), both steps on its arrays
+are kernels/cuda_sampling.py's, one launch each after the penalties: the same
+distribution and token, without a sort or a dozen operations' host time.
 """
 from dataclasses import dataclass
 
