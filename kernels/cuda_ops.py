@@ -22,7 +22,7 @@ from kernels import cuda, cuda_matmul
 
 THREADS = 256  # a layer norm's block, and a step's key and value stores
 ATTEND_THREADS = 256  # an attention block: 8 warps
-ATTEND_KEYS = 4  # the keys a warp reads at once
+ATTEND_KEYS = 8  # the keys a warp reads at once: a block has 64 in flight
 
 SOURCE = f"#define WARPS {ATTEND_THREADS // 32}\n#define KEYS {ATTEND_KEYS}\n" + r"""
 template <typename T>
