@@ -171,6 +171,9 @@ def attend(positions, layer, q, k, v):
         raise ValueError("attend takes q, k, v as gpt2.mha makes them: views of one [B, T, 3, H, D] array")
     if D > 256:
         raise ValueError(f"attend holds a query in 256 floats of shared memory: d_head {D} is wider")
+    most = 48 * 1024 // 4 - (256 + 32 + 256 * ATTEND_THREADS // 32)  # a block's 48 KiB, less its query and sums
+    if S > most:
+        raise ValueError(f"attend keeps a row's scores in a block's shared memory: at most {most} slots, not {S}")
     if not (ck.flags.c_contiguous and cv.flags.c_contiguous):
         raise ValueError("attend writes the cache's rows as one contiguous [B, H, S, D] array")
     sb, sh, st = (s // q.itemsize for s in q.strides[:3])

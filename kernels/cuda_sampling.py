@@ -59,6 +59,7 @@ __device__ int select_crossing(int n, In in, Key key, Weight weight, u64 target,
     __shared__ u64 below_s;
     __shared__ int crossed_s;
     unsigned int prefix = 0, mask = 0;
+    __syncthreads();  // a call before may still be reading the three (a second call of this instantiation)
     if (threadIdx.x == 0) { prefix_s = 0; below_s = 0; crossed_s = 1; }
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;

@@ -77,16 +77,19 @@ def test_the_layer_norm_kernel_matches_gpt2s(cupy, dtype):
     np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float32), want, atol=1e-5 if dtype == np.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("S, positions", [(40, [[37, 38, -1], [0, -1, -1]]), (300, [[250, 251, 299], [5, -1, -1]])])
-def test_the_attention_kernel_matches_numpy_with_padding(cupy, S, positions):
+@pytest.mark.parametrize("S, positions, dtype", [(40, [[37, 38, -1], [0, -1, -1]], np.float32),
+                                                 (300, [[250, 251, 299], [5, -1, -1]], np.float32),
+                                                 (300, [[250, 251, 299], [5, -1, -1]], np.float16)])
+def test_the_attention_kernel_matches_numpy_with_padding(cupy, S, positions, dtype):
     """q, k, v as gpt2.mha makes them (views of one array); a row of 2 or 3 tokens after many
     cached (up to the cache's last slot), a row of 1, padding in between: the same keys
-    stored, the same outputs."""
+    stored, the same outputs (float16: NumPy rounds the probabilities to float16, the kernel
+    keeps float32 until it stores)."""
     rng = np.random.default_rng(0)
     B, T, H, D = 2, 3, 3, 64
-    qkv = rng.standard_normal((B, T, 3 * H * D), dtype=np.float32)
+    qkv = rng.standard_normal((B, T, 3 * H * D), dtype=np.float32).astype(dtype)
     q, k, v = qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)  # [B, H, T, D] each
-    cached = rng.standard_normal((2, B, H, S, D), dtype=np.float32)
+    cached = rng.standard_normal((2, B, H, S, D), dtype=np.float32).astype(dtype)
     positions = np.array(positions)
     cpu = {"k": cached[0].copy(), "v": cached[1].copy()}
     want = cuda_ops.attend_reference(positions, cpu, q, k, v)
@@ -94,7 +97,8 @@ def test_the_attention_kernel_matches_numpy_with_padding(cupy, S, positions):
     d_qkv = cupy.asarray(qkv)
     dq, dk, dv = d_qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)
     got = cuda_ops.attend(cupy.asarray(positions), gpu, dq, dk, dv)
-    np.testing.assert_allclose(cupy.asnumpy(got), want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float32), want.astype(np.float32),
+                               atol=1e-5 if dtype == np.float32 else 2e-3, rtol=0)
     assert np.array_equal(cupy.asnumpy(gpu["k"]), cpu["k"]) and np.array_equal(cupy.asnumpy(gpu["v"]), cpu["v"])
 
 
