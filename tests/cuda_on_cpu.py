@@ -3,7 +3,9 @@ NumPy, and RawModule's CUDA C compiled by g++ against cuda_on_cpu.h (a block's t
 std::threads). A machine without a GPU (CI) checks each kernel's numbers against NumPy with
 it, as tests/test_cuda_kernels.py does on a GPU; it cannot see speed, nor races that the
 GPU's weaker memory ordering alone would expose, nor the GPU's arithmetic where it differs
-(flush-to-zero, the last bit of expf)."""
+(flush-to-zero, fused multiply-adds, the last bit of expf). It is lenient where a GPU is
+undefined or strict: a lane that has returned still answers a shuffle, shared memory starts
+zeroed, and no launch limit (threads, registers, 48 KiB of shared memory) is checked."""
 import ctypes
 import functools
 import hashlib
