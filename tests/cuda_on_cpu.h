@@ -1,24 +1,23 @@
-// CUDA C on a CPU, for tests/cuda_on_cpu.py: what our kernels (kernels/cuda*.py) use of CUDA,
-// with a block's threads as std::threads, __syncthreads as a std::barrier, a warp's shuffles
-// through a barrier of its 32 threads, atomics as std::atomic_ref. Blocks run one after
+// CUDA C on a CPU, for tests/cuda_on_cpu.py: what our kernels (kernels/cuda*.py) use of CUDA.
+// A block's threads are fibers on one CPU thread, __syncthreads and a warp's shuffles and
+// ballots are barriers between them, atomics are std::atomic_ref. Blocks run one after
 // another, so __shared__ (a static here) is the running block's. It checks what a kernel
 // computes; not its speed, nor a race the GPU's weaker memory ordering would expose, nor the
-// GPU's own arithmetic (flush-to-zero, the last bit of expf).
+// GPU's own arithmetic (flush-to-zero, the last bit of expf). x86-64 only (the fiber switch).
 #pragma once
 #include <math.h>
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <thread>
+#include <cstdint>
 #include <vector>
 
 struct dim3 { unsigned int x = 1, y = 1, z = 1; };
 struct float4 { float x, y, z, w; };
 struct uint2 { unsigned int x, y; };
-thread_local dim3 threadIdx, blockIdx;
+dim3 threadIdx, blockIdx;  // the running fiber's
 dim3 blockDim, gridDim;
 char* dynamic_shared;  // extern __shared__ arrays point here (cuda_on_cpu.py rewrites them)
 
@@ -29,23 +28,86 @@ char* dynamic_shared;  // extern __shared__ arrays point here (cuda_on_cpu.py re
 #define __shared__ static
 #define __launch_bounds__(threads)
 
-struct Block {
-    std::unique_ptr<std::barrier<>> all;
-    std::vector<std::unique_ptr<std::barrier<>>> warps;
-    std::vector<unsigned long long> lanes;  // each thread's value in a warp's exchange
-    std::atomic<int> any{0};
-};
-Block* block;
+// A block's threads are fibers: each runs on a stack of its own until it waits at a barrier,
+// then hands the CPU to the next (a few instructions: `cuda_on_cpu_switch` below), so a
+// barrier costs no system call and a launch starts no thread. Group 0 is the block's barrier
+// (__syncthreads), group 1 + w warp w's (its shuffles and ballots).
+enum State { RUNNABLE, WAITING, DONE };
+struct Fiber { void* sp; State state; int group; };
+std::vector<Fiber> fibers;
+std::vector<std::unique_ptr<char[]>> stacks;
+std::vector<int> live, arrived;  // per group: its threads still running, and those waiting at its barrier
+std::vector<unsigned long long> lanes;  // each thread's value in a warp's exchange
+void* scheduler_sp;
+int running;
+std::function<void()>* kernel;
+constexpr size_t STACK_BYTES = 256 * 1024;
 
-inline void __syncthreads() { block->all->arrive_and_wait(); }
+// saves the callee-saved registers and the stack pointer in *from, and resumes the fiber whose
+// stack pointer is to (the x86-64 System V ABI: what a function call must preserve)
+extern "C" void cuda_on_cpu_switch(void** from, void* to);
+asm(R"(
+.text
+.globl cuda_on_cpu_switch
+.type cuda_on_cpu_switch, @function
+cuda_on_cpu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+)");
 
+inline void release(int g) {  // a barrier whose every live thread has arrived lets them go on
+    if (live[g] > 0 && arrived[g] == live[g]) {
+        arrived[g] = 0;
+        for (auto& f : fibers)
+            if (f.state == WAITING && f.group == g) f.state = RUNNABLE;
+    }
+}
+
+inline void arrive_and_wait(int g) {
+    Fiber& me = fibers[running];
+    me.state = WAITING;
+    me.group = g;
+    arrived[g]++;
+    release(g);
+    if (me.state == WAITING) cuda_on_cpu_switch(&me.sp, scheduler_sp);
+}
+
+[[noreturn]] void fiber_main() {
+    (*kernel)();
+    Fiber& me = fibers[running];
+    me.state = DONE;
+    live[0]--;  // a thread that has returned waits on no barrier
+    live[1 + running / 32]--;
+    release(0);
+    release(1 + running / 32);
+    void* unused;
+    cuda_on_cpu_switch(&unused, scheduler_sp);
+    __builtin_unreachable();
+}
+
+inline void __syncthreads() { arrive_and_wait(0); }
+
+inline int any_flag = 0;
 inline int __syncthreads_or(int p) {
     __syncthreads();
-    if (p) block->any.fetch_or(1);
+    if (p) any_flag = 1;
     __syncthreads();
-    int r = block->any.load();
+    int r = any_flag;
     __syncthreads();
-    if (threadIdx.x == 0) block->any.store(0);  // before anyone's next call passes its first barrier
+    if (threadIdx.x == 0) any_flag = 0;  // before anyone's next call passes its first barrier
     return r;
 }
 
@@ -54,10 +116,10 @@ template <typename T> inline T exchange(T v, int from) {
     int warp = threadIdx.x / 32;
     unsigned long long bits = 0;
     std::memcpy(&bits, &v, sizeof(T));
-    block->lanes[threadIdx.x] = bits;
-    block->warps[warp]->arrive_and_wait();
-    bits = block->lanes[warp * 32 + from];
-    block->warps[warp]->arrive_and_wait();
+    lanes[threadIdx.x] = bits;
+    arrive_and_wait(1 + warp);
+    bits = lanes[warp * 32 + from];
+    arrive_and_wait(1 + warp);
     T r;
     std::memcpy(&r, &bits, sizeof(T));
     return r;
@@ -96,28 +158,44 @@ inline int __ffs(unsigned int x) { return __builtin_ffs(x); }
 using std::max;
 using std::min;
 
-// the kernel call f over a grid of gx blocks of bx threads, with shmem bytes of dynamic shared memory
-void launch(int gx, int bx, int shmem, std::function<void()> f) {
+// the kernel call f over a grid of gx blocks of bx threads, with shmem bytes of dynamic shared
+// memory; returns 0, or 1 where the block's threads all wait at barriers that can never open
+int launch(int gx, int bx, int shmem, std::function<void()> f) {
     std::vector<char> shared(shmem + 16);  // never empty: a kernel without any still gets a pointer
     dynamic_shared = shared.data();
     blockDim.x = bx;
     gridDim.x = gx;
+    kernel = &f;
+    while ((int)stacks.size() < bx) stacks.push_back(std::make_unique<char[]>(STACK_BYTES));
+    lanes.assign(bx, 0);
     for (int b = 0; b < gx; b++) {
-        Block one;
-        one.all = std::make_unique<std::barrier<>>(bx);
-        for (int w = 0; w * 32 < bx; w++)
-            one.warps.push_back(std::make_unique<std::barrier<>>(std::min(32, bx - w * 32)));
-        one.lanes.assign(bx, 0);
-        block = &one;
-        std::vector<std::thread> threads;
-        for (int t = 0; t < bx; t++)
-            threads.emplace_back([&, t, b] {
+        blockIdx.x = b;
+        fibers.assign(bx, Fiber{nullptr, RUNNABLE, 0});
+        int warps = (bx + 31) / 32;
+        live.assign(1 + warps, 0);
+        arrived.assign(1 + warps, 0);
+        live[0] = bx;
+        for (int t = 0; t < bx; t++) {
+            live[1 + t / 32]++;
+            // a fresh stack that "returns" into fiber_main, 16-byte aligned as a call leaves it
+            auto top = (void**)(((uintptr_t)stacks[t].get() + STACK_BYTES) & ~(uintptr_t)15);
+            top[-1] = nullptr;
+            top[-2] = (void*)&fiber_main;
+            for (int r = 3; r <= 8; r++) top[-r] = nullptr;  // the six saved registers
+            fibers[t].sp = top - 8;
+        }
+        for (int done = 0; done < bx;) {
+            bool ran = false;
+            for (int t = 0; t < bx; t++) {
+                if (fibers[t].state != RUNNABLE) continue;
+                running = t;
                 threadIdx.x = t;
-                blockIdx.x = b;
-                f();
-                block->warps[t / 32]->arrive_and_drop();  // a thread that has returned waits on no barrier
-                block->all->arrive_and_drop();
-            });
-        for (auto& thread : threads) thread.join();
+                cuda_on_cpu_switch(&scheduler_sp, fibers[t].sp);
+                ran = true;
+                done += fibers[t].state == DONE;
+            }
+            if (!ran) return 1;
+        }
     }
+    return 0;
 }

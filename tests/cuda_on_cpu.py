@@ -1,17 +1,19 @@
 """Our GPU kernels run on a CPU: CuPy's few functions the kernels' Python calls, played by
 NumPy, and RawModule's CUDA C compiled by g++ against cuda_on_cpu.h (a block's threads as
-std::threads). A machine without a GPU (CI) checks each kernel's numbers against NumPy with
-it, as tests/test_cuda_kernels.py does on a GPU; it cannot see speed, nor races that the
-GPU's weaker memory ordering alone would expose, nor the GPU's arithmetic where it differs
-(flush-to-zero, fused multiply-adds, the last bit of expf). It is lenient where a GPU is
-undefined or strict: a lane that has returned still answers a shuffle, shared memory starts
-zeroed, and no launch limit (threads, registers, 48 KiB of shared memory) is checked."""
+fibers: each runs until it waits at a barrier). A machine without a GPU (CI) checks each
+kernel's numbers against NumPy with it, as tests/test_cuda_kernels.py does on a GPU; it
+cannot see speed, nor races that the GPU's weaker memory ordering alone would expose, nor the
+GPU's arithmetic where it differs (flush-to-zero, fused multiply-adds, the last bit of expf).
+A block whose threads all wait at barriers that cannot open fails its launch, as a GPU would
+hang. It is lenient where a GPU is undefined or strict: a lane that has returned still
+answers a shuffle, shared memory starts zeroed, and no launch limit (threads, registers,
+48 KiB of shared memory) is checked."""
 import ctypes
 import functools
 import hashlib
 import os
+import platform
 import re
-import resource
 import shutil
 import subprocess
 import tempfile
@@ -22,19 +24,18 @@ import numpy as np
 
 HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_on_cpu.h")
 BUILD = os.path.join(tempfile.gettempdir(), "gpt2-cuda-on-cpu")
-TIMEOUT_S = 300  # a launch here takes seconds
+TIMEOUT_S = 300  # a launch here takes up to seconds
 
 
 def unavailable():
-    """Why the kernels cannot run here (no C++20 compiler, too few threads allowed), or None."""
+    """Why the kernels cannot run here (not x86-64, no C++20 compiler), or None."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the fibers' switch is x86-64 assembly, this is {platform.machine()}"
     if shutil.which("g++") is None:
         return "g++ is not installed"
-    threads = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-    if threads != resource.RLIM_INFINITY and threads < 4096:  # a block's 1024, beside the user's other threads
-        return f"this user may start {threads} threads (ulimit -u), a block takes up to 1024"
-    probe = subprocess.run(["g++", "-std=c++20", "-fsyntax-only", "-x", "c++", "-"], input="#include <barrier>\n",
-                           capture_output=True, text=True)
-    return f"g++ lacks C++20's <barrier>: {probe.stderr.strip()[:200]}" if probe.returncode else None
+    probe = subprocess.run(["g++", "-std=c++20", "-fsyntax-only", "-x", "c++", "-"],
+                           input="#include <atomic>\nint i; std::atomic_ref<int> r(i);\n", capture_output=True, text=True)
+    return f"g++ lacks C++20's std::atomic_ref: {probe.stderr.strip()[:200]}" if probe.returncode else None
 
 
 class Device:
@@ -119,9 +120,9 @@ class RawModule:
     def __init__(self, code):
         code = for_cpu(code)
         self.params = kernels(code)
-        launchers = [f'extern "C" void launch_{name}(int gx, int bx, int shmem, '
+        launchers = [f'extern "C" int launch_{name}(int gx, int bx, int shmem, '
                      + ", ".join(f"{t} {n}" for t, n in params)
-                     + f") {{ launch(gx, bx, shmem, [=] {{ {name}({', '.join(n for _, n in params)}); }}); }}"
+                     + f") {{ return launch(gx, bx, shmem, [=] {{ {name}({', '.join(n for _, n in params)}); }}); }}"
                      for name, params in self.params.items()]
         source = f'#include "{HEADER}"\n{code}\n' + "\n".join(launchers) + "\n"
         self.lib = ctypes.CDLL(compiled(source))
@@ -130,18 +131,21 @@ class RawModule:
         params = self.params[name]
         function = getattr(self.lib, f"launch_{name}")
         function.argtypes = [ctypes.c_int] * 3 + [ctype(t) for t, _ in params]
+        function.restype = ctypes.c_int
 
         def call(grid, block, args, shared_mem=0):
             assert len(grid) == len(block) == 1 and len(args) == len(params), (name, grid, block, len(args))
             values = [pointer(a) if "*" in t else (a.item() if hasattr(a, "item") else a)
                       for (t, _), a in zip(params, args)]
-            # in a thread of its own, so that a kernel whose barrier waits forever (a bug that would
-            # hang a GPU too) fails its test instead of hanging the suite
-            launch = threading.Thread(target=function, args=(int(grid[0]), int(block[0]), int(shared_mem), *values),
-                                      daemon=True)
+            # in a thread of its own, so that a kernel that loops forever (a bug that would hang a GPU
+            # too) fails its test instead of hanging the suite
+            stuck = []
+            launch = threading.Thread(target=lambda: stuck.append(function(
+                int(grid[0]), int(block[0]), int(shared_mem), *values)), daemon=True)
             launch.start()
             launch.join(TIMEOUT_S)
-            assert not launch.is_alive(), f"kernel {name} still runs after {TIMEOUT_S} s: a barrier or loop never ends"
+            assert not launch.is_alive(), f"kernel {name} still runs after {TIMEOUT_S} s: a loop never ends"
+            assert stuck == [0], f"kernel {name}: a block's threads all wait at barriers that can never open"
         return call
 
 

@@ -1,6 +1,6 @@
 """Our GPU kernels (kernels/cuda_matmul.py, cuda_ops.py, cuda_sampling.py), each against
 NumPy: on a GPU where there is one, and on a CPU always (tests/cuda_on_cpu.py compiles their
-CUDA C with g++, a block's threads as CPU threads), so a machine without a GPU, CI included,
+CUDA C with g++, a block's threads as fibers), so a machine without a GPU, CI included,
 checks what every kernel computes. Only a GPU shows their speed and the races its memory
 ordering allows (tests/test_cupy.py runs them there end to end)."""
 import functools
