@@ -28,8 +28,8 @@ fi
   python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -k on-gpu
 } 2>&1 | tee "$out/tests-kernels.txt" | tail -25
-# the end-to-end GPU tests on CuPy's own operations (the default), and the recorded steps' bookkeeping
-timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cupy.py tests/test_cuda_graphs.py 2>&1 \
+# the end-to-end GPU tests on CuPy's own operations (the default), and the recorded steps (not their CPU runs)
+timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cupy.py tests/test_cuda_graphs.py -k "not on-cpu" 2>&1 \
     | tee "$out/tests.txt" | tail -25
 # every end-to-end GPU test again, through our kernels, recorded steps and sampling on the device
 GPT2_GPU_KERNELS=1 timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_cupy.py 2>&1 \

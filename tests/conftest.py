@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny GPT-2 of ../shared (copied into tests/fixtures) laid out as models dirs."""
+"""Shared fixtures: the tiny GPT-2 of ../shared (copied into tests/fixtures) laid out as models dirs, and
+CuPy on a GPU or played on the CPU (`cupy`)."""
 import os
 import shutil
 import sys
@@ -10,6 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 
+import cuda_on_cpu  # noqa: E402
 from kernels import rowwise  # noqa: E402
 import utils  # noqa: E402
 
@@ -49,3 +51,27 @@ def tiny(models_dir):
 @pytest.fixture(scope="session")
 def reference():
     return dict(np.load(fixture_path("tiny-reference.npz")))
+
+
+@pytest.fixture(params=["on-gpu", "on-cpu"])
+def cupy(request, monkeypatch):
+    """CuPy on a GPU, or the CPU's stand-in (cuda_on_cpu.py: our kernels' CUDA C compiled for
+    the CPU) as `import cupy` gives it: the tests of kernels/cuda*.py run on both."""
+    if request.param == "on-gpu":
+        cupy = pytest.importorskip("cupy")
+        try:
+            cupy.cuda.runtime.getDeviceCount()
+        except Exception as e:  # CuPy installed, but no driver or GPU
+            pytest.skip(f"no CUDA GPU: {e}")
+    else:
+        why = cuda_on_cpu.unavailable()
+        if why:
+            pytest.skip(f"CUDA C cannot run on this CPU: {why}")
+        cupy = cuda_on_cpu.cupy()
+        monkeypatch.setitem(sys.modules, "cupy", cupy)
+    from kernels import cuda
+    cuda.module.cache_clear()  # compiled for one or the other
+    cuda.function.cache_clear()
+    yield cupy
+    cuda.module.cache_clear()
+    cuda.function.cache_clear()

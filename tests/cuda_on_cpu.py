@@ -8,6 +8,7 @@ A block whose threads all wait at barriers that cannot open fails its launch, as
 hang. It is lenient where a GPU is undefined or strict: a lane that has returned still
 answers a shuffle, shared memory starts zeroed, and no launch limit (threads, registers,
 48 KiB of shared memory) is checked."""
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -38,9 +39,16 @@ def unavailable():
     return f"g++ lacks C++20's std::atomic_ref: {probe.stderr.strip()[:200]}" if probe.returncode else None
 
 
-class Device:
+recording = None  # the graph a stream is recording: what replay runs, in order (None: not recording)
+
+
+class Device(np.lib.mixins.NDArrayOperatorsMixin):
     """A device array: NumPy's memory, but not a NumPy array, so that our kernels' wrappers
-    (whose NumPy branch is the CPU's stand-in) launch the kernels on it."""
+    (whose NumPy branch is the CPU's stand-in) launch the kernels on it. NumPy's functions and
+    operators take it over as CuPy's arrays do (NEPs 13 and 18) and give device arrays; the host
+    sees its values only when it asks (get, tolist, int(x)), never implicitly, as with CuPy.
+    While a stream records (Stream.begin_capture), each operation is kept for replay; as on a
+    GPU, kernels and writes into existing memory do not run then, and the host cannot read."""
 
     def __init__(self, a):
         self.a = a
@@ -52,40 +60,172 @@ class Device:
     size = property(lambda self: self.a.size)
     ndim = property(lambda self: self.a.ndim)
     flags = property(lambda self: self.a.flags)
+    nbytes = property(lambda self: self.a.nbytes)
+    data = property(lambda self: types.SimpleNamespace(ptr=self.a.__array_interface__["data"][0]))
+    T = property(lambda self: operation(np.transpose, (self,), {}))
 
-    def reshape(self, *shape):
-        return Device(self.a.reshape(*shape))
+    def __array__(self, *args, **kwargs):  # CuPy's words
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct a "
+                        "NumPy array explicitly.")
 
-    def transpose(self, *axes):
-        return Device(self.a.transpose(*axes))
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if recording is not None and ufunc is np.matmul:
+            raise RuntimeError("cuBLAS cannot be recorded into a CUDA graph by CuPy (cupy issue 6290)")
+        return operation(getattr(ufunc, method), inputs, kwargs)
 
-    def astype(self, dtype, copy=True):
-        return Device(self.a.astype(dtype, copy=copy))
+    def __array_function__(self, func, types_, args, kwargs):
+        if recording is not None and func in (np.dot, np.einsum, np.tensordot, np.inner, np.vdot, np.matmul):
+            raise RuntimeError("cuBLAS cannot be recorded into a CUDA graph by CuPy (cupy issue 6290)")
+        kwargs = {k: v for k, v in kwargs.items() if k != "like"}
+        return operation(func, args, kwargs, in_place=func in (np.copyto, np.put, np.place, np.fill_diagonal))
+
+    def __getattr__(self, name):  # the methods: x.sum(), x.copy(), x.swapaxes(...)
+        if name == "a" or not callable(getattr(np.ndarray, name, None)):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: operation(lambda a, *rest, **kw: getattr(a, name)(*rest, **kw), (self, *args),
+                                                 kwargs, in_place=name in ("fill", "sort", "put", "resize"))
 
     def __getitem__(self, index):
-        return Device(self.a[index])
+        return operation(lambda a, i: a[i], (self, index), {})
+
+    def __setitem__(self, index, value):
+        operation(lambda a, i, v: a.__setitem__(i, v), (self, index, value), {}, in_place=True)
 
     def __iter__(self):
-        return (Device(a) for a in self.a)
+        return (self[i] for i in range(len(self)))
+
+    def __len__(self):
+        return len(self.a)
+
+    def __repr__(self):
+        return f"Device({self.a!r})"
+
+    def read(self):
+        """The values, to the host: the host waits for the device, which a recording cannot."""
+        if recording is not None:
+            raise RuntimeError("the host waits for the device's values while a stream records a CUDA graph")
+        return self.a
 
     def get(self):
-        return self.a.copy()
+        return self.read().copy()
+
+    def set(self, values):
+        check_no_host_array((values,))
+        self.a[...] = values
+
+    tolist = lambda self: self.read().tolist()
+    item = lambda self: self.read().item()
+    __int__ = lambda self: int(self.read())
+    __index__ = lambda self: int(self.read())
+    __float__ = lambda self: float(self.read())
+    __bool__ = lambda self: bool(self.read())
 
 
-def host(a):
-    return a.a if isinstance(a, Device) else np.asarray(a)
+def operation(f, args, kwargs, in_place=False):
+    """f's NumPy on the device arrays' memory; while a stream records, also kept for replay (one
+    that writes into memory it did not allocate, only kept: a recording runs nothing)."""
+    check_no_host_array((args, kwargs))
+    if recording is None:
+        return device(f(*host(args), **host(kwargs)))
+    if in_place or "out" in kwargs:
+        recording.append(functools.partial(run_again, f, args, kwargs, None))
+        return device(host(kwargs["out"])) if "out" in kwargs else None
+    result = device(f(*host(args), **host(kwargs)))  # new memory (or a view), so running it now changes nothing
+    recording.append(functools.partial(run_again, f, args, kwargs, result))
+    return result
+
+
+def run_again(f, args, kwargs, result):
+    """A recorded operation at replay: f on the arrays' values now, into the memory it returned."""
+    fresh = f(*host(args), **host(kwargs))
+    for r, v in zip(leaves(result), leaves(fresh)):
+        if isinstance(r, Device) and r.a.flags.writeable and r.a is not v:
+            r.a[...] = v
+
+
+def check_no_host_array(tree):
+    """A host array in a device operation is copied to the device: a copy a recording cannot hold."""
+    if recording is not None and any(isinstance(a, np.ndarray) and a.ndim for a in leaves(tree)):
+        raise RuntimeError("a host array is copied to the device while a stream records a CUDA graph")
+
+
+def leaves(tree):
+    if isinstance(tree, (tuple, list)):
+        return [leaf for t in tree for leaf in leaves(t)]
+    if isinstance(tree, dict):
+        return [leaf for t in tree.values() for leaf in leaves(t)]
+    return [tree]
+
+
+def device(tree):
+    """NumPy's results as device arrays (a reduction's scalar as a 0-d array, as CuPy gives it)."""
+    if isinstance(tree, (np.ndarray, np.generic)):
+        return Device(np.asarray(tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(device(t) for t in tree)
+    return tree
+
+
+def host(tree):
+    if isinstance(tree, Device):
+        return tree.a
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(host(t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: host(v) for k, v in tree.items()}
+    return tree
+
+
+def copy_to_device(a, dtype=None, contiguous=False):
+    """cupy.asarray / ascontiguousarray: a host array's copy (not while recording), or a device
+    array as it is where it already is what is asked, else its converted copy."""
+    if isinstance(a, Device):
+        if (dtype is None or a.dtype == dtype) and (not contiguous or a.flags.c_contiguous):
+            return a
+        return operation(lambda x: np.array(x, dtype=dtype, order="C"), (a,), {})
+    check_no_host_array((a,))
+    return Device(np.array(a, dtype=dtype, order="C" if contiguous else "K"))
+
+
+class Stream:
+    """cupy.cuda.Stream: one stream here; begin_capture starts a recording, end_capture
+    returns it as a graph whose launch() replays it."""
+
+    def __init__(self, non_blocking=False):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def begin_capture(self):
+        global recording
+        assert recording is None, "a stream already records"
+        recording = []
+
+    def end_capture(self):
+        global recording
+        graph, recording = recording, None
+        return types.SimpleNamespace(launch=lambda: [run() for run in graph])
 
 
 def cupy():
-    """A module standing in for cupy: what kernels/cuda*.py call of it."""
+    """A module standing in for cupy: what the model, the decoders and kernels/cuda*.py call of it."""
     module = types.ModuleType("cupy")
+    cuda = types.SimpleNamespace(
+        Stream=Stream, MemoryPool=lambda: types.SimpleNamespace(malloc=None),
+        using_allocator=lambda malloc: contextlib.nullcontext(),
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+        memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
     module.__dict__.update(
-        RawModule=RawModule, ndarray=Device, asnumpy=lambda a: host(a).copy(),
-        asarray=lambda a, dtype=None: Device(np.array(host(a), dtype=dtype)),
-        ascontiguousarray=lambda a, dtype=None: Device(np.ascontiguousarray(host(a), dtype=dtype)),
+        RawModule=RawModule, ndarray=Device, cuda=cuda, asnumpy=lambda a: a.get() if isinstance(a, Device) else a,
+        asarray=lambda a, dtype=None: copy_to_device(a, dtype),
+        ascontiguousarray=lambda a, dtype=None: copy_to_device(a, dtype, contiguous=True),
         empty=lambda shape, dtype=np.float32: Device(garbage(shape, dtype)),
-        empty_like=lambda a: Device(garbage(a.shape, a.dtype)), zeros=lambda shape, dtype=np.float32: Device(
-            np.zeros(shape, dtype)))
+        empty_like=lambda a: Device(garbage(a.shape, a.dtype)),
+        zeros=lambda shape, dtype=np.float32: operation(np.zeros, (shape, dtype), {}))
     return module
 
 
@@ -135,18 +275,26 @@ class RawModule:
 
         def call(grid, block, args, shared_mem=0):
             assert len(grid) == len(block) == 1 and len(args) == len(params), (name, grid, block, len(args))
-            values = [pointer(a) if "*" in t else (a.item() if hasattr(a, "item") else a)
+            values = [pointer(a) if "*" in t else (a.item() if isinstance(a, np.generic) else a)
                       for (t, _), a in zip(params, args)]
-            # in a thread of its own, so that a kernel that loops forever (a bug that would hang a GPU
-            # too) fails its test instead of hanging the suite
-            stuck = []
-            launch = threading.Thread(target=lambda: stuck.append(function(
-                int(grid[0]), int(block[0]), int(shared_mem), *values)), daemon=True)
-            launch.start()
-            launch.join(TIMEOUT_S)
-            assert not launch.is_alive(), f"kernel {name} still runs after {TIMEOUT_S} s: a loop never ends"
-            assert stuck == [0], f"kernel {name}: a block's threads all wait at barriers that can never open"
+            if recording is not None:  # a node of the graph: run at replay, on these pointers and values
+                recording.append(functools.partial(run, name, function, grid, block, shared_mem, values, args))
+            else:
+                run(name, function, grid, block, shared_mem, values)
         return call
+
+
+def run(name, function, grid, block, shared_mem, values, keep=()):
+    """A launch, in a thread of its own, so that a kernel that loops forever (a bug that would hang a
+    GPU too) fails its test instead of hanging the suite. keep: the arrays it points into (a
+    recorded launch keeps them alive, as a graph's memory pool does)."""
+    stuck = []
+    launch = threading.Thread(target=lambda: stuck.append(function(
+        int(grid[0]), int(block[0]), int(shared_mem), *values)), daemon=True)
+    launch.start()
+    launch.join(TIMEOUT_S)
+    assert not launch.is_alive(), f"kernel {name} still runs after {TIMEOUT_S} s: a loop never ends"
+    assert stuck == [0], f"kernel {name}: a block's threads all wait at barriers that can never open"
 
 
 def pointer(a):

@@ -2,14 +2,17 @@
 compiles (NVRTC is a library: no GPU needed, only CuPy), and the recorded step's
 bookkeeping (its buffers, positions and padding, a graph per shape, rows joining and
 leaving, speculative verification) gives what the eager path gives, with NumPy standing
-in for the device (layout.device_layout(params, numpy)). tests/test_cupy.py checks the
-kernels themselves, and replay against eager, on a GPU."""
+in for the device (layout.device_layout(params, numpy)). Then the whole step on a device
+(the `cupy` fixture: a GPU, or our kernels run on the CPU with CUDA graphs recorded and
+replayed as a GPU would, tests/cuda_on_cpu.py): the CPU's logits and text, and replay equal
+to eager bit for bit."""
 import sys
 
 import numpy as np
 import pytest
 
 import batching
+import cuda_on_cpu
 import kv_cache
 import sampling
 import speculative
@@ -159,3 +162,110 @@ def test_main_with_backend_cupy_runs_our_layout_end_to_end_on_a_numpy_stand_in(m
                     "--temperature", "0", "--n_tokens_to_generate", "20", "--backend", "cupy"])
     assert rc == 0 and "greedy texts identical: yes" in capsys.readouterr().out
     assert (1, 1) in steps and any(T > 1 for _, T in steps)  # decode steps and verifications went through it
+
+
+V = 512  # the vocabulary of the device's tests: the emulation runs the 50,257-wide head in seconds
+SMALL_PROMPTS = [[t % V for t in p] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def small(tiny):
+    """(hparams, plain params) of the tiny GPT-2 cut to its first V tokens."""
+    _, hparams, params = tiny
+    plain = layout.plain_layout(params)
+    return dict(hparams, n_vocab=V), dict(plain, wte=np.ascontiguousarray(np.asarray(plain["wte"])[:V]))
+
+
+def on_device(cupy, small, dtype="float32"):
+    hparams, params = small
+    return layout.device_layout(params, cupy, dtype), hparams
+
+
+def test_recorded_steps_on_the_device_give_the_cpus_logits(cupy, small):
+    """12 steps of three rows, replayed from the third: logits within 1e-4 of the CPU's pass."""
+    hparams, params = small
+    model = on_device(cupy, small)
+    texts = [list(p) for p in SMALL_PROMPTS]
+    cpu = kv_cache.init_cache(hparams, 3, hparams["n_ctx"], like=params["wpe"])
+    gpu = kv_cache.init_cache(hparams, 3, hparams["n_ctx"], like=model[0]["wpe"])
+    for _ in range(12):
+        want = kv_cache.next_logits((params, hparams), cpu, texts)
+        got = kv_cache.next_logits(model, gpu, texts)
+        np.testing.assert_allclose(cupy.asnumpy(got), want, atol=1e-4, rtol=0)
+        for text, token in zip(texts, want[:, -1].argmax(-1)):
+            text.append(int(token))
+    assert any(shaped["replay"] is not None for shaped in gpu["graphs"].values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_replayed_step_on_the_device_is_the_eager_step_bit_for_bit(cupy, small, dtype):
+    """The same steps on two caches: one records its shapes and replays them, the other runs
+    every step eagerly through the same kernels. Rows join (a third prompt) and leave."""
+    hparams, _ = small
+    model = on_device(cupy, small, dtype)
+    texts = [list(p) for p in SMALL_PROMPTS]
+    replayed, eager = (kv_cache.init_cache(hparams, 3, hparams["n_ctx"], like=model[0]["wpe"]) for _ in range(2))
+    for step in range(10):
+        rows = 2 if 3 <= step < 6 else 3  # the last row leaves for three steps and comes back
+        got = kv_cache.next_logits(model, kv_cache.rows(replayed, 0, rows), texts[:rows])
+        want = kv_cache.next_logits(model, kv_cache.rows(eager, 0, rows), texts[:rows])
+        for shaped in eager["graphs"].values():
+            shaped["uses"] = 0  # never recorded: eager every time
+        assert np.array_equal(cupy.asnumpy(got), cupy.asnumpy(want)), step
+        for text, token in zip(texts, cupy.asnumpy(want[:, -1].argmax(-1))):
+            text.append(int(token))
+    assert any(shaped["replay"] is not None for shaped in replayed["graphs"].values())
+    assert all(shaped["replay"] is None for shaped in eager["graphs"].values())
+
+
+@pytest.mark.parametrize("K", [0, 4])
+def test_greedy_text_on_the_device_equals_the_cpus(cupy, small, K):
+    """Plain greedy (K = 0) and speculative greedy through our kernels' recorded steps give the
+    NumPy path's text; 40 tokens on n_ctx 64 restart every row's window."""
+    hparams, params = small
+    want = generate(params, hparams, 40, prompts=SMALL_PROMPTS)
+    model = on_device(cupy, small)
+    if K == 0:
+        assert generate(model[0], hparams, 40, prompts=SMALL_PROMPTS) == want
+    else:
+        draft = speculative.model_drafter((dict(model[0], blocks=model[0]["blocks"][:1]), dict(hparams, n_layer=1)))
+        got, stats = speculative.speculative_generate(batching.requests(SMALL_PROMPTS, 40, GREEDY, 0), model, draft,
+                                                      speculative.SpeculativeConfig(K=K))
+        assert got == want and 0 < stats.acceptance_rate < 1
+
+
+def test_sampled_text_on_the_device_equals_the_cpus(cupy, small, monkeypatch):
+    """main.py's way of sampling with a repetition penalty: the penalty in CuPy's operations,
+    then top-k, top-p and the draw in kernels/cuda_sampling.py, the same seed as the CPU's."""
+    monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
+    hparams, params = small
+    model = on_device(cupy, small)
+    assert generate(model[0], hparams, 20, SAMPLED, seed=7, prompts=SMALL_PROMPTS) == \
+        generate(params, hparams, 20, SAMPLED, seed=7, prompts=SMALL_PROMPTS)
+
+
+def test_the_cpus_recording_runs_nothing_and_replays_the_device_arrays_of_now(monkeypatch):
+    """The emulation holds what a GPU's recording holds: a recorded launch runs at replay, on
+    the arrays' values then; a host value read or a host array copied while recording fails."""
+    if cuda_on_cpu.unavailable():
+        pytest.skip(cuda_on_cpu.unavailable())
+    cupy = cuda_on_cpu.cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    cuda.module.cache_clear()  # compiled for the CPU (a GPU's may be there)
+    cuda.function.cache_clear()
+    w, b = cupy.asarray(np.eye(3, 16, dtype=np.float32)), cupy.asarray(np.zeros(3, np.float32))
+    x = cupy.asarray(np.ones((1, 16), np.float32))
+
+    def forward():
+        return cuda_matmul.launch(x, w, b, gelu=False) * 2.0 + 1.0  # [1, 3]
+    eager = cupy.asnumpy(forward())
+    replay, out, _ = cuda_graphs.record(forward, forward())
+    x.set(np.full((1, 16), 3.0, np.float32))
+    assert np.array_equal(eager, [[3.0, 3.0, 3.0]]) and not np.array_equal(cupy.asnumpy(out), eager)
+    replay()
+    assert np.array_equal(cupy.asnumpy(out), [[7.0, 7.0, 7.0]])  # the new x, into the same output
+    for wrong in (lambda: x + float(x.sum()), lambda: x + np.ones(16, np.float32), lambda: x @ w.T):
+        with pytest.raises(RuntimeError, match="records|recorded"):
+            cuda_graphs.record(wrong, x)
+    cuda.module.cache_clear()
+    cuda.function.cache_clear()

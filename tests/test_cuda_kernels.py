@@ -4,37 +4,13 @@ CUDA C with g++, a block's threads as fibers), so a machine without a GPU, CI in
 checks what every kernel computes. Only a GPU shows their speed and the races its memory
 ordering allows (tests/test_cupy.py runs them there end to end)."""
 import functools
-import sys
 
 import numpy as np
 import pytest
 
-import cuda_on_cpu
 import gpt2
 import sampling
-from kernels import cuda, cuda_matmul, cuda_ops, cuda_sampling, layout
-
-
-@pytest.fixture(params=["on-gpu", "on-cpu"])
-def cupy(request, monkeypatch):
-    """CuPy on a GPU, or the CPU's stand-in (cuda_on_cpu.py) as `import cupy` gives it."""
-    if request.param == "on-gpu":
-        cupy = pytest.importorskip("cupy")
-        try:
-            cupy.cuda.runtime.getDeviceCount()
-        except Exception as e:  # CuPy installed, but no driver or GPU
-            pytest.skip(f"no CUDA GPU: {e}")
-    else:
-        why = cuda_on_cpu.unavailable()
-        if why:
-            pytest.skip(f"CUDA C cannot run on this CPU: {why}")
-        cupy = cuda_on_cpu.cupy()
-        monkeypatch.setitem(sys.modules, "cupy", cupy)
-    cuda.module.cache_clear()  # compiled for one or the other
-    cuda.function.cache_clear()
-    yield cupy
-    cuda.module.cache_clear()
-    cuda.function.cache_clear()
+from kernels import cuda_matmul, cuda_ops, cuda_sampling, layout
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])

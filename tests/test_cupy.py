@@ -1,11 +1,12 @@
 """The CuPy backend: the same code on a GPU gives the NumPy path's logits, text and
-speculative decisions. Skipped where CuPy or a GPU is missing (CI has neither)."""
+speculative decisions. Skipped where CuPy or a GPU is missing (CI has neither); with
+GPT2_GPU_KERNELS=1 every test runs through our kernels. Their recorded steps are checked on
+a GPU and on the CPU's emulation of one in tests/test_cuda_graphs.py."""
 import numpy as np
 import pytest
 
 import batching
 import gpt2
-import kv_cache
 import sampling
 import speculative
 import utils
@@ -57,54 +58,6 @@ def test_weights_live_on_the_gpu(both, kernels):
     assert len(matrices) == (4 * hparams["n_layer"] if kernels else 0)
     arrays = [w for w in leaves if not isinstance(w, cuda_matmul.Matrix)] + matrices
     assert all(isinstance(w, cupy.ndarray) and w.dtype == np.float32 for w in arrays)
-
-
-def test_recorded_steps_give_the_cpus_logits(both):
-    """12 steps of three rows, replayed from the third: logits within 1e-4 of the CPU's pass."""
-    hparams, params, _ = both
-    ours = (layout.to_backend(params, "cupy", kernels=True), hparams)
-    texts = [list(p) for p in PROMPTS]
-    cpu = kv_cache.init_cache(hparams, 3, hparams["n_ctx"], like=params["wpe"])
-    gpu = kv_cache.init_cache(hparams, 3, hparams["n_ctx"], like=ours[0]["wpe"])
-    for _ in range(12):
-        want = kv_cache.next_logits((params, hparams), cpu, texts)
-        got = kv_cache.next_logits(ours, gpu, texts)
-        np.testing.assert_allclose(cupy.asnumpy(got), want, atol=1e-4, rtol=0)
-        for text, token in zip(texts, want[:, -1].argmax(-1)):
-            text.append(int(token))
-    assert any(shaped["replay"] is not None for shaped in gpu["graphs"].values())
-
-
-@pytest.mark.parametrize("K", [0, 4])
-def test_greedy_text_through_our_kernels_and_graphs_equals_numpy(both, K):
-    """The float32 model in our kernels' layout, steps replayed: plain greedy (K = 0) and
-    speculative greedy give the NumPy path's text."""
-    hparams, params, _ = both
-    ours = layout.to_backend(params, "cupy", kernels=True)
-    want, _ = generate(params, hparams, 40)
-    got, _ = generate(ours, hparams, 40) if K == 0 else spec(ours, hparams, 40, K)
-    assert got == want
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_a_replayed_step_is_the_eager_step_bit_for_bit(both, dtype):
-    """The same steps on two caches: one records its shapes and replays them, the other runs
-    every step eagerly through the same kernels. Rows join (a third prompt) and leave."""
-    hparams, params, _ = both
-    model = (layout.to_backend(params, "cupy", dtype, kernels=True), hparams)
-    texts = [list(p) for p in PROMPTS]
-    replayed, eager = (kv_cache.init_cache(hparams, 3, hparams["n_ctx"], like=model[0]["wpe"]) for _ in range(2))
-    for step in range(10):
-        rows = 2 if 3 <= step < 6 else 3  # the last row leaves for three steps and comes back
-        got = kv_cache.next_logits(model, kv_cache.rows(replayed, 0, rows), texts[:rows])
-        want = kv_cache.next_logits(model, kv_cache.rows(eager, 0, rows), texts[:rows])
-        for shaped in eager["graphs"].values():
-            shaped["uses"] = 0  # never recorded: eager every time
-        assert np.array_equal(cupy.asnumpy(got), cupy.asnumpy(want)), step
-        for text, token in zip(texts, cupy.asnumpy(want[:, -1].argmax(-1))):
-            text.append(int(token))
-    assert any(shaped["replay"] is not None for shaped in replayed["graphs"].values())
-    assert all(shaped["replay"] is None for shaped in eager["graphs"].values())
 
 
 def test_float32_logits_match_numpy_and_the_reference(both, reference):
