@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import gpt2
-from kernels import cuda_graphs, rowwise
+from kernels import cuda_graphs, cuda_ops, rowwise
 
 
 def init_cache(hparams, B, n_slots, like):
@@ -124,7 +124,7 @@ class Pass:
     where: object = None  # where each real token's keys and values go (write_slots)
     S: int = 0  # the slots attention reads
     layer_norm: object = gpt2.layer_norm  # the layer norm of this pass: gpt2's, or the kernels' loop
-    transformer_block: object = gpt2.transformer_block  # gpt2's here (a GPU's static step brings cuda_ops's)
+    transformer_block: object = gpt2.transformer_block  # gpt2's, or a GPU's (cuda_ops's: tails in the products)
     attention: object = None  # the kernels' attention loop attention(q, k, v, positions), or None: attend's NumPy
     attends: object = None  # attend(q, k, v) of each layer, for gpt2.mha (one per cached layer; else repeated)
     parts: list = None  # a packed pass (ride_along): [(Pass, first token, B, T)] of the passes it packs
@@ -135,7 +135,7 @@ def begin_pass(cache, n_new, T, n_logits, like, loops=None):
     the causal mask, where each layer stores its keys and values (with a cache), and which
     positions need logits: row b's last n_logits[b] real tokens, the rest of its
     n_logits.max() entries repeating its last token (n_logits 0: none, the pass only
-    caches). loops: the kernels' (layer_norm, attention) (rowwise.row_ops_for), or None.
+    caches). loops: the kernels' (layer_norm, attention, transformer_block) (kernel_ops), or None.
 
     A worked example: a verify pass for two rows, row 0 with 5 tokens cached and 3 new
     (2 drafts + its last token), row 1 with 2 cached and 1 new; logits at 3 and 1 tokens.
@@ -162,12 +162,22 @@ def begin_pass(cache, n_new, T, n_logits, like, loops=None):
         logits_at=np.clip(at, 0, (n_new - 1).clip(0)[:, None]), n_new=n_new, cache=cache,
         where=write_slots(start, n_new, T) if cache is not None else None, S=S)
     if loops is not None:
-        state.layer_norm, state.attention = loops
+        state.layer_norm, state.attention, state.transformer_block = loops
     if cache is None:  # every layer attends the same way, storing nothing
         state.attends = itertools.repeat(functools.partial(attend, state, None))
     else:
         state.attends = [functools.partial(attend, state, layer) for layer in cache["layers"]]
     return state
+
+
+def kernel_ops(model):
+    """The kernels' (layer_norm, attention, transformer_block) that every pass of this model runs,
+    where its layout has them: the CPU's row kernel (rowwise.row_ops_for) or a GPU's own
+    (cuda_ops.pass_ops). With them a token's keys, values and logits come out the same bits
+    whatever else its pass holds, which chunked prefill and the prefix cache rely on. None
+    elsewhere: gpt2.py's functions and `attend`'s masks."""
+    loops = rowwise.row_ops_for(model)
+    return (*loops, gpt2.transformer_block) if loops is not None else cuda_ops.pass_ops(model)
 
 
 def row_groups(lengths):
@@ -248,8 +258,7 @@ def next_logits(model, cache, texts, n_logits=1, riders=()):
             logits = cuda_graphs.step(model, cache, inputs, n_new, n_logits)  # [B, n, n_vocab]
             cache["lengths"] += n_new  # (advance's work: the step stored the keys and values)
             return logits
-        state = begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wpe"],
-                           loops=rowwise.row_ops_for(model))
+        state = begin_pass(cache, n_new, inputs.shape[1], n_logits, like=params["wpe"], loops=kernel_ops(model))
         if riders:
             inputs, state = ride_along(model, riders, inputs, state)  # [1, B*T + the riders' tokens]
         logits = gpt2.gpt2(inputs, **params, n_head=hparams["n_head"], state=state)  # [B, n, n_vocab]
@@ -304,7 +313,7 @@ def ride_along(model, riders, inputs=None, state=None):
     Pass would (attend_packed). With the kernels a token's outputs do not depend on the
     tokens beside it, so each part comes out the same bits as in a pass of its own."""
     params, hparams = model
-    loops = rowwise.row_ops_for(model)
+    loops = kernel_ops(model)
     parts, tokens = [], []
     if state is not None:
         parts.append((state, 0) + inputs.shape)
@@ -320,7 +329,7 @@ def ride_along(model, riders, inputs=None, state=None):
         logits_at = state.logits_at + T * np.arange(B)[:, None]  # [B, n]: the batch's, counted along N
     packed = Pass(positions=np.concatenate([p.positions.reshape(-1) for p, _, _, _ in parts])[None],  # [1, N]
                   mask=None, groups=[], logits_at=logits_at, n_new=None, parts=parts,  # logits_at [B, n]: in N
-                  layer_norm=parts[0][0].layer_norm)
+                  layer_norm=parts[0][0].layer_norm, transformer_block=parts[0][0].transformer_block)
     packed.attends = [functools.partial(attend_packed, packed, i) for i in range(hparams["n_layer"])]
     return np.concatenate(tokens)[None], packed  # [1, N]
 

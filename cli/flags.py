@@ -8,7 +8,7 @@ import argparse
 import os
 
 import utils
-from kernels import rowwise, weight_formats
+from kernels import layout, rowwise, weight_formats
 
 DTYPES = weight_formats.DTYPES + ("float16",)  # float16: CuPy's
 # the library names its settings; the command line calls some of them differently
@@ -76,12 +76,18 @@ def physical_memory():
         return None
 
 
+def same_bits(args):
+    """Whether every pass runs kernels whose tokens come out the same bits whatever the pass
+    (kv_cache.kernel_ops): the CPU's numba kernels, or a GPU's own (GPT2_GPU_KERNELS=1)."""
+    return layout.gpu_kernels() if args.backend == "cupy" else rowwise.KERNEL == "numba"
+
+
 def prefix_cache_note(args):
     """Why a run keeps no prefix cache where it cannot be exact (None where it can, or is off)."""
-    if (rowwise.KERNEL != "numba" or args.backend == "cupy") and args.prefix_cache_mib:
-        return ("note: no prefix cache without the CPU's numba kernels: a prompt computed in one product is "
-                "rounded by its length, so a copied prefix could change a bit (only the choices of one prompt "
-                "share it)")
+    if not same_bits(args) and args.prefix_cache_mib:
+        return ("note: no prefix cache without the CPU's numba kernels or a GPU's own (GPT2_GPU_KERNELS=1): a "
+                "prompt computed in one product is rounded by its length, so a copied prefix could change a bit "
+                "(only the choices of one prompt share it)")
     return None
 
 
@@ -115,9 +121,10 @@ def prefill_budget(args):
 
 def chunked_prefill_note(args):
     """Why a run computes every prompt whole (None where it chunks them)."""
-    if rowwise.KERNEL != "numba" or args.backend == "cupy":
-        return ("note: prompts run whole (no chunked prefill) without the CPU's numba kernels: a prompt computed "
-                "in chunks is rounded differently from one computed whole, and chunks must not change a bit")
+    if not same_bits(args):
+        return ("note: prompts run whole (no chunked prefill) without the CPU's numba kernels or a GPU's own "
+                "(GPT2_GPU_KERNELS=1): a prompt computed in chunks is rounded differently from one computed whole, "
+                "and chunks must not change a bit")
     return None
 
 

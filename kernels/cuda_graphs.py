@@ -26,10 +26,11 @@ So a step is shaped for it (after vLLM's and gpt-fast's decode graphs):
 The model is gpt2.gpt2 as on the CPU, with a pass (kv_cache.Pass's fields) whose positions
 are a device array and whose attention, layer norm and transformer_block (the same math
 in 8 launches a layer) are cuda_ops's. A pass that does not fit (a prompt: more than
-cuda_matmul.ROWS_MAX tokens; riders; a draft's vocabulary subset) runs through
-kv_cache.begin_pass as on the CPU. With NumPy arrays (`layout.device_layout(params, numpy)`)
-the same code runs on a CPU, replay being a plain call: the tests check the bookkeeping
-there, and a GPU checks the kernels.
+TOKENS_MAX tokens; riders; a draft's vocabulary subset) runs eagerly through
+kv_cache.begin_pass as on the CPU, on the same kernels (cuda_ops.pass_ops), so a token
+comes out the same bits either way. With NumPy arrays (`layout.device_layout(params,
+numpy)`) the same code runs on a CPU, replay being a plain call: the tests check the
+bookkeeping there, and a GPU (or its emulation, tests/cuda_on_cpu.py) checks the kernels.
 """
 import functools
 import types
@@ -39,14 +40,17 @@ import numpy as np
 import gpt2
 from kernels import cuda_matmul, cuda_ops, weights
 
+TOKENS_MAX = 64  # a static step's most tokens: a longer pass (a prompt's) has a shape of its own, run once
+
+
 def fits(model, cache, inputs, riders=()):
     """Whether a pass over inputs [B, T] runs as a static step (`step`): the model in
     layout.device_layout, a cache that keeps graphs (kv_cache.init_cache), no riders, at most
-    ROWS_MAX tokens (B x T: the rows of each product)."""
+    TOKENS_MAX tokens (B x T: the rows of each product)."""
     params = model[0]
     return (cache is not None and cache.get("graphs") is not None and not riders
             and isinstance(params["wte"], weights.Embedding) and isinstance(params["wte"].T, cuda_matmul.Matrix)
-            and inputs.size <= cuda_matmul.ROWS_MAX)
+            and inputs.size <= TOKENS_MAX)
 
 
 def step(model, cache, inputs, n_new, n_logits):

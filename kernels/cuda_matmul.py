@@ -12,9 +12,12 @@ a step: coalesced), multiplies each by every row's inputs there, and keeps one f
 sum per row; at the end the 32 lanes' sums meet in a fixed tree (cuda.warp_sum). So the
 weights are read once for up to ROWS rows, and a row's output is summed in the same order
 whatever rows share the launch: batch invariant, as the CPU's kernels are. More than ROWS
-rows run ROWS at a time (the weights come again, mostly from L2). A product of more than
-ROWS_MAX rows (a pass of more tokens: a prompt) has reuse to exploit, and goes to cuBLAS:
-eager, never in a graph.
+rows run ROWS at a time (the weights come again, mostly from L2), and a block takes at most
+ROWS_BLOCK rows, so a prompt's product spreads over more blocks. Every product of a pass on
+a GPU is this kernel, a prompt's too: a token's output is the same bits whichever pass
+computes it (a prompt whole or in chunks, a step or a verification), which chunked prefill
+and the prefix cache need. The price is a long prompt's speed: cuBLAS would reuse each weight
+across its many rows from shared memory, on tensor cores.
 
 `linear` also does, as each output is stored, what gpt2.py does right after a product (its
 *tail*): the bias, the GELU of the MLP's first layer, the residual add of a block. Apart,
@@ -26,21 +29,24 @@ import gpt2
 from kernels import cuda
 
 ROWS = 8  # rows a warp carries at once: 8 float32 sums a lane
-ROWS_MAX = 64  # rows (a pass's tokens, B x T) this kernel takes; more go to cuBLAS
+ROWS_BLOCK = 64  # rows a block takes: a product of more rows has more blocks
 WARPS = 8  # outputs a block computes (256 threads)
 
-SOURCE = f"#define ROWS {ROWS}\n" + r"""
+SOURCE = f"#define ROWS {ROWS}\n#define ROWS_BLOCK {ROWS_BLOCK}\n" + r"""
 // y[r, j] = tail(sum_k x[r, k] w[j, k]) for r < R: w [n_out, n_in], x [R, n_in], y [R, n_out].
 // The tail is what gpt2.py does next to a product, done as it is stored: + b[j], then gelu (if
-// gelu), then + res[r, j] (if has_res): one launch instead of two to eleven.
+// gelu), then + res[r, j] (if has_res): one launch instead of two to eleven. Block i takes the
+// outputs i % out_blocks (a warp each) of rows ROWS_BLOCK * (i / out_blocks) on.
 template <typename T>
 __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict__ x, const T* __restrict__ b,
                                    const T* res, T* y, int R, int n_in, int n_out, int gelu, int has_res) {
-    int j = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    int warps = blockDim.x / 32, out_blocks = (n_out + warps - 1) / warps;
+    int j = blockIdx.x % out_blocks * warps + threadIdx.x / 32, lane = threadIdx.x % 32;
+    int r_first = blockIdx.x / out_blocks * ROWS_BLOCK, r_end = min(R, r_first + ROWS_BLOCK);
     if (j >= n_out) return;  // the whole warp: no lane is left waiting in a shuffle
     const T* wj = w + (size_t)j * n_in;
-    for (int r0 = 0; r0 < R; r0 += ROWS) {
-        int n = min(ROWS, R - r0);
+    for (int r0 = r_first; r0 < r_end; r0 += ROWS) {
+        int n = min(ROWS, r_end - r0);
         const T* xr = x + (size_t)r0 * n_in;
         float acc[ROWS];
         #pragma unroll
@@ -90,7 +96,7 @@ def matmul(rows, w):
     """rows [n, n_in] @ w.T -> [n, n_out], w [n_out, n_in] in device memory, both of the
     model's dtype. NumPy arrays (the stand-in a CPU tests the GPU's bookkeeping with)
     take NumPy's product."""
-    if isinstance(rows, np.ndarray) or rows.shape[0] > ROWS_MAX:
+    if isinstance(rows, np.ndarray):
         return rows @ w.T  # [n, n_out]
     return launch(rows, w, None)
 
@@ -101,7 +107,7 @@ def linear(x, w, b, gelu=False, residual=None):
     each output is stored); NumPy (the stand-in) runs gpt2.py's own functions."""
     rows = x.reshape(-1, x.shape[-1])  # [n, n_in]
     shape = (*x.shape[:-1], w.stored.shape[0])  # [..., n_out]
-    if isinstance(rows, np.ndarray) or rows.shape[0] > ROWS_MAX:
+    if isinstance(rows, np.ndarray):
         y = gpt2.linear(x, w, b)  # [..., n_out]
         y = gpt2.gelu(y) if gelu else y
         return y if residual is None else residual + y
@@ -120,7 +126,7 @@ def launch(rows, w, b, gelu=False, res=None):
     if b.dtype != w.dtype:  # the kernel reads every array as the weights' dtype
         raise TypeError(f"the bias is {b.dtype}, the weights {w.dtype}: give both one dtype (layout.device_layout does)")
     kernel = cuda.function(SOURCE, "rows_times_columns", w.dtype)
-    blocks = -(-w.shape[0] // WARPS)  # ceil(n_out / WARPS): a warp an output
+    blocks = -(-w.shape[0] // WARPS) * -(-n // ROWS_BLOCK)  # a warp an output, up to ROWS_BLOCK rows a block
     kernel((blocks,), (32 * WARPS,), (w, rows, b, res, out, np.int32(n), np.int32(n_in), np.int32(w.shape[0]),
                                       np.int32(gelu), np.int32(res is not out)))
     return out

@@ -169,22 +169,65 @@ def attend(positions, layer, q, k, v):
     S = ck.shape[2]
     if k.strides != q.strides or v.strides != q.strides or q.strides[3] != q.itemsize:
         raise ValueError("attend takes q, k, v as gpt2.mha makes them: views of one [B, T, 3, H, D] array")
+    if not (ck.flags.c_contiguous and cv.flags.c_contiguous):
+        raise ValueError("attend writes the cache's rows as one contiguous [B, H, S, D] array")
+    strides = tuple(np.int64(s // q.itemsize) for s in q.strides[:3])  # of q, k and v alike, in elements
+    sizes = (np.int32(T), np.int32(H), np.int32(S), np.int32(D))
+    cuda.function(SOURCE, "store_kv", q.dtype)((B * T,), (THREADS,), (k, v, *strides, ck, cv, positions, *sizes))
+    return attend_stored(q, ck, cv, positions, S)  # [B, H, T, D]
+
+
+def attention(q, k, v, positions):
+    """A pass's attention where kv_cache.attend has stored its keys (`attend`'s second half):
+    each query of q [B, H, T, D] over its row's slots 0..positions[b, t] (host [B, T]) of k, v,
+    views [B, H, S', D] of a cache's rows. So a token attends in the same bits in an eager
+    pass (a prompt, a chunk) as in a recorded step. Returns [B, H, T, D]."""
+    if isinstance(q, np.ndarray):
+        out = np.zeros_like(q)  # [B, H, T, D]
+        for b, t in np.ndindex(*positions.shape):
+            p = positions[b, t] + 1
+            out[b, :, t] = gpt2.attention(q[b, :, t, None], k[b, :, :p], v[b, :, :p], np.float32(0.0))[:, 0]
+        return out
+    import cupy
+    B, H, T, D = q.shape
+    S = k.strides[1] // (D * k.itemsize)  # the cache's slots a row, of which k views the first S'
+    if k.strides != v.strides or k.strides != (H * S * D * k.itemsize, S * D * k.itemsize, D * k.itemsize, k.itemsize):
+        raise ValueError("attention reads k, v as views of a cache's rows [B, H, S, D]")
+    if q.strides[3] != q.itemsize:
+        q = cupy.ascontiguousarray(q)
+    positions = cupy.asarray(np.ascontiguousarray(positions, dtype=np.int64))  # [B, T]: the pass's, on the host
+    return attend_stored(q, k, v, positions, S)  # [B, H, T, D]
+
+
+def attend_stored(q, ck, cv, positions, S):
+    """The attention kernel: each query of q [B, H, T, D] over its row's slots of ck, cv
+    ([B, H, S, D] rows) up to positions [B, T] (device; -1 or past S: padding, zeros)."""
+    import cupy
+    B, H, T, D = q.shape
     if D > 256:
         raise ValueError(f"attend holds a query in 256 floats of shared memory: d_head {D} is wider")
     most = 48 * 1024 // 4 - (256 + 32 + 256 * ATTEND_THREADS // 32)  # a block's 48 KiB, less its query and sums
     if S > most:
         raise ValueError(f"attend keeps a row's scores in a block's shared memory: at most {most} slots, not {S}")
-    if not (ck.flags.c_contiguous and cv.flags.c_contiguous):
-        raise ValueError("attend writes the cache's rows as one contiguous [B, H, S, D] array")
-    sb, sh, st = (s // q.itemsize for s in q.strides[:3])
-    strides = (np.int64(sb), np.int64(sh), np.int64(st))  # of q, k and v alike, in elements
+    strides = tuple(np.int64(s // q.itemsize) for s in q.strides[:3])  # of q, in elements
     sizes = (np.int32(T), np.int32(H), np.int32(S), np.int32(D))
-    cuda.function(SOURCE, "store_kv", q.dtype)((B * T,), (THREADS,), (k, v, *strides, ck, cv, positions, *sizes))
     out = cupy.empty((B, T, H, D), q.dtype)  # [B, T, H, D]
     scale = np.float32(1.0 / np.sqrt(D))
     cuda.function(SOURCE, "attend", q.dtype)((B * T * H,), (ATTEND_THREADS,),  # a block a query, S scores shared
                                              (q, *strides, ck, cv, positions, out, *sizes, scale), shared_mem=4 * S)
     return out.transpose(0, 2, 1, 3)  # [B, H, T, D]
+
+
+def pass_ops(model):
+    """(layer_norm, attention, transformer_block) of these kernels for every pass of a model in
+    the GPU's own layout (layout.device_layout, on a GPU): with them and cuda_matmul's products,
+    a token's keys, values and logits are the same bits whatever else its pass holds, a prompt
+    whole or in chunks, a recorded step or an eager pass (chunked prefill and the prefix cache
+    rely on it, as on the CPU: rowwise.row_ops_for). None elsewhere, the NumPy stand-in included."""
+    params = model[0]
+    if isinstance(params["wpe"], np.ndarray) or not isinstance(getattr(params["wte"], "T", None), cuda_matmul.Matrix):
+        return None
+    return layer_norm, attention, transformer_block
 
 
 def attend_reference(positions, layer, q, k, v):

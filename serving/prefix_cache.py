@@ -13,10 +13,11 @@ llama.cpp's `cache_prompt` do this.
 Here it is exact to the bit: with the row kernel every row's numbers are independent of
 what shares its pass, and every pass (a prompt's too: kv_cache.prefill_alone) runs
 attention as the kernels' per-query loop, so a token's keys and values come out bitwise
-the same whichever request, pass or batch computed them. A request served from the cache
-gets the very logits, logprobs and text it would have computed itself. Without that loop
-(the NumPy fallback) the cache is off (`exact`), and only the choices of one prompt share
-it (their passes would be identical).
+the same whichever request, pass or batch computed them (on a GPU, its own kernels do the
+same: kv_cache.kernel_ops). A request served from the cache gets the very logits, logprobs
+and text it would have computed itself. Without such kernels (the NumPy fallback, CuPy's
+own operations) the cache is off (`exact`), and only the choices of one prompt share it
+(their passes would be identical).
 
 Storage: a text's first BLOCK tokens, its next BLOCK, ... each block stored once, its keys
 and values copied out of a row of the batch's cache as [n_layer, 2, n_head, BLOCK, d_head]
@@ -62,11 +63,19 @@ def pool(cache, caches):
     frees, and the OS backs a slot's pages only once it is first written."""
     if cache["pool"] is None:
         n = cache["budget"] // block_bytes(caches)
-        cache["pool"] = {name: in_large_pages((n, len(kv["layers"]), 2, kv["layers"][0]["k"].shape[1], BLOCK,
-                                               kv["layers"][0]["k"].shape[3]), kv["layers"][0]["k"].dtype)
+        cache["pool"] = {name: allocate((n, len(kv["layers"]), 2, kv["layers"][0]["k"].shape[1], BLOCK,
+                                         kv["layers"][0]["k"].shape[3]), kv["layers"][0]["k"])
                          for name, kv in caches.items()}
         cache["free"], cache["block_bytes"] = list(range(n - 1, -1, -1)), block_bytes(caches)
     return cache["pool"]
+
+
+def allocate(shape, like):
+    """The blocks' memory beside the KV cache like: a GPU's (where the copies in and out stay),
+    or the host's, in large pages."""
+    if isinstance(like, np.ndarray):
+        return in_large_pages(shape, like.dtype)
+    return np.empty(shape, like.dtype, like=like)
 
 
 def in_large_pages(shape, dtype):

@@ -43,7 +43,6 @@ import batching
 import kv_cache
 import sampling
 import speculative
-from kernels import rowwise
 from serving import chunking, prefix_cache
 
 
@@ -162,7 +161,7 @@ def loop(intake, step, models, max_batch, max_len, static=False, stats=None, pre
     sharing = prefix is not None and bool(batch.caches) and not static
     # every token's keys come out in the same bits whatever the pass (the kernels' loops), so a
     # paused request may drop them and compute them again (preempt)
-    same_bits = bool(batch.caches) and all(rowwise.row_ops_for(model) is not None for model in models.values())
+    same_bits = bool(batch.caches) and all(kv_cache.kernel_ops(model) is not None for model in models.values())
     # and rows share any common beginning (prefix_cache.py); else, and with no memory for a
     # cache, only the same prompt
     exact = sharing and prefix["budget"] > 0 and same_bits
@@ -330,7 +329,7 @@ def pause(batch, b, keep_cache, filling):
     where it stood: its sequence (text, random stream, timings), its counts, and (keep_cache)
     a copy of its cached keys and values, so that nothing is computed again; without one,
     resume computes them again from its text, the same bits only where a token's keys do not
-    depend on the pass that computed them (kernels/rowwise.py). filling: as remove's."""
+    depend on the pass that computed them (kv_cache.kernel_ops). filling: as remove's."""
     kept = {"seq": batch.seqs[b], "counts": batch.counts[b].copy(), "prompt_counts": batch.prompt_counts[b].copy(),
             "caches": {name: kv_cache.save_row(cache, b) for name, cache in batch.caches.items()} if keep_cache
             else None}

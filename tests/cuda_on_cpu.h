@@ -13,6 +13,7 @@
 #include <memory>
 #include <cstdint>
 #include <vector>
+#include <sys/mman.h>
 
 struct dim3 { unsigned int x = 1, y = 1, z = 1; };
 struct float4 { float x, y, z, w; };
@@ -35,7 +36,7 @@ char* dynamic_shared;  // extern __shared__ arrays point here (cuda_on_cpu.py re
 enum State { RUNNABLE, WAITING, DONE };
 struct Fiber { void* sp; State state; int group; };
 std::vector<Fiber> fibers;
-std::vector<std::unique_ptr<char[]>> stacks;
+std::vector<char*> stacks;  // each below a page that faults: a fiber that overflows its stack crashes
 std::vector<int> live, arrived;  // per group: its threads still running, and those waiting at its barrier
 std::vector<unsigned long long> lanes;  // each thread's value in a warp's exchange
 void* scheduler_sp;
@@ -107,7 +108,7 @@ inline int __syncthreads_or(int p) {
     __syncthreads();
     int r = any_flag;
     __syncthreads();
-    if (threadIdx.x == 0) any_flag = 0;  // before anyone's next call passes its first barrier
+    any_flag = 0;  // by every thread (one may have returned): before anyone's next call passes its first barrier
     return r;
 }
 
@@ -159,15 +160,23 @@ using std::max;
 using std::min;
 
 // the kernel call f over a grid of gx blocks of bx threads, with shmem bytes of dynamic shared
-// memory; returns 0, or 1 where the block's threads all wait at barriers that can never open
+// memory; returns 0, or 1 where the block's threads all wait at barriers that can never open (2: no
+// memory for the fibers' stacks)
 int launch(int gx, int bx, int shmem, std::function<void()> f) {
     std::vector<char> shared(shmem + 16);  // never empty: a kernel without any still gets a pointer
     dynamic_shared = shared.data();
     blockDim.x = bx;
     gridDim.x = gx;
     kernel = &f;
-    while ((int)stacks.size() < bx) stacks.push_back(std::make_unique<char[]>(STACK_BYTES));
-    lanes.assign(bx, 0);
+    while ((int)stacks.size() < bx) {
+        auto memory = (char*)mmap(nullptr, STACK_BYTES + 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                                  -1, 0);
+        if (memory == MAP_FAILED) return 2;
+        mprotect(memory, 4096, PROT_NONE);
+        stacks.push_back(memory + 4096);
+    }
+    lanes.assign((bx + 31) / 32 * 32, 0);
+    any_flag = 0;
     for (int b = 0; b < gx; b++) {
         blockIdx.x = b;
         fibers.assign(bx, Fiber{nullptr, RUNNABLE, 0});
@@ -178,7 +187,7 @@ int launch(int gx, int bx, int shmem, std::function<void()> f) {
         for (int t = 0; t < bx; t++) {
             live[1 + t / 32]++;
             // a fresh stack that "returns" into fiber_main, 16-byte aligned as a call leaves it
-            auto top = (void**)(((uintptr_t)stacks[t].get() + STACK_BYTES) & ~(uintptr_t)15);
+            auto top = (void**)(((uintptr_t)stacks[t] + STACK_BYTES) & ~(uintptr_t)15);
             top[-1] = nullptr;
             top[-2] = (void*)&fiber_main;
             for (int r = 3; r <= 8; r++) top[-r] = nullptr;  // the six saved registers

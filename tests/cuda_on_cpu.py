@@ -69,6 +69,8 @@ class Device(np.lib.mixins.NDArrayOperatorsMixin):
                         "NumPy array explicitly.")
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if any(isinstance(a, np.ndarray) and a.ndim for a in inputs):  # CuPy's words
+            raise TypeError("Unsupported type <class 'numpy.ndarray'>")
         if recording is not None and ufunc is np.matmul:
             raise RuntimeError("cuBLAS cannot be recorded into a CUDA graph by CuPy (cupy issue 6290)")
         return operation(getattr(ufunc, method), inputs, kwargs)
@@ -76,16 +78,24 @@ class Device(np.lib.mixins.NDArrayOperatorsMixin):
     def __array_function__(self, func, types_, args, kwargs):
         if recording is not None and func in (np.dot, np.einsum, np.tensordot, np.inner, np.vdot, np.matmul):
             raise RuntimeError("cuBLAS cannot be recorded into a CUDA graph by CuPy (cupy issue 6290)")
+        if recording is not None and func in (np.nonzero, np.flatnonzero, np.argwhere, np.unique, np.extract):
+            raise RuntimeError(f"np.{func.__name__}'s shape depends on the data: the host waits while a stream records")
         kwargs = {k: v for k, v in kwargs.items() if k != "like"}
-        return operation(func, args, kwargs, in_place=func in (np.copyto, np.put, np.place, np.fill_diagonal))
+        if func in (np.array, np.asarray, np.asanyarray, np.ascontiguousarray):  # a host array's copy, not a view
+            return operation(lambda *a, **k: np.array(func(*a, **k), copy=True), args, kwargs)
+        return operation(func, args, kwargs)
 
     def __getattr__(self, name):  # the methods: x.sum(), x.copy(), x.swapaxes(...)
         if name == "a" or not callable(getattr(np.ndarray, name, None)):
             raise AttributeError(name)
+        if recording is not None and name == "dot":
+            raise RuntimeError("cuBLAS cannot be recorded into a CUDA graph by CuPy (cupy issue 6290)")
         return lambda *args, **kwargs: operation(lambda a, *rest, **kw: getattr(a, name)(*rest, **kw), (self, *args),
-                                                 kwargs, in_place=name in ("fill", "sort", "put", "resize"))
+                                                 kwargs)
 
     def __getitem__(self, index):
+        if recording is not None and any(isinstance(i, Device) and i.dtype == bool for i in leaves(index)):
+            raise RuntimeError("a boolean mask's shape depends on the data: the host waits while a stream records")
         return operation(lambda a, i: a[i], (self, index), {})
 
     def __setitem__(self, index, value):
@@ -110,7 +120,8 @@ class Device(np.lib.mixins.NDArrayOperatorsMixin):
         return self.read().copy()
 
     def set(self, values):
-        check_no_host_array((values,))
+        if recording is not None:
+            raise RuntimeError("a host array is copied to the device while a stream records a CUDA graph")
         self.a[...] = values
 
     tolist = lambda self: self.read().tolist()
@@ -129,9 +140,16 @@ def operation(f, args, kwargs, in_place=False):
         return device(f(*host(args), **host(kwargs)))
     if in_place or "out" in kwargs:
         recording.append(functools.partial(run_again, f, args, kwargs, None))
-        return device(host(kwargs["out"])) if "out" in kwargs else None
-    result = device(f(*host(args), **host(kwargs)))  # new memory (or a view), so running it now changes nothing
-    recording.append(functools.partial(run_again, f, args, kwargs, result))
+        out = kwargs.get("out")
+        return out[0] if isinstance(out, tuple) and len(out) == 1 else out
+    writable = [d for d in leaves((args, kwargs)) if isinstance(d, Device) and d.a.flags.writeable]
+    before = [d.a.copy() for d in writable]
+    result = device(f(*host(args), **host(kwargs)))
+    for d, was in zip(writable, before):  # it wrote into memory it was given (x.partition, np.add.at): undo
+        if not np.array_equal(d.a, was, equal_nan=True):
+            d.a[...] = was
+            in_place = True
+    recording.append(functools.partial(run_again, f, args, kwargs, None if in_place else result))
     return result
 
 
@@ -140,6 +158,7 @@ def run_again(f, args, kwargs, result):
     fresh = f(*host(args), **host(kwargs))
     for r, v in zip(leaves(result), leaves(fresh)):
         if isinstance(r, Device) and r.a.flags.writeable and r.a is not v:
+            assert r.a.shape == np.shape(v), "a recorded operation's shape changed at replay"
             r.a[...] = v
 
 
@@ -158,8 +177,9 @@ def leaves(tree):
 
 
 def device(tree):
-    """NumPy's results as device arrays (a reduction's scalar as a 0-d array, as CuPy gives it)."""
-    if isinstance(tree, (np.ndarray, np.generic)):
+    """NumPy's results as device arrays (a reduction's scalar, or np.array_equal's answer, as a
+    0-d array, as CuPy gives them)."""
+    if isinstance(tree, (np.ndarray, np.generic, bool)):
         return Device(np.asarray(tree))
     if isinstance(tree, (tuple, list)):
         return type(tree)(device(t) for t in tree)
@@ -284,16 +304,23 @@ class RawModule:
         return call
 
 
+hung = []  # a launch that never ended: it still runs on the fibers' shared state
+
+
 def run(name, function, grid, block, shared_mem, values, keep=()):
     """A launch, in a thread of its own, so that a kernel that loops forever (a bug that would hang a
     GPU too) fails its test instead of hanging the suite. keep: the arrays it points into (a
     recorded launch keeps them alive, as a graph's memory pool does)."""
+    assert not hung, f"kernel {hung[0]} never ended, and still runs: no launch after it can be trusted"
     stuck = []
     launch = threading.Thread(target=lambda: stuck.append(function(
         int(grid[0]), int(block[0]), int(shared_mem), *values)), daemon=True)
     launch.start()
     launch.join(TIMEOUT_S)
-    assert not launch.is_alive(), f"kernel {name} still runs after {TIMEOUT_S} s: a loop never ends"
+    if launch.is_alive():
+        hung.append(name)
+        raise AssertionError(f"kernel {name} still runs after {TIMEOUT_S} s: a loop never ends")
+    assert stuck != [2], f"kernel {name}: no memory for its threads' stacks"
     assert stuck == [0], f"kernel {name}: a block's threads all wait at barriers that can never open"
 
 

@@ -17,7 +17,7 @@ import kv_cache
 import sampling
 import speculative
 from kernels import cuda, cuda_graphs, cuda_matmul, cuda_ops, cuda_sampling, layout
-from serving import scheduler
+from serving import prefix_cache, scheduler
 
 GREEDY = sampling.SamplingSettings(temperature=0.0)
 SAMPLED = sampling.SamplingSettings(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.2)
@@ -176,6 +176,17 @@ def small(tiny):
     return dict(hparams, n_vocab=V), dict(plain, wte=np.ascontiguousarray(np.asarray(plain["wte"])[:V]))
 
 
+def replays(monkeypatch):
+    """[1 for each replay of a recorded step] from now on: a device test's steps were graphs."""
+    count, record = [], cuda_graphs.record
+
+    def counted(forward, like):
+        replay, out, keep = record(forward, like)
+        return (lambda: count.append(1) or replay()), out, keep
+    monkeypatch.setattr(cuda_graphs, "record", counted)
+    return count
+
+
 def on_device(cupy, small, dtype="float32"):
     hparams, params = small
     return layout.device_layout(params, cupy, dtype), hparams
@@ -219,11 +230,11 @@ def test_a_replayed_step_on_the_device_is_the_eager_step_bit_for_bit(cupy, small
 
 
 @pytest.mark.parametrize("K", [0, 4])
-def test_greedy_text_on_the_device_equals_the_cpus(cupy, small, K):
+def test_greedy_text_on_the_device_equals_the_cpus(cupy, small, K, monkeypatch):
     """Plain greedy (K = 0) and speculative greedy through our kernels' recorded steps give the
     NumPy path's text; 40 tokens on n_ctx 64 restart every row's window."""
     hparams, params = small
-    want = generate(params, hparams, 40, prompts=SMALL_PROMPTS)
+    want, replayed = generate(params, hparams, 40, prompts=SMALL_PROMPTS), replays(monkeypatch)
     model = on_device(cupy, small)
     if K == 0:
         assert generate(model[0], hparams, 40, prompts=SMALL_PROMPTS) == want
@@ -232,6 +243,7 @@ def test_greedy_text_on_the_device_equals_the_cpus(cupy, small, K):
         got, stats = speculative.speculative_generate(batching.requests(SMALL_PROMPTS, 40, GREEDY, 0), model, draft,
                                                       speculative.SpeculativeConfig(K=K))
         assert got == want and 0 < stats.acceptance_rate < 1
+    assert replayed
 
 
 def test_sampled_text_on_the_device_equals_the_cpus(cupy, small, monkeypatch):
@@ -239,9 +251,59 @@ def test_sampled_text_on_the_device_equals_the_cpus(cupy, small, monkeypatch):
     then top-k, top-p and the draw in kernels/cuda_sampling.py, the same seed as the CPU's."""
     monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
     hparams, params = small
-    model = on_device(cupy, small)
+    model, replayed = on_device(cupy, small), replays(monkeypatch)
     assert generate(model[0], hparams, 20, SAMPLED, seed=7, prompts=SMALL_PROMPTS) == \
-        generate(params, hparams, 20, SAMPLED, seed=7, prompts=SMALL_PROMPTS)
+        generate(params, hparams, 20, SAMPLED, seed=7, prompts=SMALL_PROMPTS) and replayed
+
+
+def test_requests_joining_and_leaving_rows_on_the_device_keep_their_texts(cupy, small, monkeypatch):
+    """Continuous batching on the device: 8 requests through 3 rows of the scheduler, rows
+    and shapes coming and going, each text the CPU's for that request alone."""
+    hparams, params = small
+    rng = np.random.default_rng(1)
+    reqs = [batching.Request(tuple(rng.integers(0, V, rng.integers(1, 12)).tolist()), int(rng.integers(1, 12)),
+                             GREEDY, seed=i) for i in range(8)]
+    replayed = replays(monkeypatch)
+    events = list(scheduler.serve(reqs, scheduler.autoregressive(on_device(cupy, small)), max_batch=3))
+    finished = {e.index: e.tokens for e in events if e.kind == "finished"}
+    assert finished == {i: batching.generate([r], (params, hparams))[0][0] for i, r in enumerate(reqs)} and replayed
+
+
+@pytest.mark.parametrize("name", ["autoregressive", "speculative"])
+def test_chunked_prefill_and_the_prefix_cache_on_the_device_change_no_bit(cupy, small, name, monkeypatch):
+    """The tiny model with a window of 160 (wpe given random rows more): prompts of up to 100
+    tokens and past the window, half of them sharing a beginning, served with prompts whole,
+    then in chunks of 8 tokens a step with a prefix cache. Every token and every logits row the
+    same bits (every pass's products, layer norms and attention are our kernels, a prompt's
+    products over many rows too: cuda_ops.pass_ops), prompts chunked, prefixes copied."""
+    hparams, params = small
+    rng = np.random.default_rng(2)
+    more = rng.standard_normal((96, hparams["n_embd"]), dtype=np.float32) * np.asarray(params["wpe"]).std()
+    longer = dict(hparams, n_ctx=160), dict(params, wpe=np.concatenate([params["wpe"], more]))  # a pass of > 64 tokens
+    hparams, model = longer[0], on_device(cupy, longer)
+    if name == "autoregressive":
+        dec = scheduler.autoregressive(model)
+    else:
+        draft = speculative.model_drafter((dict(model[0], blocks=model[0]["blocks"][:1]), dict(hparams, n_layer=1)))
+        dec = scheduler.speculative_decoder(model, draft, speculative.SpeculativeConfig(K=3))
+    shared = rng.integers(0, V, 40).tolist()
+    reqs = [batching.Request(tuple((shared if i % 2 else [])[:n] + rng.integers(0, V, n).tolist())[:n], 6,
+                             SAMPLED if i % 3 else GREEDY, seed=i) for i, n in enumerate([100, 45, 12, 170, 3, 52])]
+
+    def served(**kw):
+        events = list(scheduler.serve(reqs, dec, max_batch=3, **kw))
+        rows = {i: [cupy.asnumpy(e.logits) for e in events if e.kind == "token" and e.index == i] for i in range(6)}
+        return {e.index: (e.tokens, rows[e.index]) for e in events if e.kind == "finished"}
+    prefix, ride_along, riders = prefix_cache.new_prefix_cache(1 << 20), kv_cache.ride_along, []
+    whole = served()
+    monkeypatch.setattr(kv_cache, "ride_along", lambda model, chunks, *args: riders.append(len(chunks))
+                        or ride_along(model, chunks, *args))
+    replayed = replays(monkeypatch)
+    chunked = served(prefix=prefix, max_prefill_tokens=8)
+    assert chunked.keys() == whole.keys() == set(range(6)) and riders and prefix["hits"] and replayed
+    for i in whole:
+        assert chunked[i][0] == whole[i][0] and len(chunked[i][1]) == len(whole[i][1]) > 0
+        assert all(np.array_equal(a, b) for a, b in zip(chunked[i][1], whole[i][1]))
 
 
 def test_the_cpus_recording_runs_nothing_and_replays_the_device_arrays_of_now(monkeypatch):
@@ -264,7 +326,8 @@ def test_the_cpus_recording_runs_nothing_and_replays_the_device_arrays_of_now(mo
     assert np.array_equal(eager, [[3.0, 3.0, 3.0]]) and not np.array_equal(cupy.asnumpy(out), eager)
     replay()
     assert np.array_equal(cupy.asnumpy(out), [[7.0, 7.0, 7.0]])  # the new x, into the same output
-    for wrong in (lambda: x + float(x.sum()), lambda: x + np.ones(16, np.float32), lambda: x @ w.T):
+    for wrong in (lambda: x + float(x.sum()), lambda: cupy.asarray(np.ones(16, np.float32)), lambda: x @ w.T,
+                  lambda: x[x > 2.0]):
         with pytest.raises(RuntimeError, match="records|recorded"):
             cuda_graphs.record(wrong, x)
     cuda.module.cache_clear()

@@ -14,10 +14,10 @@ from kernels import cuda_matmul, cuda_ops, cuda_sampling, layout
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("R, n_in", [(1, 1600), (3, 1600), (8, 1600), (13, 1600), (64, 1600), (3, 771)])
+@pytest.mark.parametrize("R, n_in", [(1, 1600), (3, 1600), (8, 1600), (13, 1600), (64, 1600), (130, 1600), (3, 771)])
 def test_the_few_row_product_matches_numpy_and_each_row_is_as_if_alone(cupy, dtype, R, n_in):
-    """n_out 300: a last block of outputs half full; n_in 1600 (1558M's width: four inputs a
-    load), 771 (one at a time)."""
+    """n_out 300: a last block of outputs half full; 130 rows: three blocks of rows; n_in 1600
+    (1558M's width: four inputs a load), 771 (one at a time)."""
     rng = np.random.default_rng(R)
     w = (rng.standard_normal((300, n_in), dtype=np.float32) * 0.02).astype(dtype)  # [n_out, n_in]
     x = rng.standard_normal((R, n_in), dtype=np.float32).astype(dtype)
