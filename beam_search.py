@@ -76,7 +76,7 @@ def beam_search(prompts, model, max_new_tokens, settings=BeamSettings(), eos_id=
     check_window(hparams["n_ctx"], prompts, max_new_tokens)
     B, N, V = len(prompts), settings.num_beams, hparams["n_vocab"]
     cache = kv_cache.init_cache(hparams, B * N, max(len(p) for p in prompts) + max_new_tokens, like=params["wpe"])
-    first = kv_cache.next_logits(model, kv_cache.rows(cache, 0, B), [list(p) for p in prompts])[:, 0]  # [B, V]
+    first = on_host(kv_cache.next_logits(model, kv_cache.rows(cache, 0, B), [list(p) for p in prompts])[:, 0])  # [B, V]
     kv_cache.gather_rows(cache, np.repeat(np.arange(B), N))  # every beam starts from its prompt's prefill
     texts = [[list(p) for _ in range(N)] for p in prompts]  # [B][N]: each running beam's text
     scores = np.zeros((B, N), np.float32)  # running beams' summed log probs
@@ -106,9 +106,15 @@ def beam_search(prompts, model, max_new_tokens, settings=BeamSettings(), eos_id=
             break
         kv_cache.gather_rows(cache, (np.arange(B)[:, None] * N + src).ravel(),  # keep the chosen beams' caches
                              same=min(len(p) for p in prompts))  # past the prompts, which every beam shares
-        logits = kv_cache.next_logits(model, cache, [t for beams in texts for t in beams])[:, 0]  # [B*N, V]
+        logits = on_host(kv_cache.next_logits(model, cache, [t for beams in texts for t in beams])[:, 0])  # [B*N, V]
     return [[(tokens[len(p):], score) for score, tokens in hyps[:settings.num_return_sequences]]
             for p, hyps in zip(prompts, finished)]
+
+
+def on_host(logits):
+    """Logits as a NumPy array: the search's bookkeeping over a few rows runs on the host (from a
+    GPU, one copy a step)."""
+    return logits.get() if hasattr(logits, "get") else logits
 
 
 def processed(logp, texts, s):

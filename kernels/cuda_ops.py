@@ -180,8 +180,9 @@ def attend(positions, layer, q, k, v):
 def attention(q, k, v, positions):
     """A pass's attention where kv_cache.attend has stored its keys (`attend`'s second half):
     each query of q [B, H, T, D] over its row's slots 0..positions[b, t] (host [B, T]) of k, v,
-    views [B, H, S', D] of a cache's rows. So a token attends in the same bits in an eager
-    pass (a prompt, a chunk) as in a recorded step. Returns [B, H, T, D]."""
+    views [B, H, S', D] of a cache's rows (or, without a cache, the pass's own). So a token
+    attends in the same bits in an eager pass (a prompt, a chunk) as in a recorded step.
+    Returns [B, H, T, D]."""
     if isinstance(q, np.ndarray):
         out = np.zeros_like(q)  # [B, H, T, D]
         for b, t in np.ndindex(*positions.shape):
@@ -192,7 +193,8 @@ def attention(q, k, v, positions):
     B, H, T, D = q.shape
     S = k.strides[1] // (D * k.itemsize)  # the cache's slots a row, of which k views the first S'
     if k.strides != v.strides or k.strides != (H * S * D * k.itemsize, S * D * k.itemsize, D * k.itemsize, k.itemsize):
-        raise ValueError("attention reads k, v as views of a cache's rows [B, H, S, D]")
+        k, v = cupy.ascontiguousarray(k), cupy.ascontiguousarray(v)  # a pass without a cache: its own keys
+        S = k.shape[2]
     if q.strides[3] != q.itemsize:
         q = cupy.ascontiguousarray(q)
     positions = cupy.asarray(np.ascontiguousarray(positions, dtype=np.int64))  # [B, T]: the pass's, on the host

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import batching
+import beam_search
 import cuda_on_cpu
 import kv_cache
 import sampling
@@ -244,6 +245,21 @@ def test_greedy_text_on_the_device_equals_the_cpus(cupy, small, K, monkeypatch):
                                                       speculative.SpeculativeConfig(K=K))
         assert got == want and 0 < stats.acceptance_rate < 1
     assert replayed
+
+
+def test_uncached_passes_and_beam_search_on_the_device_decide_as_the_cpu(cupy, small):
+    """Passes without a cache (attention over the pass's own keys) and beam search (its
+    bookkeeping on the host, a copy of the logits a step): the CPU's tokens, its scores to 1e-5."""
+    hparams, params = small
+    model = on_device(cupy, small)
+    uncached = [batching.generate(batching.requests(SMALL_PROMPTS, 8, GREEDY, 0), m, use_cache=False)[0]
+                for m in (model, (params, hparams))]
+    assert uncached[0] == uncached[1]
+    got, want = (beam_search.beam_search(SMALL_PROMPTS[:2], m, 8, beam_search.BeamSettings(num_beams=3))
+                 for m in (model, (params, hparams)))
+    assert [[t for t, _ in hyps] for hyps in got] == [[t for t, _ in hyps] for hyps in want]
+    np.testing.assert_allclose([[s for _, s in hyps] for hyps in got], [[s for _, s in hyps] for hyps in want],
+                               atol=1e-5, rtol=0)
 
 
 def test_sampled_text_on_the_device_equals_the_cpus(cupy, small, monkeypatch):
