@@ -322,6 +322,28 @@ def test_chunked_prefill_and_the_prefix_cache_on_the_device_change_no_bit(cupy, 
         assert all(np.array_equal(a, b) for a, b in zip(chunked[i][1], whole[i][1]))
 
 
+@pytest.mark.parametrize("name", ["autoregressive", "speculative"])
+def test_paused_requests_on_the_device_resume_with_their_texts(cupy, small, name):
+    """Clients that lag while others wait: their rows are paused (keys kept, or dropped and
+    computed again on resume: a GPU's own kernels give the same bits), one leaves while paused;
+    every other text is its text alone (test_scheduler's run, on the device)."""
+    import test_scheduler
+    hparams, _ = small
+    model = on_device(cupy, small)
+    models = [model, (dict(model[0], blocks=model[0]["blocks"][:1]), dict(hparams, n_layer=1))]
+    rng = np.random.default_rng(8)
+    reqs = [batching.Request(tuple(rng.integers(0, V, rng.integers(1, 21)).tolist()), 12, SAMPLED, seed=100 + i)
+            for i in range(6)]
+    lags = {i: (range(2, 40), i % 2 == 0) for i in range(4)}  # even ones backed up: paused with nobody waiting
+    events, finished = test_scheduler.serve_lagging(models, name, reqs, lags, max_batch=2, cancel_at={30: [0]},
+                                                    prefix=prefix_cache.new_prefix_cache(1 << 20))
+    kinds = [(e.kind, e.index) for e in events]
+    assert {i for k, i in kinds if k == "paused"} == {0, 1, 2, 3} and ("resumed", 0) not in kinds
+    alone = [test_scheduler.decoders(models)[name][1](r) for r in reqs]
+    assert finished[0].tokens == alone[0][:len(finished[0].tokens)] and len(finished[0].tokens) < 12
+    assert all(finished[i].tokens == alone[i] for i in range(1, 6))
+
+
 def test_the_cpus_recording_runs_nothing_and_replays_the_device_arrays_of_now(monkeypatch):
     """The emulation holds what a GPU's recording holds: a recorded launch runs at replay, on
     the arrays' values then; a host value read or a host array copied while recording fails."""
