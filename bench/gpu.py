@@ -1,22 +1,21 @@
 """`--backend cupy`: the benchmark on an NVIDIA GPU.
 
-Decode speed at each size and batch, eagerly through CuPy's operations and with our own
-kernels, each step replayed as a CUDA graph (kernels/cuda_graphs.py), greedy and sampled with
-main.py's default settings on the device (kernels/cuda_sampling.py), next to transformers on
-the same GPU (in a process of its own, peers.py), what one CuPy call costs the host, the GPU's
-bandwidth, and speculative decoding through our kernels: its costs, and runs end to end beside
-plain decoding (the CPU's controlled drafter, bench/speculation.py). Every model has random
-weights of its real shape.
+Each of our kernels alone (gpu_kernels.py); decode speed at each size and batch, eagerly
+through CuPy's operations and with our own kernels, each step replayed as a CUDA graph
+(kernels/cuda_graphs.py), greedy and sampled with main.py's default settings on the device
+(kernels/cuda_sampling.py), next to transformers on the same GPU (in a process of its own,
+peers.py); what one CuPy call costs the host, the GPU's bandwidth, and speculative decoding
+through our kernels: its costs, and runs end to end beside plain decoding (the CPU's
+controlled drafter, bench/speculation.py). Every model has random weights of its real shape.
 """
 import argparse
-import contextlib
 import json
-import os
 import sys
 
 import numpy as np
 
 from bench.common import greedy, matmul_weight_bytes, prompt_ids, random_params, timed
+from bench.gpu_kernels import kernel_rows, sampling_on_device, table as kernel_table
 from bench.speculation import bench_speculative_costs, bench_speculative_end_to_end
 import batching
 import sampling
@@ -49,9 +48,17 @@ def gpu_benchmark(args, command):
           flush=True)
     loaded, ours_of = {}, {}  # each size in CuPy's plain arrays, and in our kernels' layout
     decoded = args.sizes if "decode" in args.only else []
-    for size in dict.fromkeys(decoded + ([args.draft, args.target] if "speculative" in args.only else [])):
+    timed_kernels = args.sizes if "kernels" in args.only else []
+    for size in dict.fromkeys(decoded + timed_kernels + ([args.draft, args.target] if "speculative" in args.only
+                                                          else [])):
         params, hparams = random_params(size, seed=len(ours_of))
         ours = ours_of[size] = (layout.to_backend(params, "cupy", args.dtype, kernels=True), hparams)
+        if size in timed_kernels:
+            rows = results.setdefault("kernels", {})[size] = kernel_rows(cupy, ours, args.reps)
+            print(f"  GPT-2 {size}'s kernels, us a launch: " + "; ".join(
+                f"{r['kernel']} x{r['rows']} {r['us']:.1f}" + (f" ({r['GB_s']:.0f} GB/s)" if "GB_s" in r else "")
+                for r in rows[:-1]) + f"; a step's kernels {rows[-1]['us']:.0f}, the step {rows[-1]['step_us']:.0f}",
+                flush=True)
         if size not in decoded:  # speculative decoding runs through our kernels only
             continue
         loaded[size] = (layout.to_backend(params, "cupy", args.dtype, kernels=False), hparams)
@@ -95,27 +102,13 @@ def decoded_stats(decode, reps):
     return lambda f: float(np.median([f(r) for r in runs[1:]]))
 
 
-@contextlib.contextmanager
-def sampling_on_device():
-    """Sampling through cuda_sampling.py's kernels, which GPT2_GPU_KERNELS=1 chooses for a whole
-    process: set only around the runs that sample, since this process also loads models for
-    CuPy's operations (layout.to_backend reads the same switch)."""
-    before = os.environ.get(layout.GPU_KERNELS_ENV)
-    os.environ[layout.GPU_KERNELS_ENV] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[layout.GPU_KERNELS_ENV]
-        else:
-            os.environ[layout.GPU_KERNELS_ENV] = before
-
-
 def markdown(results):
     """The GPU run's tables (report.py's markdown is the CPU's)."""
     lines = [f"GPU: {results['gpu']}, CuPy {results['cupy']}, {results['dtype']}, random weights; one-row matmul "
              f"{results['bandwidth_GBs']:.0f} GB/s; one CuPy elementwise op costs {results['launch_us']:.1f} us "
              "of host time.", f"Command: `{results['command']}`"]
+    if "kernels" in results:
+        lines += kernel_table(results["kernels"])
     if results["models"]:  # --only speculative decodes no size on its own
         lines += decode_table(results["models"], results)
     if "speculative" in results:

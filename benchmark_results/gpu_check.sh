@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A GPU session's one prepared run (issue #61): the GPU's tests, then the benchmark's GPU table:
+# A GPU session's one prepared run (issue #61): the GPU's tests, then the benchmark's GPU tables:
+# each of our kernels alone (device time, GB/s; a step's kernels beside the step), then
 # ours with its own kernels, replayed as CUDA graphs (greedy, and sampled on the device), beside
 # CuPy's operations and transformers' generate() three ways (as the decode table runs it, without
 # an attention mask, and compiled with a static cache: the "anchors"). Every step runs and keeps
@@ -34,8 +35,8 @@ timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cupy.py tests/te
 # every end-to-end GPU test again, through our kernels, recorded steps and sampling on the device
 GPT2_GPU_KERNELS=1 timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_cupy.py 2>&1 \
     | tee "$out/tests-our-kernels.txt" | tail -25
-timeout 160 python3 benchmark.py --backend cupy --only decode --sizes 124M --batch_sizes 1 8 --reps 2 \
+timeout 160 python3 benchmark.py --backend cupy --only kernels decode --sizes 124M --batch_sizes 1 8 --reps 2 \
     --n_tokens 64 --out "$out/bench-124M" 2>&1 | tee "$out/bench.txt" | tail -15
 # 1558M without the compiled anchor: its compilations alone would outlast the call
-timeout 170 python3 benchmark.py --backend cupy --only decode --sizes 1558M --batch_sizes 1 8 --reps 2 \
+timeout 170 python3 benchmark.py --backend cupy --only kernels decode --sizes 1558M --batch_sizes 1 8 --reps 2 \
     --n_tokens 64 --anchors no_mask --out "$out/bench-1558M" 2>&1 | tee -a "$out/bench.txt" | tail -15

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import types
 
 import numpy as np
@@ -34,8 +35,8 @@ def unavailable():
         return f"the fibers' switch is x86-64 assembly, this is {platform.machine()}"
     if shutil.which("g++") is None:
         return "g++ is not installed"
-    probe = subprocess.run(["g++", "-std=c++20", "-fsyntax-only", "-x", "c++", "-"],
-                           input="#include <atomic>\nint i; std::atomic_ref<int> r(i);\n", capture_output=True, text=True)
+    probe = subprocess.run(["g++", "-std=c++20", "-fsyntax-only", "-x", "c++", "-"], capture_output=True, text=True,
+                           input="#include <atomic>\nint i; std::atomic_ref<int> r(i);\n")
     return f"g++ lacks C++20's std::atomic_ref: {probe.stderr.strip()[:200]}" if probe.returncode else None
 
 
@@ -231,11 +232,27 @@ class Stream:
         return types.SimpleNamespace(launch=lambda: [run() for run in graph])
 
 
+class Event:
+    """cupy.cuda.Event: when it was recorded (the host's clock: here the device is the host)."""
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+
+def get_elapsed_time(start, end):
+    """cupy.cuda.get_elapsed_time: ms from start to end."""
+    return (end.t - start.t) * 1e3
+
+
 def cupy():
     """A module standing in for cupy: what the model, the decoders and kernels/cuda*.py call of it."""
     module = types.ModuleType("cupy")
     cuda = types.SimpleNamespace(
-        Stream=Stream, MemoryPool=lambda: types.SimpleNamespace(malloc=None),
+        Stream=Stream, MemoryPool=lambda: types.SimpleNamespace(malloc=None), Event=Event,
+        get_elapsed_time=get_elapsed_time,
         using_allocator=lambda malloc: contextlib.nullcontext(),
         runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
         memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))

@@ -8,9 +8,10 @@ import pytest
 
 import benchmark
 import cost_model
+import cuda_on_cpu
 import gpt2
 import speculative
-from bench import common, gpu, llamacpp, report, rows, speculation
+from bench import common, gpu, gpu_kernels, llamacpp, report, rows, speculation
 from cli import timing
 from conftest import fixture_path
 from kernels import layout, rowwise
@@ -225,7 +226,8 @@ def numpy_as_cupy():
     fake.__version__, fake.asnumpy = "NumPy stand-in", np.asarray
     fake.cuda = types.SimpleNamespace(
         runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=lambda i: {"name": b"no GPU"}),
-        memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
+        memory=types.SimpleNamespace(OutOfMemoryError=MemoryError), Event=cuda_on_cpu.Event,
+        get_elapsed_time=cuda_on_cpu.get_elapsed_time)
     return fake
 
 
@@ -244,6 +246,20 @@ def test_gpu_benchmark_runs_end_to_end(tmp_path, capsys, monkeypatch):
     assert all(e["speedup"] > 0 and e["tok_s"] > 0 for e in e2e[1:])
     text = (tmp_path / "results.md").read_text()
     assert "Speculative decoding: draft tiny -> target tiny" in text and "Measured end to end" in text
+    kernels = r["kernels"]["tiny"]
+    assert [k["kernel"] for k in kernels[:2]] == ["c_attn", "c_attn"] and all(k["us"] > 0 for k in kernels)
+    assert kernels[-1]["step_us"] > 0 and "| tiny | head | 64 x 50257 | 8 |" in text
+
+
+def test_each_gpu_kernel_is_timed_in_a_recorded_graph(cupy):
+    """The kernel table's code through our kernels (on a GPU, or the CPU's emulation of one):
+    every kernel recorded and replayed, the step replayed."""
+    params, hparams = common.random_params("tiny", n_vocab=512, n_ctx=160)
+    model = (layout.device_layout(layout.plain_layout(params), cupy), hparams)
+    rows = gpu_kernels.kernel_rows(cupy, model, reps=1, launches=2)
+    assert [r["kernel"] for r in rows] == ["c_attn"] * 2 + ["attn c_proj"] * 2 + ["c_fc"] * 2 + ["mlp c_proj"] * 2 + [
+        "head"] * 2 + ["layer norm", "attention", "attention", "sampling", "a decode step (128 keys)"]
+    assert all(r["us"] > 0 for r in rows) and rows[-1]["step_us"] > 0 and rows[-3]["shape"] == "1024 keys, 4 heads"
 
 
 def test_gpu_benchmark_only_speculative_decodes_nothing_else(tmp_path, capsys, monkeypatch):

@@ -1,0 +1,134 @@
+"""`--backend cupy --only kernels`: each of our GPU kernels alone, as a recorded step runs it.
+
+A decode step is ~8 launches a layer (kernels/cuda_ops.py), and whether it reaches the
+weights' bandwidth depends on each. Here a kernel runs LAUNCHES times back to back in one CUDA
+graph (as a step's replay runs it: no host between launches), timed by CUDA events: its
+device time a launch and, for a product, the bytes of weights it reads over that time. Then
+the whole decode step of one row, replayed, beside the sum of its kernels' times: what a
+graph's launches cost beyond their kernels, and where a step's time goes. Random weights of
+the real shapes.
+"""
+import contextlib
+import os
+
+import numpy as np
+
+from bench.common import timed
+import kv_cache
+import sampling
+from kernels import cuda_graphs, cuda_matmul, cuda_ops, layout
+
+LAUNCHES = 20  # a kernel's launches in one recorded graph
+SLOTS = (128, 1024)  # attention's keys: a short text, and a full window of 124M-1558M
+SAMPLED = sampling.SamplingSettings(temperature=0.8, top_p=0.9)  # main.py's defaults
+
+
+def device_us(cupy, f, reps, launches=LAUNCHES):
+    """f's device time a launch, in us (the best of reps): launches calls of f recorded as one
+    CUDA graph and replayed between two CUDA events."""
+    replay, _, keep = cuda_graphs.record(lambda: [f() for _ in range(launches)][-1], f())  # f() eagerly: compiled
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(reps + 1):  # the first: a warm-up
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / launches)
+    return min(times[1:])
+
+
+def kernel_rows(cupy, model, reps, launches=LAUNCHES):
+    """[{kernel, shape, rows, us, GB_s}] for a model in our kernels' layout (its shapes, its
+    dtype), then its step's row."""
+    weights, hparams = model
+    block, dtype = weights["blocks"][0], weights["wpe"].dtype
+    n_embd, n_head, n_vocab = hparams["n_embd"], hparams["n_head"], hparams["n_vocab"]
+    rng = np.random.default_rng(0)
+
+    def rand(*shape):
+        return cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+    rows, per_step = [], {}
+    products = [("c_attn", block["attn"]["c_attn"]), ("attn c_proj", block["attn"]["c_proj"]),
+                ("c_fc", block["mlp"]["c_fc"]), ("mlp c_proj", block["mlp"]["c_proj"]),
+                ("head", {"w": weights["wte"].T, "b": None})]
+    for name, layer in products:
+        w = layer["w"]
+        for R in (1, 8):
+            x = rand(R, w.shape[0])
+            product = (lambda: cuda_matmul.matmul(x, w.stored)) if layer["b"] is None else (
+                lambda: cuda_matmul.linear(x, w, layer["b"]))
+            us = device_us(cupy, product, reps, launches)
+            rows.append({"kernel": name, "shape": f"{w.shape[0]} x {w.shape[1]}", "rows": R, "us": us,
+                         "GB_s": w.nbytes / us / 1e3})
+            per_step[name] = per_step.get(name, us)  # a step's row: R = 1
+    x, g, b = rand(1, n_embd), block["ln_1"]["g"], block["ln_1"]["b"]
+    rows.append({"kernel": "layer norm", "shape": f"{n_embd}", "rows": 1,
+                 "us": device_us(cupy, lambda: cuda_ops.layer_norm(x, g, b), reps, launches)})
+    per_step["layer norm"] = rows[-1]["us"]
+    D = n_embd // n_head
+    for S in SLOTS:
+        cache = {"k": rand(1, n_head, S, D), "v": rand(1, n_head, S, D)}
+        qkv = rand(1, 1, 3, n_head, D).transpose(2, 0, 3, 1, 4)  # [3, 1, n_head, 1, D]: as gpt2.mha views it
+        positions = cupy.asarray(np.array([[S - 1]]))  # [1, 1]: the last slot, every key read
+        rows.append({"kernel": "attention", "shape": f"{S} keys, {n_head} heads", "rows": 1,
+                     "us": device_us(cupy, lambda: cuda_ops.attend(positions, cache, *qkv), reps, launches)})
+    per_step["attention"] = rows[-len(SLOTS)]["us"]
+    logits = rand(1, n_vocab).astype(np.float32)
+    with sampling_on_device():  # temperature, top-p and the softmax: cuda_sampling.py's one launch
+        rows.append({"kernel": "sampling", "shape": f"{n_vocab} tokens", "rows": 1,
+                     "us": device_us(cupy, lambda: sampling.probabilities(logits, None, SAMPLED), reps, launches)})
+    n_layer = hparams["n_layer"]
+    kernels_us = n_layer * (2 * per_step["layer norm"] + per_step["c_attn"] + per_step["attention"]
+                            + per_step["attn c_proj"] + per_step["c_fc"] + per_step["mlp c_proj"]) \
+        + per_step["layer norm"] + per_step["head"]
+    rows.append({"kernel": f"a decode step ({SLOTS[0]} keys)", "shape": "its kernels' sum", "rows": 1,
+                 "us": kernels_us, "step_us": step_us(cupy, model, reps)})
+    return rows
+
+
+@contextlib.contextmanager
+def sampling_on_device():
+    """Sampling through cuda_sampling.py's kernels, which GPT2_GPU_KERNELS=1 chooses for a whole
+    process: set only around the runs that sample, since this process also loads models for
+    CuPy's operations (layout.to_backend reads the same switch)."""
+    before = os.environ.get(layout.GPU_KERNELS_ENV)
+    os.environ[layout.GPU_KERNELS_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[layout.GPU_KERNELS_ENV]
+        else:
+            os.environ[layout.GPU_KERNELS_ENV] = before
+
+
+def step_us(cupy, model, reps):
+    """One row's decode step at SLOTS[0] cached tokens, replayed (host time included): the
+    median us of reps steps, after the eager ones that compile and record it."""
+    params, hparams = model
+    cache = kv_cache.init_cache(hparams, 1, hparams["n_ctx"], like=params["wpe"])
+    text = list(range(SLOTS[0]))
+    kv_cache.next_logits(model, cache, [text])  # the prompt
+    for _ in range(2):  # eager twice, recorded at the second
+        text.append(1)
+        kv_cache.next_logits(model, cache, [text])
+
+    def step():
+        kv_cache.rollback(cache, [len(text) - 1])  # the same slot each time: the same keys read
+        cupy.asnumpy(kv_cache.next_logits(model, cache, [text])[0, 0, :1])  # the host waits for the step
+    return timed(step, reps)[0] * 1e6
+
+
+def table(kernels):
+    """The markdown of each size's rows."""
+    lines = ["", f"Each kernel alone, device time a launch ({LAUNCHES} launches in one CUDA graph, the best of the "
+             "reps); GB/s: the weights it reads over that time; the last row of a size: its kernels' sum for a "
+             "decode step of one row beside the step replayed (host time included, median):", "",
+             "| model | kernel | shape | rows | us | GB/s |", "|---|---|---|---|---|---|"]
+    for size, rows in kernels.items():
+        for r in rows:
+            extra = f" (step {r['step_us']:.0f} us)" if "step_us" in r else ""
+            lines.append(f"| {size} | {r['kernel']} | {r['shape']} | {r['rows']} | {r['us']:.1f}{extra} | "
+                         + (f"{r['GB_s']:.0f} |" if "GB_s" in r else "- |"))
+    return lines
