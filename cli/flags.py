@@ -102,7 +102,8 @@ def add_prefill_flag(ap):
                     help=f"chunked prefill: tokens computed a step, each decoding request counting one; what they "
                          f"leave goes to prompts, the fewest tokens left first, so a long prompt is spread over "
                          f"steps and never stalls the streams in flight (at least --max_batch; default "
-                         f"{MAX_PREFILL_TOKENS}, or --max_batch if larger)")
+                         f"{MAX_PREFILL_TOKENS}, or --max_batch if larger; with --backend cupy, prompts whole unless "
+                         f"given)")
 
 
 def check_prefill(args):
@@ -113,9 +114,13 @@ def check_prefill(args):
 
 
 def prefill_budget(args):
-    """The budget serving runs with: None (prompts whole) where chunks could change a bit."""
+    """The budget serving runs with: None (prompts whole) where chunks could change a bit, and
+    on a GPU unless asked for: there a step that carries a chunk runs eagerly, not as a
+    recorded graph, and a whole prompt stalls the streams for milliseconds, not seconds."""
     if chunked_prefill_note(args):
         return None
+    if args.backend == "cupy":
+        return args.max_prefill_tokens
     return args.max_prefill_tokens or max(MAX_PREFILL_TOKENS, args.max_batch)
 
 

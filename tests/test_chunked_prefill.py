@@ -201,6 +201,19 @@ def test_main_serves_more_rows_than_the_default_budget(models_dir, capsys):
     assert flags.prefill_budget(args) in (32, None)  # None: the fallback runs prompts whole
 
 
+def test_on_a_gpu_only_its_own_kernels_chunk_and_share_prefixes_and_chunks_only_when_asked(models_dir, monkeypatch):
+    """--backend cupy: CuPy's operations keep prompts whole and no prefix cache (their notes
+    say so); GPT2_GPU_KERNELS=1 makes both exact (test_cuda_graphs.py), the prefix cache on,
+    chunked prefill only with --max_prefill_tokens (a step with a chunk runs eagerly there)."""
+    import main
+    for kernels, given, budget in (("0", [], None), ("0", ["--max_prefill_tokens", "16"], None),
+                                   ("1", [], None), ("1", ["--max_prefill_tokens", "16"], 16)):
+        monkeypatch.setenv(layout.GPU_KERNELS_ENV, kernels)
+        args = main.parse_args(["--models_dir", models_dir, "--max_batch", "4", "--backend", "cupy"] + given)
+        assert flags.prefill_budget(args) == budget
+        assert (flags.chunked_prefill_note(args) is None) == (flags.prefix_cache_note(args) is None) == (kernels == "1")
+
+
 @pytest.mark.parametrize("budget, max_batch", [(0, 1), (-3, 1), (3, 4), (2.5, 1), ("8", 1)])
 def test_a_bad_budget_is_refused(models, budget, max_batch):
     with pytest.raises(ValueError, match="max_prefill_tokens must be an integer >= max_batch"):
