@@ -14,12 +14,15 @@ So a step is shaped for it (after vLLM's and gpt-fast's decode graphs):
   arrays; the logits come out in an array the graph keeps. Every temporary a graph uses
   comes from a memory pool of its own, alive as long as the graph, so that nothing else
   is given its memory between replays.
-- The same shapes: a graph per (rows B, tokens per row T) a cache's steps use. Its first
-  use runs eagerly (every kernel compiles; a prompt's one-off shape stops there), its
-  second too (for its logits: a recording runs nothing) and is recorded, and it is replayed
-  from the third. A row with fewer than T tokens is padded with tokens of position -1,
-  which store and attend to nothing (cuda_ops.py; their wpe[-1] is wpe's last row, unused).
-  kv_cache.begin_pass pins padding to the last slot instead: it masks on the host.
+- The same shapes: a graph per (rows B, tokens per row T) a cache's steps use, B a power
+  of two (`bucket`, as vLLM's decode graphs: a server's batch changes size as requests
+  come and go, and meets a few recorded shapes instead of one per size). Its first use
+  runs eagerly (every kernel compiles; a prompt's one-off shape stops there), its second
+  too (for its logits: a recording runs nothing) and is recorded, and it is replayed from
+  the third. A row with fewer than T tokens, and a row past the batch's, is padded with
+  tokens of position -1, which store and attend to nothing (cuda_ops.py; their wpe[-1] is
+  wpe's last row, unused): the kernels treat each row alone, so padding changes no bit of
+  the others. kv_cache.begin_pass pins padding to the last slot instead: it masks on the host.
 - Nothing the host must wait for or look at: no cuBLAS (CuPy cannot record it; the
   products are cuda_matmul.py's), no mask built on the host, no data-dependent shape.
 
@@ -46,23 +49,31 @@ TOKENS_MAX = 64  # a static step's most tokens: a longer pass (a prompt's) has a
 def fits(model, cache, inputs, riders=()):
     """Whether a pass over inputs [B, T] runs as a static step (`step`): the model in
     layout.device_layout, a cache that keeps graphs (kv_cache.init_cache), no riders, at most
-    TOKENS_MAX tokens (B x T: the rows of each product)."""
+    TOKENS_MAX tokens (bucket(B) x T: the rows of each product)."""
     params = model[0]
     return (cache is not None and cache.get("graphs") is not None and not riders
             and isinstance(params["wte"], weights.Embedding) and isinstance(params["wte"].T, cuda_matmul.Matrix)
-            and inputs.size <= TOKENS_MAX)
+            and bucket(inputs.shape[0]) * inputs.shape[1] <= TOKENS_MAX)
+
+
+def bucket(B):
+    """The rows of the static step that runs B rows: the next power of two."""
+    return 1 << (B - 1).bit_length()
 
 
 def step(model, cache, inputs, n_new, n_logits):
     """kv_cache.next_logits's pass over inputs [B, T] (row b: n_new[b] real tokens) on the
-    cache's static step for (B, T): eager the first two times that shape comes, recorded as a
-    graph at the second, replayed from the third (the module's docstring says why). Returns logits [B, n, n_vocab] at each row's last n_logits[b] tokens (a
-    row with fewer repeats its last), the tokens' keys and values stored; the caller
-    advances the cache."""
+    cache's static step for (bucket(B), T): eager the first two times that shape comes,
+    recorded as a graph at the second, replayed from the third (the module's docstring says
+    why). Returns logits [B, n, n_vocab] at each row's last n_logits[b] tokens (a row with
+    fewer repeats its last), the tokens' keys and values stored; the caller advances the cache."""
     B, T = inputs.shape
     slots = cache["lengths"][:, None] + np.arange(T)  # [B, T]: a token's position is its slot
-    ids_positions = np.stack([inputs, np.where(np.arange(T) < n_new[:, None], slots, -1)])  # [2, B, T]
-    static = static_step(model, cache, B, T)
+    ids_positions = np.stack([np.zeros((bucket(B), T), np.int64), np.full((bucket(B), T), -1)])  # [2, B', T]: padding
+    ids_positions[0, :B], ids_positions[1, :B] = inputs, np.where(np.arange(T) < n_new[:, None], slots, -1)
+    static = static_step(model, cache, bucket(B), T)
+    static["layers"] = cache["layers"]  # the rows this step writes: a view of the first B' or fewer (a graph keeps
+    # the pointers it was recorded with, the same: padding rows are never read or written)
     if isinstance(static["ids_positions"], np.ndarray):  # the stand-in
         static["ids_positions"][...] = ids_positions
     else:
@@ -70,11 +81,12 @@ def step(model, cache, inputs, n_new, n_logits):
     static["uses"] += 1
     if static["replay"] is not None:
         static["replay"]()
-        logits = static["logits"]  # [B, T, n_vocab]: the graph's own output, overwritten by its next replay
+        logits = static["logits"]  # [B', T, n_vocab]: the graph's own output, overwritten by its next replay
     else:
-        logits = static["forward"]()  # [B, T, n_vocab]
+        logits = static["forward"]()  # [B', T, n_vocab]
         if static["uses"] == 2:
             static["replay"], static["logits"], static["graph"] = record(static["forward"], logits)
+    logits = logits[:B]  # [B, T, n_vocab]: the batch's rows (a view)
     n_logits = np.broadcast_to(n_logits, (B,))  # [B]: which tokens' logits, as kv_cache.begin_pass picks them
     at = n_new[:, None] - n_logits[:, None] + np.arange(n_logits.max())  # [B, n]
     at = np.clip(at, 0, (n_new - 1).clip(0)[:, None])
@@ -84,25 +96,27 @@ def step(model, cache, inputs, n_new, n_logits):
 
 
 def static_step(model, cache, B, T):
-    """The step of B rows x T tokens over this cache, made at first use: {"ids_positions": the
-    buffer it reads [2, B, T], "forward": the pass, "uses", and once recorded "replay", its
+    """The step of B rows x T tokens over this cache (views of its first rows share it), made
+    at first use: {"ids_positions": the buffer it reads [2, B, T], "forward": the pass over
+    the cache rows "layers" (`step` sets them), "uses", and once recorded "replay", its
     "logits" and the "graph" with what it needs kept alive}."""
     params, hparams = model
     key = (id(params), pointer(cache["layers"][0]["k"]), B, T)
     if key not in cache["graphs"]:
         wpe = params["wpe"]
         ids_positions = np.zeros((2, B, T), np.int64, like=wpe)  # [2, B, T]
+        static = cache["graphs"][key] = {"ids_positions": ids_positions, "layers": cache["layers"], "uses": 0,
+                                         "replay": None, "logits": None, "graph": None,
+                                         "params": params}  # kept: id(params) stays theirs
 
         def forward():
             positions = ids_positions[1]  # [B, T]
             state = types.SimpleNamespace(  # what gpt2.gpt2 reads of a pass (kv_cache.Pass)
                 positions=positions, layer_norm=cuda_ops.layer_norm, transformer_block=cuda_ops.transformer_block,
-                attends=[functools.partial(cuda_ops.attend, positions, layer) for layer in cache["layers"]],
+                attends=[functools.partial(cuda_ops.attend, positions, layer) for layer in static["layers"]],
                 logits_at=np.broadcast_to(np.arange(T, like=wpe), (B, T)))  # [B, T]: every token (step picks)
             return gpt2.gpt2(ids_positions[0], **params, n_head=hparams["n_head"], state=state)  # [B, T, n_vocab]
-
-        cache["graphs"][key] = {"ids_positions": ids_positions, "forward": forward, "uses": 0, "replay": None,
-                                "logits": None, "graph": None, "params": params}  # kept: id(params) stays theirs
+        static["forward"] = forward
     return cache["graphs"][key]
 
 

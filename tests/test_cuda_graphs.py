@@ -80,11 +80,12 @@ def test_a_shape_runs_eagerly_twice_then_is_recorded_and_replayed(both):
         for text in texts:
             text.append(7)
     steps = {key[2:]: shaped for key, shaped in cache["graphs"].items()}
-    assert steps[(3, 1)]["uses"] == 4 and steps[(3, 1)]["replay"] is not None  # recorded at its second use
+    assert steps[(4, 1)]["uses"] == 4 and steps[(4, 1)]["replay"] is not None  # 3 rows in the bucket of 4
     assert all(shaped["replay"] is None for shape, shaped in steps.items() if shaped["uses"] == 1)
     view = kv_cache.rows(cache, 0, 2)  # a view of the first rows shares the cache's graphs, with shapes of its own
     kv_cache.next_logits((dev, hparams), view, texts[:2])
     assert view["graphs"] is cache["graphs"] and any(key[2:] == (2, 1) for key in cache["graphs"])
+    assert [cuda_graphs.bucket(B) for B in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
 
 
 @pytest.mark.parametrize("T", [1, 5])
@@ -97,7 +98,8 @@ def test_a_timed_pass_on_a_static_step_is_a_replay(both, monkeypatch, T):
     replays, step = [], cuda_graphs.step
 
     def watched(model, cache, inputs, n_new, n_logits):
-        replays.append(cuda_graphs.static_step(model, cache, *inputs.shape)["replay"] is not None)
+        replays.append(cuda_graphs.static_step(model, cache, cuda_graphs.bucket(inputs.shape[0]), inputs.shape[1])[
+            "replay"] is not None)
         return step(model, cache, inputs, n_new, n_logits)
     monkeypatch.setattr(cuda_graphs, "step", watched)
     for reps in (1, 3):
@@ -212,13 +214,13 @@ def test_recorded_steps_on_the_device_give_the_cpus_logits(cupy, small):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_a_replayed_step_on_the_device_is_the_eager_step_bit_for_bit(cupy, small, dtype):
     """The same steps on two caches: one records its shapes and replays them, the other runs
-    every step eagerly through the same kernels. Rows join (a third prompt) and leave."""
+    every step eagerly through the same kernels. Rows leave and join: 3 rows (the bucket of
+    4, recorded on a view of 3 rows), then 2, then 4 (the same graph, a row more)."""
     hparams, _ = small
     model = on_device(cupy, small, dtype)
-    texts = [list(p) for p in SMALL_PROMPTS]
-    replayed, eager = (kv_cache.init_cache(hparams, 3, hparams["n_ctx"], like=model[0]["wpe"]) for _ in range(2))
-    for step in range(10):
-        rows = 2 if 3 <= step < 6 else 3  # the last row leaves for three steps and comes back
+    texts = [list(p) for p in SMALL_PROMPTS + [[5, 6]]]
+    replayed, eager = (kv_cache.init_cache(hparams, 4, hparams["n_ctx"], like=model[0]["wpe"]) for _ in range(2))
+    for step, rows in enumerate([3, 3, 3, 3, 3, 2, 2, 4, 4, 4, 4, 4]):
         got = kv_cache.next_logits(model, kv_cache.rows(replayed, 0, rows), texts[:rows])
         want = kv_cache.next_logits(model, kv_cache.rows(eager, 0, rows), texts[:rows])
         for shaped in eager["graphs"].values():
