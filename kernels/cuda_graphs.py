@@ -43,7 +43,7 @@ import numpy as np
 import gpt2
 from kernels import cuda_matmul, cuda_ops, weights
 
-TOKENS_MAX = 64  # a static step's most tokens: a longer pass (a prompt's) has a shape of its own, run once
+TOKENS_MAX = 128  # a static step's most tokens, bucket(B) x T: a longer pass (a prompt's) is run once, eagerly
 
 
 def fits(model, cache, inputs, riders=()):
@@ -92,7 +92,7 @@ def step(model, cache, inputs, n_new, n_logits):
     at = np.clip(at, 0, (n_new - 1).clip(0)[:, None])
     if at.shape[1] == T and (at == np.arange(T)).all():  # every token's logits (a decode step, a verification)
         return logits.copy()  # [B, T, n_vocab]: a copy, since the next replay writes over the graph's own
-    return logits[np.asarray(np.arange(B)[:, None], like=logits), np.asarray(at, like=logits)]  # [B, n, n_vocab]: a copy
+    return logits[np.asarray(np.arange(B)[:, None], like=logits), np.asarray(at, like=logits)]  # [B, n, n_vocab]
 
 
 def static_step(model, cache, B, T):
