@@ -362,9 +362,12 @@ def rollback(cache, n_valid):
 
 
 def rows(cache, lo, hi):
-    """Rows lo..hi-1 as a cache of their own (views: what a pass writes lands here too)."""
+    """Rows lo..hi-1 as a cache of their own (views: what a pass writes lands here too). Only
+    views of the first rows, the batch's steps, keep a GPU's recorded steps: a pass over later
+    rows (a joining request's prompt) is a one-off, run eagerly."""
     return {"layers": [{"k": layer["k"][lo:hi], "v": layer["v"][lo:hi]} for layer in cache["layers"]],
-            "lengths": cache["lengths"][lo:hi], "starts": cache["starts"][lo:hi], "graphs": cache.get("graphs")}
+            "lengths": cache["lengths"][lo:hi], "starts": cache["starts"][lo:hi],
+            "graphs": cache.get("graphs") if lo == 0 else None}
 
 
 def gather_rows(cache, idx, same=0):

@@ -127,8 +127,9 @@ def launch(rows, w, b, gelu=False, res=None):
         raise TypeError(f"the bias is {b.dtype}, the weights {w.dtype}: give both one dtype (layout.device_layout does)")
     kernel = cuda.function(SOURCE, "rows_times_columns", w.dtype)
     blocks = -(-w.shape[0] // WARPS) * -(-n // ROWS_BLOCK)  # a warp an output, up to ROWS_BLOCK rows a block
-    kernel((blocks,), (32 * WARPS,), (w, rows, b, res, out, np.int32(n), np.int32(n_in), np.int32(w.shape[0]),
-                                      np.int32(gelu), np.int32(res is not out)))
+    if blocks:  # (none: no rows; CuPy would still launch a block)
+        kernel((blocks,), (32 * WARPS,), (w, rows, b, res, out, np.int32(n), np.int32(n_in), np.int32(w.shape[0]),
+                                          np.int32(gelu), np.int32(res is not out)))
     return out
 
 

@@ -152,7 +152,8 @@ def layer_norm(x, g, b, eps=1e-5):
     out = cupy.empty_like(x)
     n = x.shape[-1]
     rows = x.size // n  # a block each
-    cuda.function(SOURCE, "layer_norm", x.dtype)((rows,), (THREADS,), (x, g, b, out, np.int32(n), np.float32(eps)))
+    if rows:  # (none: a pass that only caches; CuPy would still launch a block, on empty arrays' null pointers)
+        cuda.function(SOURCE, "layer_norm", x.dtype)((rows,), (THREADS,), (x, g, b, out, np.int32(n), np.float32(eps)))
     return out
 
 
@@ -173,7 +174,8 @@ def attend(positions, layer, q, k, v):
         raise ValueError("attend writes the cache's rows as one contiguous [B, H, S, D] array")
     strides = tuple(np.int64(s // q.itemsize) for s in q.strides[:3])  # of q, k and v alike, in elements
     sizes = (np.int32(T), np.int32(H), np.int32(S), np.int32(D))
-    cuda.function(SOURCE, "store_kv", q.dtype)((B * T,), (THREADS,), (k, v, *strides, ck, cv, positions, *sizes))
+    if B * T:
+        cuda.function(SOURCE, "store_kv", q.dtype)((B * T,), (THREADS,), (k, v, *strides, ck, cv, positions, *sizes))
     return attend_stored(q, ck, cv, positions, S)  # [B, H, T, D]
 
 
@@ -215,8 +217,9 @@ def attend_stored(q, ck, cv, positions, S):
     sizes = (np.int32(T), np.int32(H), np.int32(S), np.int32(D))
     out = cupy.empty((B, T, H, D), q.dtype)  # [B, T, H, D]
     scale = np.float32(1.0 / np.sqrt(D))
-    cuda.function(SOURCE, "attend", q.dtype)((B * T * H,), (ATTEND_THREADS,),  # a block a query, S scores shared
-                                             (q, *strides, ck, cv, positions, out, *sizes, scale), shared_mem=4 * S)
+    if B * T:
+        cuda.function(SOURCE, "attend", q.dtype)((B * T * H,), (ATTEND_THREADS,),  # a block a query, S scores shared
+                                                 (q, *strides, ck, cv, positions, out, *sizes, scale), shared_mem=4 * S)
     return out.transpose(0, 2, 1, 3)  # [B, H, T, D]
 
 
@@ -227,7 +230,8 @@ def pass_ops(model):
     whole or in chunks, a recorded step or an eager pass (chunked prefill and the prefix cache
     rely on it, as on the CPU: rowwise.row_ops_for). None elsewhere, the NumPy stand-in included."""
     params = model[0]
-    if isinstance(params["wpe"], np.ndarray) or not isinstance(getattr(params["wte"], "T", None), cuda_matmul.Matrix):
+    w = params["blocks"][0]["mlp"]["c_fc"]["w"] if params["blocks"] else None  # (wte may be a draft's vocab subset)
+    if isinstance(params["wpe"], np.ndarray) or not isinstance(w, cuda_matmul.Matrix):
         return None
     return layer_norm, attention, transformer_block
 

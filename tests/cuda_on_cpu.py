@@ -330,8 +330,8 @@ def run(name, function, grid, block, shared_mem, values, keep=()):
     recorded launch keeps them alive, as a graph's memory pool does)."""
     assert not hung, f"kernel {hung[0]} never ended, and still runs: no launch after it can be trusted"
     stuck = []
-    launch = threading.Thread(target=lambda: stuck.append(function(
-        int(grid[0]), int(block[0]), int(shared_mem), *values)), daemon=True)
+    launch = threading.Thread(target=lambda: stuck.append(function(  # at least a block, as CuPy launches
+        max(1, int(grid[0])), int(block[0]), int(shared_mem), *values)), daemon=True)
     launch.start()
     launch.join(TIMEOUT_S)
     if launch.is_alive():
@@ -342,8 +342,9 @@ def run(name, function, grid, block, shared_mem, values, keep=()):
 
 
 def pointer(a):
+    """A device array's address: null for an empty one, as CuPy gives it."""
     assert isinstance(a, Device), f"a kernel got {type(a).__name__} where a device array goes"
-    return a.a.__array_interface__["data"][0]
+    return a.a.__array_interface__["data"][0] if a.size else None
 
 
 def ctype(t):

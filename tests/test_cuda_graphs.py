@@ -346,6 +346,21 @@ def test_paused_requests_on_the_device_resume_with_their_texts(cupy, small, name
     assert all(finished[i].tokens == alone[i] for i in range(1, 6))
 
 
+def test_a_drafts_vocabulary_subset_runs_the_same_kernels_on_the_device(cupy, small):
+    """--draft_vocab wraps the draft's wte (speculative.VocabSubset): its passes still run our
+    kernels (kv_cache.kernel_ops), so its keys are the same bits as the draft's own passes'
+    (which chunks, copied prefixes and keys computed again on resume are)."""
+    hparams, _ = small
+    model = on_device(cupy, small)
+    subset = speculative.vocab_subset(model, [SMALL_PROMPTS[1]], 40)
+    assert kv_cache.kernel_ops(subset) == kv_cache.kernel_ops(model) is not None
+    caches = [kv_cache.init_cache(hparams, 1, hparams["n_ctx"], like=model[0]["wpe"]) for _ in range(2)]
+    for m, cache in zip((model, subset), caches):
+        kv_cache.next_logits(m, cache, [SMALL_PROMPTS[1]])
+    assert all(np.array_equal(cupy.asnumpy(a[name]), cupy.asnumpy(b[name]))
+               for a, b in zip(caches[0]["layers"], caches[1]["layers"]) for name in ("k", "v"))
+
+
 def test_the_cpus_recording_runs_nothing_and_replays_the_device_arrays_of_now(monkeypatch):
     """The emulation holds what a GPU's recording holds: a recorded launch runs at replay, on
     the arrays' values then; a host value read or a host array copied while recording fails."""
