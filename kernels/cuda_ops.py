@@ -230,10 +230,10 @@ def pass_ops(model):
     whole or in chunks, a recorded step or an eager pass (chunked prefill and the prefix cache
     rely on it, as on the CPU: rowwise.row_ops_for). None elsewhere, the NumPy stand-in included."""
     params = model[0]
-    w = params["blocks"][0]["mlp"]["c_fc"]["w"] if params["blocks"] else None  # (wte may be a draft's vocab subset)
-    if isinstance(params["wpe"], np.ndarray) or not isinstance(w, cuda_matmul.Matrix):
+    if isinstance(params["wpe"], np.ndarray) or not params.get("blocks"):
         return None
-    return layer_norm, attention, transformer_block
+    w = params["blocks"][0]["mlp"]["c_fc"]["w"]  # (not wte, which may be a draft's vocabulary subset)
+    return (layer_norm, attention, transformer_block) if isinstance(w, cuda_matmul.Matrix) else None
 
 
 def attend_reference(positions, layer, q, k, v):
