@@ -14,6 +14,11 @@ in float32 summed in a fixed tree). `transformer_block` is gpt2.transformer_bloc
 mha and ffn written out, each product with its tail in its launch (cuda_matmul.linear). NumPy
 arrays take the NumPy reference (`attend_reference`, gpt2's functions), so a CPU runs the
 bookkeeping around these kernels with the same meaning.
+
+Every other pass of a model in this layout (a prompt, a chunk, a pass of a shape never
+recorded) runs the same kernels (`pass_ops`, through kv_cache.kernel_ops): `attention` is
+`attend`'s second half, after kv_cache.attend has stored the pass's keys. Each kernel treats a
+row, a query, alone, so a token comes out the same bits in whichever pass computes it.
 """
 import numpy as np
 
@@ -184,13 +189,7 @@ def attention(q, k, v, positions):
     each query of q [B, H, T, D] over its row's slots 0..positions[b, t] (host [B, T]) of k, v,
     views [B, H, S', D] of a cache's rows (or, without a cache, the pass's own). So a token
     attends in the same bits in an eager pass (a prompt, a chunk) as in a recorded step.
-    Returns [B, H, T, D]."""
-    if isinstance(q, np.ndarray):
-        out = np.zeros_like(q)  # [B, H, T, D]
-        for b, t in np.ndindex(*positions.shape):
-            p = positions[b, t] + 1
-            out[b, :, t] = gpt2.attention(q[b, :, t, None], k[b, :, :p], v[b, :, :p], np.float32(0.0))[:, 0]
-        return out
+    Returns [B, H, T, D]. Device arrays only (pass_ops gives the NumPy stand-in none)."""
     import cupy
     B, H, T, D = q.shape
     S = k.strides[1] // (D * k.itemsize)  # the cache's slots a row, of which k views the first S'
