@@ -72,8 +72,9 @@ def step(model, cache, inputs, n_new, n_logits):
     ids_positions = np.stack([np.zeros((bucket(B), T), np.int64), np.full((bucket(B), T), -1)])  # [2, B', T]: padding
     ids_positions[0, :B], ids_positions[1, :B] = inputs, np.where(np.arange(T) < n_new[:, None], slots, -1)
     static = static_step(model, cache, bucket(B), T)
-    static["layers"] = cache["layers"]  # the rows this step writes: a view of the first B' or fewer (a graph keeps
-    # the pointers it was recorded with, the same: padding rows are never read or written)
+    # the rows this step writes, a view of B' rows or fewer (a graph keeps the pointers it was
+    # recorded with, the same ones: it never reads or writes a padding row)
+    static["layers"] = cache["layers"]
     if isinstance(static["ids_positions"], np.ndarray):  # the stand-in
         static["ids_positions"][...] = ids_positions
     else:
