@@ -68,7 +68,9 @@ def parse_args(argv=None):
     ap.add_argument("--out", default="benchmark_results")
     ap.add_argument("--img_dir", default="img")
     ap.add_argument("--backend", choices=["numpy", "cupy"], default="numpy")
-    ap.add_argument("--dtype", choices=["float32", "float16"], default="float32", help="float16: cupy only")
+    ap.add_argument("--dtype", nargs="+", choices=["float32", "float16"], default=["float32"],
+                    help="cupy: each in turn, the first also through CuPy's operations, beside transformers' "
+                    "anchors and for speculative decoding (float16: cupy only)")
     ap.add_argument("--anchors", nargs="*", choices=["no_mask", "static"], default=["no_mask", "static"],
                     help="cupy: transformers at batch 1 also without an attention mask and compiled with a static "
                          "cache (each a process of its own, at most ANCHOR_TIMEOUT_S)")
@@ -107,8 +109,8 @@ def parse_args(argv=None):
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.dtype != "float32" and not gpu:
-        ap.error(f"--dtype {args.dtype} needs --backend cupy")
+    if args.dtype != ["float32"] and not gpu:
+        ap.error(f"--dtype {' '.join(args.dtype)} needs --backend cupy")
     if args.draft_dtype is None:
         args.draft_dtype = ["int8", "float32"] if rowwise.KERNEL == "numba" and not gpu else ["float32"]
     narrow = [t for t in args.draft_dtype if t != "float32"]

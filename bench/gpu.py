@@ -46,52 +46,67 @@ def gpu_benchmark(args, command):
                "cupy": cupy.__version__, "launch_us": launch_s * 1e6, "bandwidth_GBs": bandwidth, "models": {}}
     print(f"{results['gpu']}: one-row matmul {bandwidth:.0f} GB/s, one CuPy op {launch_s * 1e6:.1f} us of host time",
           flush=True)
-    loaded, ours_of = {}, {}  # each size in CuPy's plain arrays, and in our kernels' layout
+    ours_of = {}  # each size in our kernels' layout, in the first dtype (speculative decoding's)
     decoded = args.sizes if "decode" in args.only else []
     timed_kernels = args.sizes if "kernels" in args.only else []
     for size in dict.fromkeys(decoded + timed_kernels + ([args.draft, args.target] if "speculative" in args.only
                                                           else [])):
         params, hparams = random_params(size, seed=len(ours_of))
-        ours = ours_of[size] = (layout.to_backend(params, "cupy", args.dtype, kernels=True), hparams)
-        if size in timed_kernels:
-            rows = results.setdefault("kernels", {})[size] = kernel_rows(cupy, ours, args.reps)
-            print(f"  GPT-2 {size}'s kernels, us a launch: " + "; ".join(
-                f"{r['kernel']} x{r['rows']} {r['us']:.1f}" + (f" ({r['GB_s']:.0f} GB/s)" if "GB_s" in r else "")
-                for r in rows[:-1]) + f"; a step's kernels {rows[-1]['us']:.0f}, the step {rows[-1]['step_us']:.0f}",
-                flush=True)
-        if size not in decoded:  # speculative decoding runs through our kernels only
-            continue
-        loaded[size] = (layout.to_backend(params, "cupy", args.dtype, kernels=False), hparams)
-        rows = []
-        for B in args.batch_sizes:
-            prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]
-            row = {"batch": B}
-            for way, model in (("eager_", loaded[size]), ("", ours)):  # CuPy's operations; our kernels, graphed
-                stats = decoded_stats(lambda: greedy(prompts, model, args.n_tokens), args.reps)
-                row.update({f"{way}end_to_end_tok_s": stats(lambda r: r.tokens_per_s),
-                            f"{way}decode_tok_s": stats(lambda r: r.decode_tokens_per_s),
-                            f"{way}itl_ms_p50": stats(lambda r: r.itl_ms(50))})
-            with sampling_on_device():  # ours again, main.py's default settings, sampled by cuda_sampling.py
-                stats = decoded_stats(lambda: batching.generate(batching.requests(prompts, args.n_tokens, SAMPLED),
-                                                                ours), args.reps)
-            row["sampled_itl_ms_p50"] = stats(lambda r: r.itl_ms(50))
-            rows.append(row)
-        hbm_ms = 1e3 * matmul_weight_bytes(loaded[size][0]) / (bandwidth * 1e9)
-        print(f"  GPT-2 {size}: " + "; ".join(f"batch {r['batch']} a step {r['itl_ms_p50']:.2f} ms, sampled "
-                                            f"{r['sampled_itl_ms_p50']:.2f} ms (CuPy's operations "
-                                            f"{r['eager_itl_ms_p50']:.2f} ms)" for r in rows)
-              + f"; its weights at full bandwidth {hbm_ms:.2f} ms", flush=True)  # before the peers, which may hang
-        alone = argparse.Namespace(**{**vars(args), "batch_sizes": [1]})  # the anchors: batch 1
-        results["models"][size] = {"decode": rows, "weights_at_bandwidth_ms": hbm_ms,
-                                   "transformers": transformers_apart(size, args, device="cuda"),
-                                   "anchors": {variant: transformers_apart(size, alone, "cuda", variant,
-                                                                           timeout_s=ANCHOR_TIMEOUT_S)
-                                               for variant in args.anchors}}
+        for dtype in args.dtype if size in decoded + timed_kernels else args.dtype[:1]:
+            first = dtype == args.dtype[0]
+            name = size if first else f"{size} {dtype}"  # a row's "model"
+            ours = (layout.to_backend(params, "cupy", dtype, kernels=True), hparams)
+            if first:
+                ours_of[size] = ours
+            if size in timed_kernels:
+                rows = results.setdefault("kernels", {})[name] = kernel_rows(cupy, ours, args.reps)
+                print(f"  GPT-2 {name}'s kernels, us a launch: " + "; ".join(
+                    f"{r['kernel']} x{r['rows']} {r['us']:.1f}" + (f" ({r['GB_s']:.0f} GB/s)" if "GB_s" in r else "")
+                    for r in rows[:-1]) + f"; a step's kernels {rows[-1]['us']:.0f}, the step {rows[-1]['step_us']:.0f}",
+                    flush=True)
+            if size in decoded:
+                results["models"][name] = decode_rows(name, (params, hparams), ours, dtype, first, args, bandwidth)
     if "speculative" in args.only:
         draft, target = ours_of[args.draft], ours_of[args.target]
         costs = bench_speculative_costs(draft, target, args)
         results["speculative"] = dict(costs, end_to_end=bench_speculative_end_to_end(draft, target, costs, args))
     return results
+
+
+def decode_rows(name, model, ours, dtype, first, args, bandwidth):
+    """One model's decode rows at each batch, ours graphed (greedy and sampled), beside
+    transformers in the same dtype; for the first dtype also eagerly through CuPy's
+    operations, and the batch-1 anchors."""
+    params, hparams = model
+    eager = (layout.to_backend(params, "cupy", dtype, kernels=False), hparams) if first else None
+    rows = []
+    for B in args.batch_sizes:
+        prompts = [prompt_ids(args.prompt_len, seed=b) for b in range(B)]
+        row = {"batch": B}
+        for way, m in (("eager_", eager), ("", ours)):  # CuPy's operations; our kernels, graphed
+            if m is not None:
+                stats = decoded_stats(lambda: greedy(prompts, m, args.n_tokens), args.reps)
+                row.update({f"{way}end_to_end_tok_s": stats(lambda r: r.tokens_per_s),
+                            f"{way}decode_tok_s": stats(lambda r: r.decode_tokens_per_s),
+                            f"{way}itl_ms_p50": stats(lambda r: r.itl_ms(50))})
+        with sampling_on_device():  # ours again, main.py's default settings, sampled by cuda_sampling.py
+            stats = decoded_stats(lambda: batching.generate(batching.requests(prompts, args.n_tokens, SAMPLED),
+                                                            ours), args.reps)
+        row["sampled_itl_ms_p50"] = stats(lambda r: r.itl_ms(50))
+        rows.append(row)
+    hbm_ms = 1e3 * matmul_weight_bytes(ours[0]) / (bandwidth * 1e9)
+    print(f"  GPT-2 {name}: " + "; ".join(f"batch {r['batch']} a step {r['itl_ms_p50']:.2f} ms, sampled "
+                                        f"{r['sampled_itl_ms_p50']:.2f} ms" + (
+                                            f" (CuPy's operations {r['eager_itl_ms_p50']:.2f} ms)" if first else "")
+                                        for r in rows)
+          + f"; its weights at full bandwidth {hbm_ms:.2f} ms", flush=True)  # before the peers, which may hang
+    size = name.split()[0]
+    alone = argparse.Namespace(**{**vars(args), "batch_sizes": [1]})  # the anchors: batch 1
+    return {"dtype": dtype, "decode": rows, "weights_at_bandwidth_ms": hbm_ms,
+            "transformers": transformers_apart(size, args, device="cuda", dtype=dtype),
+            "anchors": {variant: transformers_apart(size, alone, "cuda", variant, timeout_s=ANCHOR_TIMEOUT_S,
+                                                    dtype=dtype)
+                        for variant in (args.anchors if first else [])}}
 
 
 def decoded_stats(decode, reps):
@@ -104,7 +119,8 @@ def decoded_stats(decode, reps):
 
 def markdown(results):
     """The GPU run's tables (report.py's markdown is the CPU's)."""
-    lines = [f"GPU: {results['gpu']}, CuPy {results['cupy']}, {results['dtype']}, random weights; one-row matmul "
+    dtypes = results["dtype"] if isinstance(results["dtype"], list) else [results["dtype"]]  # (one, before a list)
+    lines = [f"GPU: {results['gpu']}, CuPy {results['cupy']}, {' and '.join(dtypes)}, random weights; one-row matmul "
              f"{results['bandwidth_GBs']:.0f} GB/s; one CuPy elementwise op costs {results['launch_us']:.1f} us "
              "of host time.", f"Command: `{results['command']}`"]
     if "kernels" in results:
@@ -123,7 +139,8 @@ def decode_table(models, results):
     lines = ["", f"End to end ({results['prompt_len']}-token prompt, {results['n_tokens']} new tokens, prefill "
              "included), greedy, against transformers' generate() on the same GPU, shapes and dtype; ours with its own "
              "kernels, a step replayed as one CUDA graph (each run's cache records its graphs anew: its first two "
-             "steps eager, the recording in its second), and eagerly through CuPy's operations; sampled: ours with "
+             "steps eager, the recording in its second), and eagerly through CuPy's operations (in the first dtype; "
+             "a model named with its dtype is in another); sampled: ours with "
              f"main.py's default settings (temperature {SAMPLED.temperature}, top-p {SAMPLED.top_p}), sampled by "
              "our kernels on the device (as GPT2_GPU_KERNELS=1 chooses):",
              "", "| model | batch | this project tok/s | transformers tok/s | ratio | step ms (p50) | "

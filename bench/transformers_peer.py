@@ -21,13 +21,13 @@ VARIANTS = {"generate": "generate()", "no_mask": "generate() without an attentio
             "static": 'generate(cache_implementation="static"), compiled'}
 
 
-def transformers_apart(size, args, device="cpu", variant="generate", timeout_s=peers.TIMEOUT_S):
+def transformers_apart(size, args, device="cpu", variant="generate", timeout_s=peers.TIMEOUT_S, dtype="float32"):
     """bench_transformers in a process of its own: its rows, None where transformers is not
     installed, or {"failed": why} where the peer crashed, refused or ran past timeout_s."""
     if missing():
         return None  # no process to start for a peer that is not there
     try:
-        return peers.run_apart(bench_transformers, size, args, device, variant, timeout_s=timeout_s)
+        return peers.run_apart(bench_transformers, size, args, device, variant, dtype, timeout_s=timeout_s)
     except peers.PeerFailed as e:
         print(f"  transformers peer: {e}", flush=True)
         return {"failed": str(e)}
@@ -38,12 +38,12 @@ def missing():
     return any(importlib.util.find_spec(name) is None for name in ("torch", "transformers"))
 
 
-def bench_transformers(size, args, device="cpu", variant="generate"):
+def bench_transformers(size, args, device="cpu", variant="generate", dtype="float32"):
     """Hugging Face transformers' generate() on the same shapes, if it is installed: end to
     end, and decoding alone as this project's decode_tok_s counts it (the tokens after the
     first over the time after the first): generate(n) - generate(1), prefill and the first
     token being the same in both, timed in turns (the first round a warm-up, which also
-    pays a static cache's compilations). variant: a key of VARIANTS."""
+    pays a static cache's compilations). variant: a key of VARIANTS; dtype: the weights'."""
     try:
         import torch
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -53,7 +53,7 @@ def bench_transformers(size, args, device="cpu", variant="generate"):
     torch.manual_seed(0)
     with torch.device(device):  # initialized where it runs: 1558M's random init on a CPU takes half a minute
         model = GPT2LMHeadModel(GPT2Config(n_embd=n_embd, n_head=n_head, n_layer=n_layer)).eval()
-    model = model.to(device, dtype=getattr(torch, args.dtype))
+    model = model.to(device, dtype=getattr(torch, dtype))
     rows = []
     for B in args.batch_sizes:
         ids = torch.tensor([prompt_ids(args.prompt_len, seed=b) for b in range(B)], device=device)

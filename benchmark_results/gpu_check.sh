@@ -1,42 +1,51 @@
 #!/usr/bin/env bash
-# A GPU session's one prepared run (issue #61): the GPU's tests, then the benchmark's GPU tables:
-# each of our kernels alone (device time, GB/s; a step's kernels beside the step), then
-# ours with its own kernels, replayed as CUDA graphs (greedy, and sampled on the device), beside
-# CuPy's operations and transformers' generate() three ways (as the decode table runs it, without
-# an attention mask, and compiled with a static cache: the "anchors"). Every step runs and keeps
-# its log whatever failed before it (no set -e). From the repository root, on a machine with an
-# NVIDIA GPU whose python3 has CuPy, torch, transformers and numba:   bash benchmark_results/gpu_check.sh
+# A GPU session's one prepared run (issue #61), as one device call: the GPU's tests, then the
+# benchmark's GPU tables in float32 and float16: each of our kernels alone (device time, GB/s; a
+# step's kernels beside the step), ours with its own kernels, replayed as CUDA graphs (greedy, and
+# sampled on the device), beside CuPy's operations and transformers' generate() (as the decode
+# table runs it, without an attention mask, and compiled with a static cache: the "anchors"), and
+# 124M drafting for 1558M through our kernels (issue #61: at least 2x plain at a = 0.8, K = 4).
+# From the repository root, on a machine with an NVIDIA GPU whose python3 has CuPy, torch,
+# transformers and numba:   bash benchmark_results/gpu_check.sh
+# The steps run in the order of what a session most needs to learn, each under a timeout of its
+# own cap or the time left before the deadline (GPU_CHECK_S, 570 s: inside one device call's 600,
+# since a session's 15 minutes hold one call and the machine's start); a step with under 20 s
+# left is skipped, and says so. Every step keeps its log whatever failed before it (no set -e).
 # Output under $OUT (our GPU sessions' tool brings back that folder, 8 files at most: these are 8),
 # else /tmp/gpu-check.
-# The timeouts add up to 570 s, inside one device call's 600.
-# A second call, where the device budget still holds ~6 minutes after the first (a warm machine
-# waits only briefly for it):   bash benchmark_results/gpu_check.sh speculative
-# 124M drafting for 1558M through our kernels: the costs, and runs end to end beside plain decoding
-# (issue #61: at least 2x plain at a = 0.8, K = 4).
 set -o pipefail
 out=${OUT:-/tmp/gpu-check}
+deadline=${GPU_CHECK_S:-570}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-if [ "${1:-}" = speculative ]; then
-    timeout 300 python3 benchmark.py --backend cupy --only speculative --target 1558M --K_max 6 --draft_vocabs 8192 \
-        --draft_vocab 0 --e2e_alphas 0.8 0.9 --reps 2 --n_tokens 64 --out "$out/spec-1558M" 2>&1 \
-        | tee "$out/spec.txt" | tail -40
-    exit
-fi
+
+run() {  # run CAP LOG COMMAND...: COMMAND under min(CAP, the time left), its output added to $out/LOG
+    local cap=$1 log=$2 left=$((deadline - SECONDS))
+    shift 2
+    if ((left < cap)); then cap=$left; fi
+    if ((cap < 20)); then
+        echo "skipped, ${left} s left before the deadline: $*" | tee -a "$out/$log"
+        return
+    fi
+    echo "\$ $* (timeout ${cap} s, at ${SECONDS} s)" >>"$out/$log"
+    timeout "$cap" "$@" 2>&1 | tee -a "$out/$log" | tail -25
+}
+
+bench=(python3 benchmark.py --backend cupy --batch_sizes 1 8 --reps 2 --n_tokens 64 --dtype float32 float16)
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"; } 2>&1 \
+    | tee "$out/tests-kernels.txt"
 # our kernels alone first, each against NumPy (-k on-gpu: not their CPU runs): a fault in one (an
 # illegal address) is sticky and would fail every later test
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"
-  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -k on-gpu
-} 2>&1 | tee "$out/tests-kernels.txt" | tail -25
-# the end-to-end GPU tests on CuPy's own operations (the default), and the recorded steps (not their CPU runs)
-timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_cupy.py tests/test_cuda_graphs.py -k "not on-cpu" 2>&1 \
-    | tee "$out/tests.txt" | tail -25
-# every end-to-end GPU test again, through our kernels, recorded steps and sampling on the device
-GPT2_GPU_KERNELS=1 timeout 80 python3 -m pytest -q -p no:cacheprovider tests/test_cupy.py 2>&1 \
-    | tee "$out/tests-our-kernels.txt" | tail -25
-timeout 160 python3 benchmark.py --backend cupy --only kernels decode --sizes 124M --batch_sizes 1 8 --reps 2 \
-    --n_tokens 64 --out "$out/bench-124M" 2>&1 | tee "$out/bench.txt" | tail -15
-# 1558M without the compiled anchor: its compilations alone would outlast the call
-timeout 170 python3 benchmark.py --backend cupy --only kernels decode --sizes 1558M --batch_sizes 1 8 --reps 2 \
-    --n_tokens 64 --anchors no_mask --out "$out/bench-1558M" 2>&1 | tee -a "$out/bench.txt" | tail -15
+run 60 tests-kernels.txt python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -k on-gpu
+# 124M: the issue's step targets, both dtypes, batch 1 and 8, beside every anchor
+run 170 bench.txt "${bench[@]}" --only kernels decode --sizes 124M --out "$out/bench-124M"
+# the recorded steps against eager and the CPU on the GPU (not their CPU runs)
+run 90 tests.txt python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py -k "not on-cpu"
+# 1558M without the compiled anchor (its compilations alone would outlast the call), then 124M
+# drafting for it: the costs, and runs end to end beside plain decoding (float32, the first dtype)
+run 240 bench.txt "${bench[@]}" --only kernels decode speculative --sizes 1558M --anchors no_mask --K_max 6 \
+    --draft_vocabs 8192 --draft_vocab 0 --e2e_alphas 0.8 0.9 --out "$out/bench-1558M"
+# every end-to-end GPU test on CuPy's own operations (the default), then through our kernels
+run 60 tests.txt python3 -m pytest -q -p no:cacheprovider tests/test_cupy.py
+run 60 tests-our-kernels.txt env GPT2_GPU_KERNELS=1 python3 -m pytest -q -p no:cacheprovider tests/test_cupy.py

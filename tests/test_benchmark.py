@@ -232,13 +232,23 @@ def numpy_as_cupy():
 
 
 def test_gpu_benchmark_runs_end_to_end(tmp_path, capsys, monkeypatch):
+    """Each dtype in turn: the first also through CuPy's operations and beside transformers' anchors."""
     monkeypatch.setitem(sys.modules, "cupy", numpy_as_cupy())
-    monkeypatch.setattr(gpu, "transformers_apart", lambda *a, **k: None)  # as where transformers is missing
-    assert benchmark.main(["--backend", "cupy", "--quick", "--out", str(tmp_path)]) == 0
+    peers = []  # as where transformers is missing: None
+    monkeypatch.setattr(gpu, "transformers_apart", lambda size, args, device, variant="generate", timeout_s=0,
+                        dtype=None: peers.append((size, variant, dtype)))
+    assert benchmark.main(["--backend", "cupy", "--quick", "--dtype", "float32", "float16", "--out", str(tmp_path)]) == 0
     r = json.load(open(tmp_path / "results.json"))
     assert r["gpu"] == "no GPU" and r["bandwidth_GBs"] > 0 and r["launch_us"] > 0
-    assert [d["batch"] for d in r["models"]["tiny"]["decode"]] == [1, 2]
-    assert all(d["decode_tok_s"] > 0 and d["sampled_itl_ms_p50"] > 0 for d in r["models"]["tiny"]["decode"])
+    assert list(r["models"]) == ["tiny", "tiny float16"] and list(r["kernels"]) == ["tiny", "tiny float16"]
+    assert [m["dtype"] for m in r["models"].values()] == ["float32", "float16"]
+    for m in r["models"].values():
+        assert [d["batch"] for d in m["decode"]] == [1, 2]
+        assert all(d["decode_tok_s"] > 0 and d["sampled_itl_ms_p50"] > 0 for d in m["decode"])
+    assert all("eager_itl_ms_p50" in d for d in r["models"]["tiny"]["decode"])
+    assert not any("eager_itl_ms_p50" in d for d in r["models"]["tiny float16"]["decode"])
+    assert peers == [("tiny", "generate", "float32"), ("tiny", "no_mask", "float32"), ("tiny", "static", "float32"),
+                     ("tiny", "generate", "float16")]
     assert [row["K"] for row in r["speculative"]["by_K"]] == [1, 2]
     e2e = r["speculative"]["end_to_end"]  # through our kernels' recorded steps (each run checks its text is greedy's)
     assert e2e[0]["decoder"] == "autoregressive" and e2e[0]["tok_s"] > 0
