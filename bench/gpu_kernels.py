@@ -5,8 +5,9 @@ weights' bandwidth depends on each. Here a kernel runs LAUNCHES times back to ba
 graph (as a step's replay runs it: no host between launches), timed by CUDA events: its
 device time a launch and, for a product, the bytes of weights it reads over that time. Then
 the whole decode step of one row, replayed, beside the sum of its kernels' times: what a
-graph's launches cost beyond their kernels, and where a step's time goes. Random weights of
-the real shapes.
+graph's launches cost beyond their kernels, and where a step's time goes. And a long
+prompt's product, where cuBLAS's tiles would beat ours: ours two ways beside it, in FLOP/s.
+Random weights of the real shapes.
 """
 import contextlib
 import os
@@ -20,6 +21,7 @@ from kernels import cuda_graphs, cuda_matmul, cuda_ops, layout
 
 LAUNCHES = 20  # a kernel's launches in one recorded graph
 SLOTS = (128, 1024)  # attention's keys: a short text, and a full window of 124M-1558M
+PROMPT_ROWS = 512  # a prompt's product: the rows of a long prompt's pass
 SAMPLED = sampling.SamplingSettings(temperature=0.8, top_p=0.9)  # main.py's defaults
 
 
@@ -38,9 +40,9 @@ def device_us(cupy, f, reps, launches=LAUNCHES):
     return min(times[1:])
 
 
-def kernel_rows(cupy, model, reps, launches=LAUNCHES):
-    """[{kernel, shape, rows, us, GB_s}] for a model in our kernels' layout (its shapes, its
-    dtype), then its step's row."""
+def kernel_rows(cupy, model, reps, launches=LAUNCHES, prompt=PROMPT_ROWS):
+    """[{kernel, shape, rows, us, GB_s or TFLOP_s}] for a model in our kernels' layout (its
+    shapes, its dtype; a prompt of `prompt` rows), then its step's row."""
     weights, hparams = model
     block, dtype = weights["blocks"][0], weights["wpe"].dtype
     n_embd, n_head, n_vocab = hparams["n_embd"], hparams["n_head"], hparams["n_vocab"]
@@ -62,6 +64,7 @@ def kernel_rows(cupy, model, reps, launches=LAUNCHES):
             rows.append({"kernel": name, "shape": f"{w.shape[0]} x {w.shape[1]}", "rows": R, "us": us,
                          "GB_s": w.nbytes / us / 1e3})
             per_step[name] = per_step.get(name, us)  # a step's row: R = 1
+    rows += prompt_rows(cupy, block["mlp"]["c_fc"]["w"], rand(prompt, n_embd), reps, launches)
     x, g, b = rand(1, n_embd), block["ln_1"]["g"], block["ln_1"]["b"]
     rows.append({"kernel": "layer norm", "shape": f"{n_embd}", "rows": 1,
                  "us": device_us(cupy, lambda: cuda_ops.layer_norm(x, g, b), reps, launches)})
@@ -85,6 +88,33 @@ def kernel_rows(cupy, model, reps, launches=LAUNCHES):
     rows.append({"kernel": f"a decode step ({SLOTS[0]} keys)", "shape": "its kernels' sum", "rows": 1,
                  "us": kernels_us, "step_us": step_us(cupy, model, reps)})
     return rows
+
+
+def prompt_rows(cupy, w, x, reps, launches):
+    """A prompt's product (x [R, n_in] @ w): ours, its outputs COLS_WIDE a warp; ours
+    in launches of ROWS_BLOCK rows, one output a warp (the same bits); cuBLAS, eagerly (it
+    cannot be recorded), timed by events around `launches` calls."""
+    R, flops = x.shape[0], 2 * x.size * w.shape[1]
+    blocks = [x[i:i + cuda_matmul.ROWS_BLOCK] for i in range(0, R, cuda_matmul.ROWS_BLOCK)]
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    stored = w.stored
+
+    def cublas_us():
+        times = []
+        for _ in range(reps + 1):  # the first: a warm-up
+            start.record()
+            for _ in range(launches):
+                x @ stored.T
+            end.record()
+            end.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / launches)
+        return min(times[1:])
+    ways = [(f"c_fc, {cuda_matmul.COLS_WIDE} outputs a warp", device_us(cupy, lambda: x @ w, reps, launches)),
+            (f"c_fc in {len(blocks)} launches, an output a warp",
+             device_us(cupy, lambda: [b @ w for b in blocks][-1], reps, launches)),
+            ("c_fc by cuBLAS, eagerly", cublas_us())]
+    return [{"kernel": name, "shape": f"{w.shape[0]} x {w.shape[1]}", "rows": R, "us": us,
+             "TFLOP_s": flops / us / 1e6} for name, us in ways]
 
 
 @contextlib.contextmanager
@@ -123,12 +153,14 @@ def step_us(cupy, model, reps):
 def table(kernels):
     """The markdown of each size's rows."""
     lines = ["", f"Each kernel alone, device time a launch ({LAUNCHES} launches in one CUDA graph, the best of the "
-             "reps); GB/s: the weights it reads over that time; the last row of a size: its kernels' sum for a "
+             "reps); GB/s: the weights it reads over that time; a prompt's product of "
+             f"{PROMPT_ROWS} rows three ways, in TFLOP/s; the last row of a size: its kernels' sum for a "
              "decode step of one row beside the step replayed (host time included, median):", "",
              "| model | kernel | shape | rows | us | GB/s |", "|---|---|---|---|---|---|"]
     for size, rows in kernels.items():
         for r in rows:
-            extra = f" (step {r['step_us']:.0f} us)" if "step_us" in r else ""
+            extra = f" (step {r['step_us']:.0f} us)" if "step_us" in r else (
+                f" ({r['TFLOP_s']:.1f} TFLOP/s)" if "TFLOP_s" in r else "")
             lines.append(f"| {size} | {r['kernel']} | {r['shape']} | {r['rows']} | {r['us']:.1f}{extra} | "
                          + (f"{r['GB_s']:.0f} |" if "GB_s" in r else "- |"))
     return lines

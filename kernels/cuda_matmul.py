@@ -17,7 +17,10 @@ ROWS_BLOCK rows, so a prompt's product spreads over more blocks. Every product o
 a GPU is this kernel, a prompt's too: a token's output is the same bits whichever pass
 computes it (a prompt whole or in chunks, a step or a verification), which chunked prefill
 and the prefix cache need. The price is a long prompt's speed: cuBLAS would reuse each weight
-across its many rows from shared memory, on tensor cores.
+across its many rows from shared memory, on tensor cores. Over many rows a warp reads each
+row's inputs once for each of its outputs, so there a warp takes COLS_WIDE outputs at once,
+each summed in the same order as alone: a quarter of the reads of inputs, and a quarter of
+the warps, of which a product of more than ROWS_BLOCK rows has plenty.
 
 `linear` also does, as each output is stored, what gpt2.py does right after a product (its
 *tail*): the bias, the GELU of the MLP's first layer, the residual add of a block. Apart,
@@ -30,65 +33,88 @@ from kernels import cuda
 
 ROWS = 8  # rows a warp carries at once: 8 float32 sums a lane
 ROWS_BLOCK = 64  # rows a block takes: a product of more rows has more blocks
-WARPS = 8  # outputs a block computes (256 threads)
+WARPS = 8  # a block's warps (256 threads)
+COLS_WIDE = 4  # outputs a warp computes in a product of more than ROWS_BLOCK rows (a prompt's)
 
-SOURCE = f"#define ROWS {ROWS}\n#define ROWS_BLOCK {ROWS_BLOCK}\n" + r"""
+SOURCE = f"#define ROWS {ROWS}\n#define ROWS_BLOCK {ROWS_BLOCK}\n#define COLS_WIDE {COLS_WIDE}\n" + r"""
 // y[r, j] = tail(sum_k x[r, k] w[j, k]) for r < R: w [n_out, n_in], x [R, n_in], y [R, n_out].
 // The tail is what gpt2.py does next to a product, done as it is stored: + b[j], then gelu (if
-// gelu), then + res[r, j] (if has_res): one launch instead of two to eleven. Block i takes the
-// outputs i % out_blocks (a warp each) of rows ROWS_BLOCK * (i / out_blocks) on.
-template <typename T>
+// gelu), then + res[r, j] (if has_res): one launch instead of two to eleven. A warp takes COLS
+// outputs from j0 on; block i takes the outputs i % out_blocks of rows ROWS_BLOCK * (i / out_blocks) on.
+template <typename T, int COLS>
 __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict__ x, const T* __restrict__ b,
                                    const T* res, T* y, int R, int n_in, int n_out, int gelu, int has_res) {
-    int warps = blockDim.x / 32, out_blocks = (n_out + warps - 1) / warps;
-    int j = blockIdx.x % out_blocks * warps + threadIdx.x / 32, lane = threadIdx.x % 32;
+    int warps = blockDim.x / 32, out_blocks = (n_out + warps * COLS - 1) / (warps * COLS);
+    int j0 = (blockIdx.x % out_blocks * warps + threadIdx.x / 32) * COLS, lane = threadIdx.x % 32;
     int r_first = blockIdx.x / out_blocks * ROWS_BLOCK, r_end = min(R, r_first + ROWS_BLOCK);
-    if (j >= n_out) return;  // the whole warp: no lane is left waiting in a shuffle
-    const T* wj = w + (size_t)j * n_in;
+    if (j0 >= n_out) return;  // the whole warp: no lane is left waiting in a shuffle
+    int m = min(COLS, n_out - j0);  // the warp's outputs
+    const T* wj = w + (size_t)j0 * n_in;
     for (int r0 = r_first; r0 < r_end; r0 += ROWS) {
         int n = min(ROWS, r_end - r0);
         const T* xr = x + (size_t)r0 * n_in;
-        float acc[ROWS];
+        float acc[ROWS][COLS];
         #pragma unroll
-        for (int r = 0; r < ROWS; r++) acc[r] = 0.0f;
+        for (int r = 0; r < ROWS; r++)
+            #pragma unroll
+            for (int c = 0; c < COLS; c++) acc[r][c] = 0.0f;
         int n4 = n_in % 4 ? 0 : n_in;  // four inputs a load where rows stay aligned to them (every GPT-2)
         #pragma unroll 2
-        for (int k = 4 * lane; k < n4; k += 128) {  // a warp reads 512 bytes of float32 weights a step
-            float wk[4], xk[4];
-            load4(wj + k, wk);
+        for (int k = 4 * lane; k < n4; k += 128) {  // a warp reads 512 bytes of float32 weights an output a step
+            float wk[COLS][4], xk[4];
+            #pragma unroll
+            for (int c = 0; c < COLS; c++) {
+                if (c < m) load4(wj + (size_t)c * n_in + k, wk[c]);
+                else wk[c][0] = wk[c][1] = wk[c][2] = wk[c][3] = 0.0f;
+            }
             #pragma unroll
             for (int r = 0; r < ROWS; r++) {
                 if (r < n) {
                     load4(xr + (size_t)r * n_in + k, xk);
                     #pragma unroll
-                    for (int i = 0; i < 4; i++) acc[r] = fmaf(wk[i], xk[i], acc[r]);
+                    for (int c = 0; c < COLS; c++)
+                        #pragma unroll
+                        for (int i = 0; i < 4; i++) acc[r][c] = fmaf(wk[c][i], xk[i], acc[r][c]);
                 }
             }
         }
         for (int k = n4 + lane; k < n_in; k += 32) {  // any other width: one input a load
-            float wk = load(wj + k);
+            float wk[COLS];
             #pragma unroll
-            for (int r = 0; r < ROWS; r++)
-                if (r < n) acc[r] = fmaf(wk, load(xr + (size_t)r * n_in + k), acc[r]);
+            for (int c = 0; c < COLS; c++) wk[c] = c < m ? load(wj + (size_t)c * n_in + k) : 0.0f;
+            #pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                if (r < n) {
+                    float xk = load(xr + (size_t)r * n_in + k);
+                    #pragma unroll
+                    for (int c = 0; c < COLS; c++) acc[r][c] = fmaf(wk[c], xk, acc[r][c]);
+                }
+            }
         }
         #pragma unroll
         for (int r = 0; r < ROWS; r++) {
-            float s = warp_sum(acc[r]);
-            if (lane == 0 && r < n) {
-                size_t at = (size_t)(r0 + r) * n_out + j;
-                s += load(b + j);
-                if (gelu) s = 0.5f * s * (1.0f + tanhf(0.7978845608028654f * (s + 0.044715f * s * s * s)));
-                if (has_res) s = load(res + at) + s;
-                store(y + at, s);
+            if (r >= n) break;  // the same for the whole warp
+            #pragma unroll
+            for (int c = 0; c < COLS; c++) {
+                float s = warp_sum(acc[r][c]);
+                if (lane == 0 && c < m) {
+                    size_t at = (size_t)(r0 + r) * n_out + j0 + c;
+                    s += load(b + j0 + c);
+                    if (gelu) s = 0.5f * s * (1.0f + tanhf(0.7978845608028654f * (s + 0.044715f * s * s * s)));
+                    if (has_res) s = load(res + at) + s;
+                    store(y + at, s);
+                }
             }
         }
     }
 }
-#define ROWS_TIMES_COLUMNS(T, NAME) extern "C" __global__ void NAME(const T* w, const T* x, const T* b,      \
+#define ROWS_TIMES_COLUMNS(T, COLS, NAME) extern "C" __global__ void NAME(const T* w, const T* x, const T* b,    \
     const T* res, T* y, int R, int n_in, int n_out, int gelu, int has_res) {                               \
-    rows_times_columns<T>(w, x, b, res, y, R, n_in, n_out, gelu, has_res); }
-ROWS_TIMES_COLUMNS(float, rows_times_columns_f32)
-ROWS_TIMES_COLUMNS(unsigned short, rows_times_columns_f16)
+    rows_times_columns<T, COLS>(w, x, b, res, y, R, n_in, n_out, gelu, has_res); }
+ROWS_TIMES_COLUMNS(float, 1, rows_times_columns_f32)
+ROWS_TIMES_COLUMNS(unsigned short, 1, rows_times_columns_f16)
+ROWS_TIMES_COLUMNS(float, COLS_WIDE, rows_times_wide_columns_f32)
+ROWS_TIMES_COLUMNS(unsigned short, COLS_WIDE, rows_times_wide_columns_f16)
 """
 
 
@@ -125,8 +151,9 @@ def launch(rows, w, b, gelu=False, res=None):
     b = cupy.zeros(w.shape[0], w.dtype) if b is None else b  # [n_out]: a plain product adds 0, exactly
     if b.dtype != w.dtype:  # the kernel reads every array as the weights' dtype
         raise TypeError(f"the bias is {b.dtype}, the weights {w.dtype}: give both one dtype (layout.device_layout does)")
-    kernel = cuda.function(SOURCE, "rows_times_columns", w.dtype)
-    blocks = -(-w.shape[0] // WARPS) * -(-n // ROWS_BLOCK)  # a warp an output, up to ROWS_BLOCK rows a block
+    cols = COLS_WIDE if n > ROWS_BLOCK else 1  # (each output summed in the same order either way)
+    kernel = cuda.function(SOURCE, "rows_times_wide_columns" if cols > 1 else "rows_times_columns", w.dtype)
+    blocks = -(-w.shape[0] // (WARPS * cols)) * -(-n // ROWS_BLOCK)  # cols outputs a warp, ROWS_BLOCK rows a block
     if blocks:  # (none: no rows; CuPy would still launch a block)
         kernel((blocks,), (32 * WARPS,), (w, rows, b, res, out, np.int32(n), np.int32(n_in), np.int32(w.shape[0]),
                                           np.int32(gelu), np.int32(res is not out)))

@@ -52,7 +52,7 @@ def test_the_cuda_sources_compile_without_a_gpu(source):
 def test_a_typo_in_the_cuda_source_is_caught_without_a_gpu():
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC comes with CuPy (pip install cupy-cuda12x)")
     with pytest.raises(RuntimeError, match="warp_summ"):
-        cuda.check(cuda_matmul.SOURCE.replace("warp_sum(acc[r])", "warp_summ(acc[r])"))
+        cuda.check(cuda_matmul.SOURCE.replace("warp_sum(acc[r][c])", "warp_summ(acc[r][c])"))
 
 
 def test_every_step_gives_the_eager_passes_logits(both):

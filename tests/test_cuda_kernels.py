@@ -14,20 +14,26 @@ from kernels import cuda_matmul, cuda_ops, cuda_sampling, layout
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("R, n_in", [(1, 1600), (3, 1600), (8, 1600), (13, 1600), (64, 1600), (130, 1600), (3, 771)])
+@pytest.mark.parametrize("R, n_in", [(1, 1600), (3, 1600), (8, 1600), (13, 1600), (64, 1600), (130, 1600), (3, 771),
+                                     (130, 771)])
 def test_the_few_row_product_matches_numpy_and_each_row_is_as_if_alone(cupy, dtype, R, n_in):
-    """n_out 300: a last block of outputs half full; 130 rows: three blocks of rows; n_in 1600
-    (1558M's width: four inputs a load), 771 (one at a time)."""
+    """n_out 302: a last block of outputs part full, and a warp of the wide kernel with 2 of
+    its 4; 130 rows: three blocks of rows, a warp's outputs 4 at a time; n_in 1600 (1558M's
+    width: four inputs a load), 771 (one at a time). Each row comes out bitwise as alone, and
+    a product of many rows as in passes of ROWS_BLOCK rows (one output a warp)."""
     rng = np.random.default_rng(R)
-    w = (rng.standard_normal((300, n_in), dtype=np.float32) * 0.02).astype(dtype)  # [n_out, n_in]
+    w = (rng.standard_normal((302, n_in), dtype=np.float32) * 0.02).astype(dtype)  # [n_out, n_in]
     x = rng.standard_normal((R, n_in), dtype=np.float32).astype(dtype)
     got = cuda_matmul.matmul(cupy.asarray(x), cupy.asarray(w))
-    assert got.dtype == dtype and got.shape == (R, 300)
+    assert got.dtype == dtype and got.shape == (R, 302)
     want = x.astype(np.float32) @ w.astype(np.float32).T
     tolerance = {"atol": 1e-4, "rtol": 0} if dtype == np.float32 else {"atol": 2e-2, "rtol": 1e-2}
     np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float32), want, **tolerance)
     alone = cuda_matmul.matmul(cupy.asarray(x[-1:]), cupy.asarray(w))
     assert np.array_equal(cupy.asnumpy(got[-1:]), cupy.asnumpy(alone))
+    blocks = [cuda_matmul.matmul(cupy.asarray(x[i:i + cuda_matmul.ROWS_BLOCK]), cupy.asarray(w))
+              for i in range(0, R, cuda_matmul.ROWS_BLOCK)]
+    assert np.array_equal(cupy.asnumpy(got), np.concatenate([cupy.asnumpy(y) for y in blocks]))
 
 
 @pytest.mark.parametrize("gelu, residual", [(False, False), (True, False), (False, True)])
