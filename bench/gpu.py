@@ -61,9 +61,10 @@ def gpu_benchmark(args, command):
             if size in timed_kernels:
                 rows = results.setdefault("kernels", {})[name] = kernel_rows(cupy, ours, args.reps)
                 print(f"  GPT-2 {name}'s kernels, us a launch: " + "; ".join(
-                    f"{r['kernel']} x{r['rows']} {r['us']:.1f}" + (f" ({r['GB_s']:.0f} GB/s)" if "GB_s" in r else "")
-                    for r in rows[:-1]) + f"; a step's kernels {rows[-1]['us']:.0f}, the step {rows[-1]['step_us']:.0f}",
-                    flush=True)
+                    f"{r['kernel']} x{r['rows']} {r['us']:.1f}" + (f" ({r['GB_s']:.0f} GB/s)" if "GB_s" in r else
+                                                                   f" ({r['TFLOP_s']:.1f} TFLOP/s)" if "TFLOP_s" in r
+                                                                   else "") for r in rows[:-1])
+                    + f"; a step's kernels {rows[-1]['us']:.0f}, the step {rows[-1]['step_us']:.0f}", flush=True)
             if size in decoded:
                 results["models"][name] = decode_rows(name, (params, hparams), ours, dtype, first, args, bandwidth)
     if "speculative" in args.only:

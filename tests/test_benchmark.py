@@ -237,7 +237,8 @@ def test_gpu_benchmark_runs_end_to_end(tmp_path, capsys, monkeypatch):
     peers = []  # as where transformers is missing: None
     monkeypatch.setattr(gpu, "transformers_apart", lambda size, args, device, variant="generate", timeout_s=0,
                         dtype=None: peers.append((size, variant, dtype)))
-    assert benchmark.main(["--backend", "cupy", "--quick", "--dtype", "float32", "float16", "--out", str(tmp_path)]) == 0
+    argv = ["--backend", "cupy", "--quick", "--dtype", "float32", "float16", "--out", str(tmp_path)]
+    assert benchmark.main(argv) == 0
     r = json.load(open(tmp_path / "results.json"))
     assert r["gpu"] == "no GPU" and r["bandwidth_GBs"] > 0 and r["launch_us"] > 0
     assert list(r["models"]) == ["tiny", "tiny float16"] and list(r["kernels"]) == ["tiny", "tiny float16"]
