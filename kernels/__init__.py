@@ -21,5 +21,6 @@ more: cuda_matmul.py's Matrix, whose __rmatmul__ launches a few-row product on d
 memory; cuda_ops.py's layer norm, attention and transformer block, which a step's pass
 brings; kv_cache.next_logits, which hands cuda_graphs.py the passes that fit its static
 step, recorded once as a CUDA graph and replayed; and sampling.py, whose distribution and
-draw on device arrays are cuda_sampling.py's two kernels. cuda.py compiles their CUDA C (NVRTC).
+draw on device arrays are cuda_sampling.py's two kernels (speculative.verify's too, and two
+more). cuda.py compiles their CUDA C (NVRTC).
 """

@@ -1,4 +1,5 @@
-"""Sampling on a GPU in two launches: sampling.py's distribution and its draw, row by row.
+"""Sampling on a GPU in two launches: sampling.py's distribution and its draw, row by row;
+speculative decoding's verification in two more.
 
 Eagerly, sampling.probabilities is a dozen CuPy operations (temperature, a partition for
 top-k, a sort, a cumulative sum and a scatter for top-p, softmaxes) and sampling.sample
@@ -20,6 +21,9 @@ threads a row:
   first): a further select, over their ids, finds where the cut falls among them.
 - `sample`: sampling.sample's inversion of the CDF at u (float64 running sums, a prefix
   sum across the block), and -1 for a row that is not a distribution.
+- `verify`: speculative.verify, the drafts' acceptance tests and the residual max(0, p - q)
+  in one launch, then `sample`'s draw from it: two launches, one copy each way, where
+  speculative.py's NumPy operations on device arrays would be ~25 calls into CuPy.
 
 The distribution's bits can differ from NumPy's in the last place (exp, and sums added in
 another order), so a token whose cumulative mass falls within rounding of top_p's cut
@@ -261,6 +265,47 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample(const float* p, con
     __syncthreads();
     if (t == 0) tokens[blockIdx.x] = bad || !any_mass ? -1 : first_s < n ? first_s : last_s;
 }
+
+// speculative.verify's tests for row b, then the row its last token is drawn from: accepted[b] =
+// the drafts before the first i with u_i q_i(d_i) >= p_i(d_i) (float64, as NumPy compares) or
+// i = k; out[b] = max(0, p_n - q_n) (q_n = 0 where every draft passed), or p_n where that holds
+// no mass or a NaN (NumPy's sum of it is then not > 0). p [B, P, n], q [B, K, n]; draws [B, 2K+2]:
+// d_1..d_K, u_1..u_K, k, v (float64, token ids exact); v[b] = the draw for the last token.
+extern "C" __global__ void __launch_bounds__(THREADS) residual(const float* p, const float* q, const double* draws,
+                                                               long long* accepted, float* out, double* v, int P,
+                                                               int K, int n) {
+    __shared__ int n_s;
+    int b = blockIdx.x;
+    const double* d = draws + (size_t)b * (2 * K + 2);
+    int k = (int)d[2 * K];
+    if (threadIdx.x == 0) {
+        int i = 0;
+        for (; i < k; i++) {
+            size_t token = (size_t)d[i];
+            if (!(d[K + i] * (double)q[((size_t)b * K + i) * n + token] < (double)p[((size_t)b * P + i) * n + token]))
+                break;
+        }
+        n_s = i;
+        accepted[b] = i;
+        v[b] = d[2 * K + 1];
+    }
+    __syncthreads();
+    const float* pn = p + ((size_t)b * P + n_s) * n;
+    const float* qn = n_s < k ? q + ((size_t)b * K + n_s) * n : nullptr;
+    float* o = out + (size_t)b * n;
+    int mass = 0, nan = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float r = pn[i] - (qn ? qn[i] : 0.0f);
+        r = r < 0.0f ? 0.0f : r;  // a NaN stays, as in np.maximum
+        o[i] = r;
+        mass |= r > 0.0f;
+        nan |= r != r;
+    }
+    mass = __syncthreads_or(mass);
+    nan = __syncthreads_or(nan);
+    if (!mass || nan)
+        for (int i = threadIdx.x; i < n; i += blockDim.x) o[i] = pn[i];
+}
 """
 
 
@@ -289,8 +334,9 @@ def distribution(logits, s):
 
 
 def sample(probs, u):
-    """sampling.sample on the device: one token per row of probs [B, n_vocab] at u [B]
-    (a device array), or sampling.sample's ValueError for a row that is not a distribution."""
+    """sampling.sample on the device: one token per row of probs [B, n_vocab] at u [B], or
+    sampling.sample's ValueError for a row that is not a distribution. Returns the ids on the
+    host [B]: the host waits for them here, to check them, and they leave the device once."""
     import cupy
     B, n = probs.shape
     probs = cupy.ascontiguousarray(probs, dtype=np.float32)
@@ -298,6 +344,30 @@ def sample(probs, u):
     if B:
         cuda.function(SOURCE, "sample")((B,), (THREADS,), (probs, cupy.ascontiguousarray(u, np.float64), tokens,
                                                            np.int32(n)))
-    if (tokens.get() < 0).any():  # the host waits for the ids here, as sampling.sample does
+    return checked(tokens.get())
+
+
+def verify(p, q, drafts, k, u, v):
+    """speculative.verify on the device (its arguments, read there): the accepted n [B] and the
+    token [B], both on the host, in two launches (the tests and the residual, then `sample`'s
+    draw) and one copy each way, where NumPy's operations take ~25 calls into CuPy."""
+    import cupy
+    B, K = drafts.shape
+    P, n_vocab = p.shape[1:]
+    draws = cupy.asarray(np.concatenate([drafts, u, np.reshape(k, (B, 1)), np.reshape(v, (B, 1))], axis=1,
+                                        dtype=np.float64))  # [B, 2K+2]
+    p, q = (cupy.ascontiguousarray(a, dtype=np.float32) for a in (p, q))
+    out, last, draw = cupy.empty((2, B), np.int64), cupy.empty((B, n_vocab), np.float32), cupy.empty(B, np.float64)
+    if B:
+        cuda.function(SOURCE, "residual")((B,), (THREADS,), (p, q, draws, out[0], last, draw, np.int32(P),
+                                                             np.int32(K), np.int32(n_vocab)))
+        cuda.function(SOURCE, "sample")((B,), (THREADS,), (last, draw, out[1], np.int32(n_vocab)))
+    accepted, tokens = out.get()  # [B] each
+    return accepted, checked(tokens)
+
+
+def checked(tokens):
+    """The sampled ids, or sampling.sample's ValueError where a kernel marked a row -1."""
+    if (tokens < 0).any():
         raise ValueError("cannot sample: a distribution holds NaN, inf or negative values, or no mass at all")
     return tokens

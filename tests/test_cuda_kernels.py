@@ -126,7 +126,7 @@ def test_the_sampling_kernel_draws_sampling_pys_token(cupy):
     u[[0, 6]] = 1e-12, 1.0
     want = sampling.sample(probs, u)
     got = cuda_sampling.sample(cupy.asarray(probs), u)
-    assert isinstance(got, cupy.ndarray) and np.array_equal(cupy.asnumpy(got), want)
+    assert isinstance(got, np.ndarray) and np.array_equal(got, want)  # the ids on the host
     probs[3, 5] = np.nan
     with pytest.raises(ValueError, match="cannot sample"):
         cuda_sampling.sample(cupy.asarray(probs), u)
@@ -134,16 +134,53 @@ def test_the_sampling_kernel_draws_sampling_pys_token(cupy):
 
 def test_sampling_py_hands_device_arrays_to_the_kernels_where_ours_are_chosen(cupy, monkeypatch):
     """GPT2_GPU_KERNELS=1: sampling.probabilities and sampling.sample on device arrays are the
-    kernels' (their results device arrays), with sampling.py's results."""
+    kernels' (the distribution a device array, the ids on the host), with sampling.py's results."""
     monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
     logits, s = sampling_cases()[0]
     u = 1.0 - np.random.default_rng(3).random(len(logits))
     p = sampling.probabilities(cupy.asarray(logits), None, s)
     tokens = sampling.sample(p, u)
-    assert isinstance(p, cupy.ndarray) and isinstance(tokens, cupy.ndarray)
+    assert isinstance(p, cupy.ndarray) and isinstance(tokens, np.ndarray)
     want = sampling.probabilities(logits, None, s)
     assert np.array_equal(cupy.asnumpy(p) > 0, want > 0)
-    assert np.array_equal(cupy.asnumpy(tokens), sampling.sample(want, u))
+    assert np.array_equal(tokens, sampling.sample(want, u))
+
+
+def verify_case(V=3000, K=4):
+    """speculative.verify's arguments, a row for each way a step ends: (p, q, drafts, k, u, v)."""
+    rng = np.random.default_rng(4)
+    B = 7
+    p = rng.dirichlet(np.full(V, 0.05), (B, K + 1)).astype(np.float32)  # [B, K+1, V]
+    q = rng.dirichlet(np.full(V, 0.05), (B, K)).astype(np.float32)  # [B, K, V]
+    q[:, :, rng.random(V) < 0.3] = 0.0  # tokens a draft cannot propose (a vocabulary subset)
+    drafts = np.array([[rng.choice(V, p=q[b, i] / q[b, i].sum()) for i in range(K)] for b in range(B)])  # [B, K]
+    k = np.array([K, K, 2, K, K, 0, K])
+    u, v = 1.0 - rng.random((B, K)), 1.0 - rng.random(B)
+    best = p[:, :K].argmax(axis=-1)  # [B, K]: the target's likeliest, accepted at u near 0
+    drafts[1], u[1] = best[1], 1e-9  # row 1: every draft passes
+    drafts[2], u[2] = best[2], 1e-9  # row 2: both of its 2 drafts pass
+    drafts[3, 0], u[3, 0] = best[3, 0], 1e-9  # row 3: the first passes; the second is rejected (u = 1) where
+    q[3, 1], u[3, 1] = p[3, 1], 1.0  # q = p: no residual mass
+    drafts[4, 0], q[4, 0, 8], q[4, 0, 7], u[4, 0] = 8, 1.0, np.nan, 1.0  # row 4: rejected, a NaN in the residual
+    return p, q, drafts, k, u, v
+
+
+def test_the_verification_kernel_accepts_and_draws_as_speculative_py(cupy, monkeypatch):
+    """Rows that reject at the first draft, accept every draft (the bonus token from p_{K+1}),
+    draft fewer than K, reject where q = p (the residual holds no mass: p_n), meet a NaN in q,
+    or draft nothing: speculative.verify's n and token, handed to the kernels on device arrays;
+    a NaN in p is refused as sampling.sample refuses it."""
+    import speculative
+    p, q, drafts, k, u, v = verify_case()
+    want_n, want_token = speculative.verify(p, q, drafts, k, u, v)
+    assert want_n.tolist()[:6] == [0, 4, 2, 1, 0, 0]  # the cases are what they say
+    monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
+    n, token = speculative.verify(cupy.asarray(p), cupy.asarray(q), drafts, k, u, v)
+    assert isinstance(n, np.ndarray) and isinstance(token, np.ndarray)
+    assert np.array_equal(n, want_n) and np.array_equal(token, want_token)
+    p[0, want_n[0], 5] = np.nan
+    with pytest.raises(ValueError, match="cannot sample"):
+        speculative.verify(cupy.asarray(p), cupy.asarray(q), drafts, k, u, v)
 
 
 def test_a_transformer_block_of_kernels_is_the_stand_ins(cupy):
