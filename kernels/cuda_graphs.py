@@ -91,8 +91,10 @@ def step(model, cache, inputs, n_new, n_logits):
     n_logits = np.broadcast_to(n_logits, (B,))  # [B]: which tokens' logits, as kv_cache.begin_pass picks them
     at = n_new[:, None] - n_logits[:, None] + np.arange(n_logits.max())  # [B, n]
     at = np.clip(at, 0, (n_new - 1).clip(0)[:, None])
-    if at.shape[1] == T and (at == np.arange(T)).all():  # every token's logits (a decode step, a verification)
-        return logits.copy()  # [B, T, n_vocab]: a copy, since the next replay writes over the graph's own
+    n = at.shape[1]
+    first = at[0, 0] if n else 0
+    if (at == first + np.arange(n)).all():  # every row the same tokens' (a step, a verification, a catch-up)
+        return (logits if n == T else logits[:, first:first + n]).copy()  # [B, n, n_vocab]: a replay writes over
     return logits[np.asarray(np.arange(B)[:, None], like=logits), np.asarray(at, like=logits)]  # [B, n, n_vocab]
 
 

@@ -6,6 +6,7 @@ in for the device (layout.device_layout(params, numpy)). Then the whole step on 
 (the `cupy` fixture: a GPU, or our kernels run on the CPU with CUDA graphs recorded and
 replayed as a GPU would, tests/cuda_on_cpu.py): the CPU's logits and text, and replay equal
 to eager bit for bit."""
+import collections
 import sys
 
 import numpy as np
@@ -17,6 +18,7 @@ import cuda_on_cpu
 import kv_cache
 import sampling
 import speculative
+from bench import common
 from kernels import cuda, cuda_graphs, cuda_matmul, cuda_ops, cuda_sampling, layout
 from serving import prefix_cache, scheduler
 
@@ -387,3 +389,64 @@ def test_the_cpus_recording_runs_nothing_and_replays_the_device_arrays_of_now(mo
             cuda_graphs.record(wrong, x)
     cuda.module.cache_clear()
     cuda.function.cache_clear()
+
+
+def test_a_recorded_step_calls_into_the_device_a_few_times_whatever_its_layers(monkeypatch):
+    """On a GPU a step is bound by the host: each call into CuPy (an operation, a view, a
+    copy, a launch) costs microseconds. Counted on the CPU's emulation, outside the replays,
+    once every shape is recorded: a greedy step of plain decoding (the ids in, the replay, a
+    copy of the logits, their argmax, the ids out) and a step of speculative decoding (the
+    model drafting for itself: four drafts, a catch-up pass, a verification in two launches)
+    make the same few calls with 2 layers as with 1, none a layer, and no more than now.
+    Without the cache's views kept (kv_cache.rows) there are 2 more a layer, a model pass."""
+    why = cuda_on_cpu.unavailable()
+    if why:
+        pytest.skip(f"CUDA C cannot run on this CPU: {why}")
+    cupy = cuda_on_cpu.cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
+    params, hparams = common.random_params("tiny", n_vocab=V, n_ctx=64)
+    calls, record = [], cuda_graphs.record
+
+    def counted(f):  # f, each call outside a recording noted
+        def g(*args, **kwargs):
+            if cuda_on_cpu.recording is None:
+                calls.append(f.__name__)
+            return f(*args, **kwargs)
+        return g
+    for where, name in ((cuda_on_cpu, "operation"), (cuda_on_cpu, "run"), (cuda_on_cpu.Device, "set"),
+                        (cuda_on_cpu.Device, "read")):
+        monkeypatch.setattr(where, name, counted(getattr(where, name)))
+
+    def one_call(forward, like):  # a replay is one call, whatever it runs
+        replay, out, keep = record(forward, like)
+
+        def replayed():
+            n = len(calls)
+            replay()
+            del calls[n:]
+            calls.append("replay")
+        return replayed, out, keep
+    monkeypatch.setattr(cuda_graphs, "record", one_call)
+    per_step = {}
+    for n_layer in (1, 2):
+        model = (layout.device_layout(layout.plain_layout(dict(params, blocks=params["blocks"][:n_layer])), cupy),
+                 dict(hparams, n_layer=n_layer))
+        for where, step in ((batching, batching.autoregressive_step), (speculative, speculative.speculative_step)):
+            steps = []
+
+            def counting(*args, step=step):
+                calls.clear()
+                step(*args)
+                steps.append(len(calls))
+            monkeypatch.setattr(where, step.__name__, counting)
+            if where is batching:
+                batching.generate(batching.requests([[1, 2, 3]], 24, GREEDY), model)
+            else:
+                speculative.speculative_generate(batching.requests([[1, 2, 3]], 40, GREEDY), model,
+                                                 speculative.model_drafter(model), speculative.SpeculativeConfig(K=4))
+            monkeypatch.setattr(where, step.__name__, step)
+            per_step[where.__name__, n_layer] = collections.Counter(steps[3:]).most_common(1)[0][0]  # recorded
+    assert per_step["batching", 1] == per_step["batching", 2] <= 8, per_step  # 8 now
+    assert per_step["speculative", 1] == per_step["speculative", 2] <= 70, per_step  # 68 now: 5 passes, 4 draws
+
