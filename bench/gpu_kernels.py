@@ -3,7 +3,8 @@
 A decode step is ~8 launches a layer (kernels/cuda_ops.py), and whether it reaches the
 weights' bandwidth depends on each. Here a kernel runs LAUNCHES times back to back in one CUDA
 graph (as a step's replay runs it: no host between launches), timed by CUDA events: its
-device time a launch and, for a product, the bytes of weights it reads over that time. Then
+device time a launch and, for a product, the bytes of weights it reads over that time, and
+its time with its loop unrolled otherwise (cuda_matmul.UNROLL: to be chosen here). Then
 the whole decode step of one row, replayed, beside the sum of its kernels' times: what a
 graph's launches cost beyond their kernels, and where a step's time goes. And a long
 prompt's product, where cuBLAS's tiles would beat ours: ours two ways beside it, in FLOP/s.
@@ -22,6 +23,7 @@ from kernels import cuda_graphs, cuda_matmul, cuda_ops, layout
 LAUNCHES = 20  # a kernel's launches in one recorded graph
 SLOTS = (128, 1024)  # attention's keys: a short text, and a full window of 124M-1558M
 PROMPT_ROWS = 512  # a prompt's product: the rows of a long prompt's pass
+UNROLLS = (1, 4, 8)  # the products' k-loop unrolled other than cuda_matmul.UNROLL
 SAMPLED = sampling.SamplingSettings(temperature=0.8, top_p=0.9)  # main.py's defaults
 
 
@@ -62,7 +64,7 @@ def kernel_rows(cupy, model, reps, launches=LAUNCHES, prompt=PROMPT_ROWS):
                 lambda: cuda_matmul.linear(x, w, layer["b"]))
             us = device_us(cupy, product, reps, launches)
             rows.append({"kernel": name, "shape": f"{w.shape[0]} x {w.shape[1]}", "rows": R, "us": us,
-                         "GB_s": w.nbytes / us / 1e3})
+                         "GB_s": w.nbytes / us / 1e3, "unrolled_us": unrolled_us(cupy, x, layer, reps, launches)})
             per_step[name] = per_step.get(name, us)  # a step's row: R = 1
     rows += prompt_rows(cupy, block["mlp"]["c_fc"]["w"], rand(prompt, n_embd), reps, launches)
     x, g, b = rand(1, n_embd), block["ln_1"]["g"], block["ln_1"]["b"]
@@ -88,6 +90,16 @@ def kernel_rows(cupy, model, reps, launches=LAUNCHES, prompt=PROMPT_ROWS):
     rows.append({"kernel": f"a decode step ({SLOTS[0]} keys)", "shape": "its kernels' sum", "rows": 1,
                  "us": kernels_us, "step_us": step_us(cupy, model, reps)})
     return rows
+
+
+def unrolled_us(cupy, x, layer, reps, launches):
+    """{unroll: us a launch} of the product x @ layer["w"] with its k-loop unrolled each of
+    UNROLLS times (the same sums: a choice of speed alone); none on the NumPy stand-in."""
+    if isinstance(x, np.ndarray):
+        return {}
+    w, b = layer["w"].stored, layer["b"]
+    return {u: device_us(cupy, lambda code=cuda_matmul.source(u): cuda_matmul.launch(x, w, b, code=code), reps,
+                         launches) for u in UNROLLS}
 
 
 def prompt_rows(cupy, w, x, reps, launches):
@@ -153,14 +165,16 @@ def step_us(cupy, model, reps):
 def table(kernels):
     """The markdown of each size's rows."""
     lines = ["", f"Each kernel alone, device time a launch ({LAUNCHES} launches in one CUDA graph, the best of the "
-             "reps); GB/s: the weights it reads over that time; a prompt's product of "
+             f"reps); GB/s: the weights it reads over that time; a product's us with its loop unrolled "
+             f"{'/'.join(map(str, UNROLLS))} times, not {cuda_matmul.UNROLL}; a prompt's product of "
              f"{PROMPT_ROWS} rows three ways, in TFLOP/s; the last row of a size: its kernels' sum for a "
              "decode step of one row beside the step replayed (host time included, median):", "",
              "| model | kernel | shape | rows | us | GB/s |", "|---|---|---|---|---|---|"]
     for size, rows in kernels.items():
         for r in rows:
             extra = f" (step {r['step_us']:.0f} us)" if "step_us" in r else (
-                f" ({r['TFLOP_s']:.1f} TFLOP/s)" if "TFLOP_s" in r else "")
+                f" ({r['TFLOP_s']:.1f} TFLOP/s)" if "TFLOP_s" in r else "") + "".join(
+                f"; unrolled {u}: {us:.1f}" for u, us in r.get("unrolled_us", {}).items())
             lines.append(f"| {size} | {r['kernel']} | {r['shape']} | {r['rows']} | {r['us']:.1f}{extra} | "
                          + (f"{r['GB_s']:.0f} |" if "GB_s" in r else "- |"))
     return lines

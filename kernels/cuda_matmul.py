@@ -35,8 +35,11 @@ ROWS = 8  # rows a warp carries at once: 8 float32 sums a lane
 ROWS_BLOCK = 64  # rows a block takes: a product of more rows has more blocks
 WARPS = 8  # a block's warps (256 threads)
 COLS_WIDE = 4  # outputs a warp computes in a product of more than ROWS_BLOCK rows (a prompt's)
+# k-steps a warp's loads are issued together: more keep more bytes in flight, at the price of
+# registers; the sums' order is the same for any (bench/gpu_kernels.py times 2, 4 and 8)
+UNROLL = 2
 
-SOURCE = f"#define ROWS {ROWS}\n#define ROWS_BLOCK {ROWS_BLOCK}\n#define COLS_WIDE {COLS_WIDE}\n" + r"""
+KERNELS = f"#define ROWS {ROWS}\n#define ROWS_BLOCK {ROWS_BLOCK}\n#define COLS_WIDE {COLS_WIDE}\n" + r"""
 // y[r, j] = tail(sum_k x[r, k] w[j, k]) for r < R: w [n_out, n_in], x [R, n_in], y [R, n_out].
 // The tail is what gpt2.py does next to a product, done as it is stored: + b[j], then gelu (if
 // gelu), then + res[r, j] (if has_res): one launch instead of two to eleven. A warp takes COLS
@@ -59,7 +62,7 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
             #pragma unroll
             for (int c = 0; c < COLS; c++) acc[r][c] = 0.0f;
         int n4 = n_in % 4 ? 0 : n_in;  // four inputs a load where rows stay aligned to them (every GPT-2)
-        #pragma unroll 2
+        #pragma unroll UNROLL
         for (int k = 4 * lane; k < n4; k += 128) {  // a warp reads 512 bytes of float32 weights an output a step
             float wk[COLS][4], xk[4];
             #pragma unroll
@@ -118,6 +121,14 @@ ROWS_TIMES_COLUMNS(unsigned short, COLS_WIDE, rows_times_wide_columns_f16)
 """
 
 
+def source(unroll=UNROLL):
+    """The kernels' CUDA C with the k-loop unrolled `unroll` times (SOURCE: UNROLL)."""
+    return f"#define UNROLL {unroll}\n" + KERNELS
+
+
+SOURCE = source()
+
+
 def matmul(rows, w):
     """rows [n, n_in] @ w.T -> [n, n_out], w [n_out, n_in] in device memory, both of the
     model's dtype. NumPy arrays (the stand-in a CPU tests the GPU's bookkeeping with)
@@ -141,8 +152,9 @@ def linear(x, w, b, gelu=False, residual=None):
     return launch(rows, w.stored, b, gelu, res).reshape(shape)  # [..., n_out]
 
 
-def launch(rows, w, b, gelu=False, res=None):
-    """The kernel over rows [n, n_in] and w [n_out, n_in]: [n, n_out] with its tail."""
+def launch(rows, w, b, gelu=False, res=None, code=SOURCE):
+    """The kernel over rows [n, n_in] and w [n_out, n_in]: [n, n_out] with its tail (code:
+    the CUDA C, another `source` for the benchmark)."""
     import cupy
     n, n_in = rows.shape
     rows = cupy.ascontiguousarray(rows, dtype=w.dtype)
@@ -150,9 +162,10 @@ def launch(rows, w, b, gelu=False, res=None):
     res = out if res is None else cupy.ascontiguousarray(res, dtype=w.dtype)  # (not read without has_res)
     b = cupy.zeros(w.shape[0], w.dtype) if b is None else b  # [n_out]: a plain product adds 0, exactly
     if b.dtype != w.dtype:  # the kernel reads every array as the weights' dtype
-        raise TypeError(f"the bias is {b.dtype}, the weights {w.dtype}: give both one dtype (layout.device_layout does)")
+        raise TypeError(f"the bias is {b.dtype}, the weights {w.dtype}: "
+                        "give both one dtype (layout.device_layout does)")
     cols = COLS_WIDE if n > ROWS_BLOCK else 1  # (each output summed in the same order either way)
-    kernel = cuda.function(SOURCE, "rows_times_wide_columns" if cols > 1 else "rows_times_columns", w.dtype)
+    kernel = cuda.function(code, "rows_times_wide_columns" if cols > 1 else "rows_times_columns", w.dtype)
     blocks = -(-w.shape[0] // (WARPS * cols)) * -(-n // ROWS_BLOCK)  # cols outputs a warp, ROWS_BLOCK rows a block
     if blocks:  # (none: no rows; CuPy would still launch a block)
         kernel((blocks,), (32 * WARPS,), (w, rows, b, res, out, np.int32(n), np.int32(n_in), np.int32(w.shape[0]),

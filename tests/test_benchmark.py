@@ -273,6 +273,8 @@ def test_each_gpu_kernel_is_timed_in_a_recorded_graph(cupy):
                        "layer norm", "attention", "attention", "sampling", "a decode step (128 keys)"]
     assert all(r["us"] > 0 for r in rows) and rows[-1]["step_us"] > 0 and rows[-3]["shape"] == "1024 keys, 4 heads"
     assert [r["rows"] for r in rows[10:13]] == [130] * 3 and all(r["TFLOP_s"] > 0 for r in rows[10:13])
+    assert all(list(r["unrolled_us"]) == list(gpu_kernels.UNROLLS) and min(r["unrolled_us"].values()) > 0
+               for r in rows[:10])  # each product with its loop unrolled otherwise
 
 
 def test_gpu_benchmark_only_speculative_decodes_nothing_else(tmp_path, capsys, monkeypatch):
