@@ -372,7 +372,7 @@ def rows(cache, lo, hi):
     if (lo, hi) not in kept:
         kept[lo, hi] = {"layers": [{"k": layer["k"][lo:hi], "v": layer["v"][lo:hi]} for layer in cache["layers"]],
                         "lengths": cache["lengths"][lo:hi], "starts": cache["starts"][lo:hi],
-                        "graphs": cache.get("graphs") if lo == 0 else None}
+                        "graphs": cache.get("graphs") if lo == 0 else None, "views": {}}
     return kept[lo, hi]
 
 

@@ -132,7 +132,7 @@ def main(argv=None):
     command = ("python benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     if args.backend == "cupy":
         try:
-            results = gpu_benchmark(args, command)
+            results = gpu_benchmark(args, command, save=lambda r: write_results(r, gpu_markdown(r), args, show=False))
         except utils.LoadError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -238,13 +238,17 @@ def run_sections(results, loaded, weights, args, probe):
             results["chunked"] = [bench_chunked(loaded[size], args, size) for size in args.chunked_sizes]
 
 
-def write_results(results, table, args):
-    """results.json and results.md (the tables) in --out, the tables on the screen too."""
+def write_results(results, table, args, show=True):
+    """results.json and results.md (the tables) in --out, each whole (written aside, then
+    renamed), the tables on the screen too where show."""
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(table + "\n")
+    for name, text in (("results.json", json.dumps(results, indent=1)), ("results.md", table + "\n")):
+        path = os.path.join(args.out, name)
+        with open(path + ".part", "w") as f:
+            f.write(text)
+        os.replace(path + ".part", path)
+    if not show:
+        return 0
     print("\n" + table)
     print(f"results: {args.out}/results.json, {args.out}/results.md")
     return 0

@@ -27,9 +27,10 @@ ANCHOR_TIMEOUT_S = 150  # an anchor (transformers another way) that takes longer
 SAMPLED = sampling.SamplingSettings(temperature=0.8, top_p=0.9)  # main.py's defaults
 
 
-def gpu_benchmark(args, command):
+def gpu_benchmark(args, command, save=lambda results: None):
     """--backend cupy: decode speed at each size and batch next to transformers on the
-    same GPU, what one CuPy call costs the host, and the speculative costs."""
+    same GPU, what one CuPy call costs the host, and the speculative costs; save(results)
+    after each model's tables, so that a run stopped midway keeps what it measured."""
     cupy = layout.gpu_library()
     x = cupy.ones(1024, np.float32)
 
@@ -60,13 +61,11 @@ def gpu_benchmark(args, command):
                 ours_of[size] = ours
             if size in timed_kernels:
                 rows = results.setdefault("kernels", {})[name] = kernel_rows(cupy, ours, args.reps)
-                print(f"  GPT-2 {name}'s kernels, us a launch: " + "; ".join(
-                    f"{r['kernel']} x{r['rows']} {r['us']:.1f}" + (f" ({r['GB_s']:.0f} GB/s)" if "GB_s" in r else
-                                                                   f" ({r['TFLOP_s']:.1f} TFLOP/s)" if "TFLOP_s" in r
-                                                                   else "") for r in rows[:-1])
-                    + f"; a step's kernels {rows[-1]['us']:.0f}, the step {rows[-1]['step_us']:.0f}", flush=True)
+                print("\n".join(kernel_table({name: rows})[3:]), flush=True)  # its rows, as they come
+                save(results)
             if size in decoded:
                 results["models"][name] = decode_rows(name, (params, hparams), ours, dtype, first, args, bandwidth)
+                save(results)
     if "speculative" in args.only:
         draft, target = ours_of[args.draft], ours_of[args.target]
         costs = bench_speculative_costs(draft, target, args)

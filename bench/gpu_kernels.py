@@ -66,7 +66,7 @@ def kernel_rows(cupy, model, reps, launches=LAUNCHES, prompt=PROMPT_ROWS):
             rows.append({"kernel": name, "shape": f"{w.shape[0]} x {w.shape[1]}", "rows": R, "us": us,
                          "GB_s": w.nbytes / us / 1e3, "unrolled_us": unrolled_us(cupy, x, layer, reps, launches)})
             per_step[name] = per_step.get(name, us)  # a step's row: R = 1
-    rows += prompt_rows(cupy, block["mlp"]["c_fc"]["w"], rand(prompt, n_embd), reps, launches)
+    rows += prompt_rows(cupy, block["mlp"]["c_fc"], rand(prompt, n_embd), reps, launches)
     x, g, b = rand(1, n_embd), block["ln_1"]["g"], block["ln_1"]["b"]
     rows.append({"kernel": "layer norm", "shape": f"{n_embd}", "rows": 1,
                  "us": device_us(cupy, lambda: cuda_ops.layer_norm(x, g, b), reps, launches)})
@@ -102,29 +102,31 @@ def unrolled_us(cupy, x, layer, reps, launches):
                          launches) for u in UNROLLS}
 
 
-def prompt_rows(cupy, w, x, reps, launches):
-    """A prompt's product (x [R, n_in] @ w): ours, its outputs COLS_WIDE a warp; ours
-    in launches of ROWS_BLOCK rows, one output a warp (the same bits); cuBLAS, eagerly (it
-    cannot be recorded), timed by events around `launches` calls."""
+def prompt_rows(cupy, layer, x, reps, launches):
+    """A prompt's c_fc (x [R, n_in] @ w + b, its GELU): ours, its outputs COLS_WIDE a warp;
+    ours in launches of ROWS_BLOCK rows, one output a warp (the same bits); cuBLAS's product
+    alone (no bias, no GELU), eagerly (it cannot be recorded), timed by events around
+    `launches` calls."""
+    w, bias = layer["w"], layer["b"]
     R, flops = x.shape[0], 2 * x.size * w.shape[1]
     blocks = [x[i:i + cuda_matmul.ROWS_BLOCK] for i in range(0, R, cuda_matmul.ROWS_BLOCK)]
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    stored = w.stored
 
     def cublas_us():
         times = []
         for _ in range(reps + 1):  # the first: a warm-up
             start.record()
             for _ in range(launches):
-                x @ stored.T
+                x @ w.stored.T
             end.record()
             end.synchronize()
             times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / launches)
         return min(times[1:])
-    ways = [(f"c_fc, {cuda_matmul.COLS_WIDE} outputs a warp", device_us(cupy, lambda: x @ w, reps, launches)),
+    ways = [(f"c_fc, {cuda_matmul.COLS_WIDE} outputs a warp",
+             device_us(cupy, lambda: cuda_matmul.linear(x, w, bias, gelu=True), reps, launches)),
             (f"c_fc in {len(blocks)} launches, an output a warp",
-             device_us(cupy, lambda: [b @ w for b in blocks][-1], reps, launches)),
-            ("c_fc by cuBLAS, eagerly", cublas_us())]
+             device_us(cupy, lambda: [cuda_matmul.linear(b, w, bias, gelu=True) for b in blocks][-1], reps, launches)),
+            ("c_fc by cuBLAS (its product alone), eagerly", cublas_us())]
     return [{"kernel": name, "shape": f"{w.shape[0]} x {w.shape[1]}", "rows": R, "us": us,
              "TFLOP_s": flops / us / 1e6} for name, us in ways]
 

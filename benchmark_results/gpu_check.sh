@@ -10,7 +10,8 @@
 # The steps run in the order of what a session most needs to learn, each under a timeout of its
 # own cap or the time left before the deadline (GPU_CHECK_S, 570 s: inside one device call's 600,
 # since a session's 15 minutes hold one call and the machine's start); a step with under 20 s
-# left is skipped, and says so. Every step keeps its log whatever failed before it (no set -e).
+# left is skipped, and says so. Every step keeps its log whatever failed before it (no set -e), and
+# the benchmark writes its results after each model, so a step cut off keeps what it measured.
 # Output under $OUT (our GPU sessions' tool brings back that folder, 8 files at most: these are 8),
 # else /tmp/gpu-check.
 set -o pipefail
@@ -28,18 +29,18 @@ run() {  # run CAP LOG COMMAND...: COMMAND under min(CAP, the time left), its ou
         return
     fi
     echo "\$ $* (timeout ${cap} s, at ${SECONDS} s)" >>"$out/$log"
-    timeout "$cap" "$@" 2>&1 | tee -a "$out/$log" | tail -25
+    timeout -k 10 "$cap" "$@" 2>&1 | tee -a "$out/$log" | tail -25
 }
 
 bench=(python3 benchmark.py --backend cupy --batch_sizes 1 8 --reps 2 --n_tokens 64 --dtype float32 float16)
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"; } 2>&1 \
-    | tee "$out/tests-kernels.txt"
+{ timeout -k 5 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  timeout -k 5 30 python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"
+} 2>&1 | tee "$out/tests-kernels.txt"
 # our kernels alone first, each against NumPy (-k on-gpu: not their CPU runs): a fault in one (an
 # illegal address) is sticky and would fail every later test
 run 60 tests-kernels.txt python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -k on-gpu
 # 124M: the issue's step targets, both dtypes, batch 1 and 8, beside every anchor
-run 170 bench.txt "${bench[@]}" --only kernels decode --sizes 124M --out "$out/bench-124M"
+run 180 bench.txt "${bench[@]}" --only kernels decode --sizes 124M --out "$out/bench-124M"
 # the recorded steps against eager and the CPU on the GPU (not their CPU runs)
 run 90 tests.txt python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py -k "not on-cpu"
 # 1558M without the compiled anchor (its compilations alone would outlast the call), then 124M

@@ -277,7 +277,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) residual(const float* p, c
     __shared__ int n_s;
     int b = blockIdx.x;
     const double* d = draws + (size_t)b * (2 * K + 2);
-    int k = (int)d[2 * K];
+    int k = min((int)d[2 * K], K);
     if (threadIdx.x == 0) {
         int i = 0;
         for (; i < k; i++) {
@@ -339,11 +339,10 @@ def sample(probs, u):
     host [B]: the host waits for them here, to check them, and they leave the device once."""
     import cupy
     B, n = probs.shape
-    probs = cupy.ascontiguousarray(probs, dtype=np.float32)
+    probs, u = on_device(probs, np.float32), on_device(u, np.float64)
     tokens = cupy.empty(B, np.int64)  # [B]
     if B:
-        cuda.function(SOURCE, "sample")((B,), (THREADS,), (probs, cupy.ascontiguousarray(u, np.float64), tokens,
-                                                           np.int32(n)))
+        cuda.function(SOURCE, "sample")((B,), (THREADS,), (probs, u, tokens, np.int32(n)))
     return checked(tokens.get())
 
 
@@ -354,9 +353,11 @@ def verify(p, q, drafts, k, u, v):
     import cupy
     B, K = drafts.shape
     P, n_vocab = p.shape[1:]
+    if q.shape != (B, K, n_vocab) or P <= K:
+        raise ValueError(f"verify: p {p.shape} and q {q.shape} do not fit {K} drafts a row")
     draws = cupy.asarray(np.concatenate([drafts, u, np.reshape(k, (B, 1)), np.reshape(v, (B, 1))], axis=1,
                                         dtype=np.float64))  # [B, 2K+2]
-    p, q = (cupy.ascontiguousarray(a, dtype=np.float32) for a in (p, q))
+    p, q = on_device(p, np.float32), on_device(q, np.float32)  # (q: a deterministic drafter's, on the host)
     out, last, draw = cupy.empty((2, B), np.int64), cupy.empty((B, n_vocab), np.float32), cupy.empty(B, np.float64)
     if B:
         cuda.function(SOURCE, "residual")((B,), (THREADS,), (p, q, draws, out[0], last, draw, np.int32(P),
@@ -364,6 +365,13 @@ def verify(p, q, drafts, k, u, v):
         cuda.function(SOURCE, "sample")((B,), (THREADS,), (last, draw, out[1], np.int32(n_vocab)))
     accepted, tokens = out.get()  # [B] each
     return accepted, checked(tokens)
+
+
+def on_device(a, dtype):
+    """a (a host or device array) as a contiguous device array of dtype (CuPy's
+    ascontiguousarray takes device arrays only)."""
+    import cupy
+    return cupy.ascontiguousarray(cupy.asarray(a, dtype=dtype))
 
 
 def checked(tokens):

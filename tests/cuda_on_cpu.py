@@ -198,12 +198,16 @@ def host(tree):
 
 
 def copy_to_device(a, dtype=None, contiguous=False):
-    """cupy.asarray / ascontiguousarray: a host array's copy (not while recording), or a device
-    array as it is where it already is what is asked, else its converted copy."""
+    """cupy.asarray / ascontiguousarray: a host array's copy (not while recording; asarray's
+    alone: ascontiguousarray takes device arrays only, CuPy's TypeError), or a device array as
+    it is where it already is what is asked, else its converted copy."""
     if isinstance(a, Device):
         if (dtype is None or a.dtype == dtype) and (not contiguous or a.flags.c_contiguous):
             return a
         return operation(lambda x: np.array(x, dtype=dtype, order="C"), (a,), {})
+    if contiguous:  # CuPy's words (cupy issue 3511)
+        raise TypeError(f"Argument 'a' has incorrect type (expected cupy._core.core._ndarray_base, got "
+                        f"{type(a).__module__}.{type(a).__name__})")
     check_no_host_array((a,))
     return Device(np.array(a, dtype=dtype, order="C" if contiguous else "K"))
 

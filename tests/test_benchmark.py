@@ -1,5 +1,6 @@
 """benchmark.py --quick runs end to end in seconds, so the benchmark cannot rot."""
 import json
+import os
 import sys
 import time
 
@@ -262,6 +263,23 @@ def test_gpu_benchmark_runs_end_to_end(tmp_path, capsys, monkeypatch):
     assert kernels[-1]["step_us"] > 0 and "| tiny | head | 64 x 50257 | 8 |" in text
 
 
+def test_a_gpu_run_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
+    """A GPU session's call has a deadline: results.json and results.md hold each model's tables
+    as soon as they are measured, whole, before what comes after fails or is cut off."""
+    monkeypatch.setitem(sys.modules, "cupy", numpy_as_cupy())
+    monkeypatch.setattr(gpu, "transformers_apart", lambda *a, **k: None)
+
+    def cut_off(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(gpu, "bench_speculative_costs", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        benchmark.main(["--backend", "cupy", "--quick", "--only", "decode", "speculative", "--out", str(tmp_path)])
+    r = json.load(open(tmp_path / "results.json"))
+    assert [d["batch"] for d in r["models"]["tiny"]["decode"]] == [1, 2] and "speculative" not in r
+    assert "| tiny | 2 |" in (tmp_path / "results.md").read_text() and sorted(os.listdir(tmp_path)) == [
+        "results.json", "results.md"]
+
+
 def test_each_gpu_kernel_is_timed_in_a_recorded_graph(cupy):
     """The kernel table's code through our kernels (on a GPU, or the CPU's emulation of one):
     every kernel recorded and replayed, the step replayed."""
@@ -269,7 +287,8 @@ def test_each_gpu_kernel_is_timed_in_a_recorded_graph(cupy):
     model = (layout.device_layout(layout.plain_layout(params), cupy), hparams)
     rows = gpu_kernels.kernel_rows(cupy, model, reps=1, launches=2, prompt=130)
     assert [r["kernel"] for r in rows] == ["c_attn"] * 2 + ["attn c_proj"] * 2 + ["c_fc"] * 2 + ["mlp c_proj"] * 2 + [
-        "head"] * 2 + ["c_fc, 4 outputs a warp", "c_fc in 3 launches, an output a warp", "c_fc by cuBLAS, eagerly",
+        "head"] * 2 + ["c_fc, 4 outputs a warp", "c_fc in 3 launches, an output a warp",
+                       "c_fc by cuBLAS (its product alone), eagerly",
                        "layer norm", "attention", "attention", "sampling", "a decode step (128 keys)"]
     assert all(r["us"] > 0 for r in rows) and rows[-1]["step_us"] > 0 and rows[-3]["shape"] == "1024 keys, 4 heads"
     assert [r["rows"] for r in rows[10:13]] == [130] * 3 and all(r["TFLOP_s"] > 0 for r in rows[10:13])

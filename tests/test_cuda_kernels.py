@@ -178,8 +178,9 @@ def verify_case(V=3000, K=4):
 def test_the_verification_kernel_accepts_and_draws_as_speculative_py(cupy, monkeypatch):
     """Rows that reject at the first draft, accept every draft (the bonus token from p_{K+1}),
     draft fewer than K, reject where q = p (the residual holds no mass: p_n), meet a NaN in q,
-    or draft nothing: speculative.verify's n and token, handed to the kernels on device arrays;
-    a NaN in p is refused as sampling.sample refuses it."""
+    or draft nothing: speculative.verify's n and token, handed to the kernels on device arrays
+    (q also on the host, as prompt lookup gives it); a NaN in p is refused as sampling.sample
+    refuses it."""
     import speculative
     p, q, drafts, k, u, v = verify_case()
     want_n, want_token = speculative.verify(p, q, drafts, k, u, v)
@@ -187,6 +188,8 @@ def test_the_verification_kernel_accepts_and_draws_as_speculative_py(cupy, monke
     monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
     n, token = speculative.verify(cupy.asarray(p), cupy.asarray(q), drafts, k, u, v)
     assert isinstance(n, np.ndarray) and isinstance(token, np.ndarray)
+    assert np.array_equal(n, want_n) and np.array_equal(token, want_token)
+    n, token = speculative.verify(cupy.asarray(p), q, drafts, k, u, v)  # q on the host: prompt lookup's
     assert np.array_equal(n, want_n) and np.array_equal(token, want_token)
     p[0, want_n[0], 5] = np.nan
     with pytest.raises(ValueError, match="cannot sample"):
