@@ -71,7 +71,7 @@ def attention(q, k, v, mask):
 
 def causal_mask(T, like):
     """[T, T]: query t sees keys 0..t."""
-    return np.triu(np.full((T, T), -np.inf, dtype=np.float32, like=like), k=1)
+    return np.triu(np.full_like(like, -np.inf, dtype=np.float32, shape=(T, T)), k=1)
 
 
 def mha(x, c_attn, c_proj, n_head, attend=None):

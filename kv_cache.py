@@ -55,13 +55,18 @@ from kernels import cuda_graphs, cuda_ops, rowwise
 
 def init_cache(hparams, B, n_slots, like):
     """An empty static cache for B rows of n_slots tokens, with like's dtype and device.
-    Written through now (np.full, not np.zeros, whose pages the OS maps on first write): a
-    step that first wrote a fresh row would otherwise wait while the OS zeroes its pages, a
-    stall in the middle of serving instead of one at the start."""
+    Written through now (not np.zeros, whose pages the OS maps on first write): a step that
+    first wrote a fresh row would otherwise wait while the OS zeroes its pages, a stall in
+    the middle of serving instead of one at the start. (Not np.full(like=): NumPy 2 hands
+    CuPy a device=None that CuPy 14's full does not take.)"""
     n_head = hparams["n_head"]
     shape = (B, n_head, n_slots, hparams["n_embd"] // n_head)  # [B, n_head, n_slots, d_head]
-    return {"layers": [{"k": np.full(shape, 0, like.dtype, like=like), "v": np.full(shape, 0, like.dtype, like=like)}
-                       for _ in range(hparams["n_layer"])],
+    layers = [{"k": np.empty(shape, like.dtype, like=like), "v": np.empty(shape, like.dtype, like=like)}
+              for _ in range(hparams["n_layer"])]
+    for layer in layers:
+        layer["k"].fill(0)
+        layer["v"].fill(0)
+    return {"layers": layers,
             "lengths": np.zeros(B, dtype=np.int64),  # tokens cached per row (on the host: tiny)
             "starts": np.zeros(B, dtype=np.int64),   # index in the text of each row's slot 0
             "graphs": {},  # a GPU's steps recorded over this cache (kernels/cuda_graphs.py)

@@ -81,6 +81,8 @@ class Device(np.lib.mixins.NDArrayOperatorsMixin):
             raise RuntimeError("cuBLAS cannot be recorded into a CUDA graph by CuPy (cupy issue 6290)")
         if recording is not None and func in (np.nonzero, np.flatnonzero, np.argwhere, np.unique, np.extract):
             raise RuntimeError(f"np.{func.__name__}'s shape depends on the data: the host waits while a stream records")
+        if "device" in kwargs:  # NumPy 2's np.full, ones, eye (like=) pass device=None; CuPy 14's take none
+            raise TypeError(f"{func.__name__}() got an unexpected keyword argument 'device'")
         kwargs = {k: v for k, v in kwargs.items() if k != "like"}
         if func in (np.array, np.asarray, np.asanyarray, np.ascontiguousarray):  # a host array's copy, not a view
             return operation(lambda *a, **k: np.array(func(*a, **k), copy=True), args, kwargs)
