@@ -125,12 +125,13 @@ class Device(np.lib.mixins.NDArrayOperatorsMixin):
     def set(self, values):
         if recording is not None:
             raise RuntimeError("a host array is copied to the device while a stream records a CUDA graph")
+        if not isinstance(values, np.ndarray) or (values.dtype, values.shape) != (self.dtype, self.shape):
+            raise ValueError("cupy's set takes a NumPy array of the same dtype and shape")  # no cast, no broadcast
         self.a[...] = values
 
     tolist = lambda self: self.read().tolist()
     item = lambda self: self.read().item()
-    __int__ = lambda self: int(self.read())
-    __index__ = lambda self: int(self.read())
+    __int__ = lambda self: int(self.read())  # (no __index__: CuPy's arrays have none)
     __float__ = lambda self: float(self.read())
     __bool__ = lambda self: bool(self.read())
 
