@@ -145,7 +145,8 @@ def test_verify_on_device_arrays_matches_numpy():
     u, v = 1.0 - rng.random((B, K)), 1.0 - rng.random(B)
     want = speculative.verify(p, q, drafts, k, u, v)
     got = speculative.verify(cupy.asarray(p), cupy.asarray(q), drafts, k, u, v)
-    assert all(isinstance(g, cupy.ndarray) for g in got)
+    # CuPy's operations leave n and the token on the device; our kernels (cuda_sampling.verify) bring them out
+    assert all(isinstance(g, np.ndarray if layout.gpu_kernels() else cupy.ndarray) for g in got)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(cupy.asnumpy(g), w)
 
