@@ -36,7 +36,8 @@ ROWS_BLOCK = 64  # rows a block takes: a product of more rows has more blocks
 WARPS = 8  # a block's warps (256 threads)
 COLS_WIDE = 4  # outputs a warp computes in a product of more than ROWS_BLOCK rows (a prompt's)
 # k-steps a warp's loads are issued together: more keep more bytes in flight, at the price of
-# registers; the sums' order is the same for any (bench/gpu_kernels.py times 1, 4 and 8)
+# registers. Unrolling moves only the loads (NVRTC does not reassociate float sums without
+# --use_fast_math), so any value gives the same bits (bench/gpu_kernels.py times 1, 4 and 8)
 UNROLL = 2
 
 KERNELS = f"#define ROWS {ROWS}\n#define ROWS_BLOCK {ROWS_BLOCK}\n#define COLS_WIDE {COLS_WIDE}\n" + r"""

@@ -36,16 +36,6 @@ def test_the_few_row_product_matches_numpy_and_each_row_is_as_if_alone(cupy, dty
     assert np.array_equal(cupy.asnumpy(got), np.concatenate([cupy.asnumpy(y) for y in blocks]))
 
 
-@pytest.mark.parametrize("R", [1, 8, 130])
-def test_the_products_loop_unrolled_otherwise_sums_the_same(cupy, R):
-    """cuda_matmul.UNROLL is a choice of speed alone (bench/gpu_kernels.py times the others)."""
-    rng = np.random.default_rng(R)
-    w, x = (cupy.asarray(rng.standard_normal(shape, dtype=np.float32)) for shape in ((300, 1600), (R, 1600)))
-    want = cupy.asnumpy(cuda_matmul.matmul(x, w))
-    for unroll in (1, 8):
-        assert np.array_equal(cupy.asnumpy(cuda_matmul.launch(x, w, None, code=cuda_matmul.source(unroll))), want)
-
-
 @pytest.mark.parametrize("gelu, residual", [(False, False), (True, False), (False, True)])
 def test_a_products_tail_in_its_launch_matches_gpt2s_functions(cupy, gelu, residual):
     rng = np.random.default_rng(1)
