@@ -1,6 +1,6 @@
 """`--backend cupy --only kernels`: each of our GPU kernels alone, as a recorded step runs it.
 
-A decode step is ~8 launches a layer (kernels/cuda_ops.py), and whether it reaches the
+A decode step is ~7 launches a layer (kernels/cuda_ops.py), and whether it reaches the
 weights' bandwidth depends on each. Here a kernel runs LAUNCHES times back to back in one CUDA
 graph (as a step's replay runs it: no host between launches), timed by CUDA events: its
 device time a launch and, for a product, the bytes of weights it reads over that time, and

@@ -17,15 +17,16 @@ bookkeeping around these kernels with the same meaning.
 
 Every other pass of a model in this layout (a prompt, a chunk, a pass of a shape never
 recorded) runs the same kernels (`pass_ops`, through kv_cache.kernel_ops): `attention` is
-`attend`'s second half, after kv_cache.attend has stored the pass's keys. Each kernel treats a
-row, a query, alone, so a token comes out the same bits in whichever pass computes it.
+`attend`'s kernel reading every key from the cache, where kv_cache.attend has stored the
+pass's. Each kernel treats a row, a query, alone, so a token comes out the same bits in
+whichever pass computes it.
 """
 import numpy as np
 
 import gpt2
 from kernels import cuda, cuda_matmul
 
-THREADS = 256  # a layer norm's block, and a step's key and value stores
+THREADS = 256  # a layer norm's block
 ATTEND_THREADS = 256  # an attention block: 8 warps
 ATTEND_KEYS = 8  # the keys a warp reads at once: a block has 64 in flight
 
@@ -45,30 +46,21 @@ __device__ void layer_norm_rows(const T* x, const T* g, const T* b, T* y, int n,
         store(yr + i, load(g + i) * ((load(xr + i) - mean) / sd) + load(b + i));
 }
 
-// token (b, t) of the step's k, v [B, H, n_tok, D] (strides sb, sh, st; d contiguous) into
-// slot positions[b, t] of the cache's ck, cv [B, H, S, D]; a position of -1 stores nothing
-template <typename T>
-__device__ void store_kv(const T* k, const T* v, long long sb, long long sh, long long st, T* ck, T* cv,
-                         const long long* positions, int n_tok, int H, int S, int D) {
-    int b = blockIdx.x / n_tok, t = blockIdx.x % n_tok;
-    long long p = positions[blockIdx.x];
-    if (p < 0 || p >= S) return;  // padding (a position past the cache would be a caller's bug: never written)
-    for (int i = threadIdx.x; i < H * D; i += blockDim.x) {
-        int h = i / D, d = i % D;
-        long long from = b * sb + h * sh + t * st + d, to = (((long long)b * H + h) * S + p) * D + d;
-        ck[to] = k[from];
-        cv[to] = v[from];
-    }
-}
-
 // out[b, t, h] = softmax(q k^T / sqrt(D)) v over slots 0..positions[b, t] of row b's cache;
 // a block a query (blockIdx.x = (b * n_tok + t) * H + h), scores in shared memory [S]. Its warps
 // take the keys KEYS at a time in turn, for the scores and for the values alike: a decode step
 // has a block a head, so many keys' reads must be in flight within a block for the cache to
-// stream at all.
+// stream at all. With `fresh`, k_new and v_new (strides as q's) are this step's keys and
+// values, not yet in the cache: each block stores its own token's head in its slot (the step's
+// KV write, in this launch rather than one of its own) and reads the step's tokens from k_new
+// and v_new, since the blocks that store them run in no set order. A row's real tokens sit in
+// consecutive slots from its first token's (cuda_graphs.step places them so): slot s >= first
+// is token s - first (a query placed otherwise gets NaN). Without, every key comes from the
+// cache (kv_cache.attend stored them).
 template <typename T>
-__device__ void attend(const T* q, long long sb, long long sh, long long st, const T* ck, const T* cv,
-                       const long long* positions, T* out, int n_tok, int H, int S, int D, float scale) {
+__device__ void attend(const T* q, const T* k_new, const T* v_new, long long sb, long long sh, long long st,
+                       T* ck, T* cv, const long long* positions, T* out, int n_tok, int H, int S, int D,
+                       float scale, int fresh) {
     extern __shared__ float scores[];
     __shared__ float qs[256], part[32], sums[WARPS][256];
     int h = blockIdx.x % H, bt = blockIdx.x / H, b = bt / n_tok, t = bt % n_tok;
@@ -79,11 +71,23 @@ __device__ void attend(const T* q, long long sb, long long sh, long long st, con
         for (int d = threadIdx.x; d < D; d += blockDim.x) store(o + d, 0.0f);
         return;
     }
-    const T* qv = q + b * sb + h * sh + t * st;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) qs[d] = load(qv + d);
+    size_t at = b * sb + h * sh;  // row b's head h in q, k_new, v_new
+    for (int d = threadIdx.x; d < D; d += blockDim.x) qs[d] = load(q + at + t * st + d);
+    T* kc = ck + ((size_t)b * H + h) * S * D;
+    T* vc = cv + ((size_t)b * H + h) * S * D;
+    long long first = fresh ? positions[(size_t)b * n_tok] : S;  // slots from first on: this step's tokens
+    if (fresh && p - first != t) {  // not where the step's tokens must be: NaN, loud, not another token's keys
+        for (int d = threadIdx.x; d < D; d += blockDim.x) store(o + d, __int_as_float(0x7fc00000));  // NaN
+        return;
+    }
+    auto key = [&](long long s) -> const T* { return s < first ? kc + s * D : k_new + at + (s - first) * st; };
+    auto value = [&](long long s) -> const T* { return s < first ? vc + s * D : v_new + at + (s - first) * st; };
+    if (fresh)
+        for (int d = threadIdx.x; d < D; d += blockDim.x) {
+            kc[p * D + d] = k_new[at + t * st + d];
+            vc[p * D + d] = v_new[at + t * st + d];
+        }
     __syncthreads();
-    const T* kr = ck + ((size_t)b * H + h) * S * D;
-    const T* vr = cv + ((size_t)b * H + h) * S * D;
     for (int s0 = warp * KEYS; s0 <= p; s0 += n_warps * KEYS) {  // a warp KEYS keys at once, its lanes
         float dot[KEYS];                                              // reading each key's D values together
         #pragma unroll
@@ -91,7 +95,7 @@ __device__ void attend(const T* q, long long sb, long long sh, long long st, con
         for (int d = lane; d < D; d += 32) {
             #pragma unroll
             for (int k = 0; k < KEYS; k++)
-                if (s0 + k <= p) dot[k] = fmaf(qs[d], load(kr + (size_t)(s0 + k) * D + d), dot[k]);
+                if (s0 + k <= p) dot[k] = fmaf(qs[d], load(key(s0 + k) + d), dot[k]);
         }
         #pragma unroll
         for (int k = 0; k < KEYS; k++) {
@@ -115,7 +119,7 @@ __device__ void attend(const T* q, long long sb, long long sh, long long st, con
         #pragma unroll
         for (int k = 0; k < KEYS; k++) {
             if (s0 + k > p) break;
-            const T* vs = vr + (size_t)(s0 + k) * D;
+            const T* vs = value(s0 + k);
             #pragma unroll
             for (int j = 0; j < 8; j++)
                 if (lane + 32 * j < D) acc[j] = fmaf(scores[s0 + k], load(vs + lane + 32 * j), acc[j]);
@@ -135,12 +139,10 @@ __device__ void attend(const T* q, long long sb, long long sh, long long st, con
 #define OPS(T, S)                                                                                          \
 extern "C" __global__ void layer_norm##S(const T* x, const T* g, const T* b, T* y, int n, float eps) {     \
     layer_norm_rows<T>(x, g, b, y, n, eps); }                                                              \
-extern "C" __global__ void store_kv##S(const T* k, const T* v, long long sb, long long sh, long long st,  \
-    T* ck, T* cv, const long long* positions, int n_tok, int H, int S_, int D) {                          \
-    store_kv<T>(k, v, sb, sh, st, ck, cv, positions, n_tok, H, S_, D); }                                  \
-extern "C" __global__ void attend##S(const T* q, long long sb, long long sh, long long st, const T* ck,  \
-    const T* cv, const long long* positions, T* out, int n_tok, int H, int S_, int D, float scale) {      \
-    attend<T>(q, sb, sh, st, ck, cv, positions, out, n_tok, H, S_, D, scale); }
+extern "C" __global__ void attend##S(const T* q, const T* k_new, const T* v_new, long long sb, long long sh, \
+    long long st, T* ck, T* cv, const long long* positions, T* out, int n_tok, int H, int S_, int D,        \
+    float scale, int fresh) {                                                                              \
+    attend<T>(q, k_new, v_new, sb, sh, st, ck, cv, positions, out, n_tok, H, S_, D, scale, fresh); }
 OPS(float, _f32)
 OPS(unsigned short, _f16)
 """
@@ -163,29 +165,23 @@ def layer_norm(x, g, b, eps=1e-5):
 
 
 def attend(positions, layer, q, k, v):
-    """One layer's attention in a step of static shapes: store k, v [B, n_head, T, d_head] in
-    the layer's cache at positions [B, T] (device; -1, or past the cache: padding), then
-    attend each query over its row's slots up to its position. Returns [B, n_head, T, d_head] (a view of [B, T,
-    n_head, d_head], so that gpt2.mha's transpose back is free)."""
+    """One layer's attention in a step of static shapes, in one launch: each query over its
+    row's slots up to its position [B, T] (device; -1, or past the cache: padding), its own
+    token's k, v [B, n_head, T, d_head] stored in the layer's cache on the way. Returns
+    [B, n_head, T, d_head] (a view of [B, T, n_head, d_head], so that gpt2.mha's transpose back
+    is free)."""
     if isinstance(q, np.ndarray):
         return attend_reference(positions, layer, q, k, v)
-    import cupy
-    B, H, T, D = q.shape
     ck, cv = layer["k"], layer["v"]  # [B, H, S, D]
-    S = ck.shape[2]
     if k.strides != q.strides or v.strides != q.strides or q.strides[3] != q.itemsize:
         raise ValueError("attend takes q, k, v as gpt2.mha makes them: views of one [B, T, 3, H, D] array")
     if not (ck.flags.c_contiguous and cv.flags.c_contiguous):
         raise ValueError("attend writes the cache's rows as one contiguous [B, H, S, D] array")
-    strides = tuple(np.int64(s // q.itemsize) for s in q.strides[:3])  # of q, k and v alike, in elements
-    sizes = (np.int32(T), np.int32(H), np.int32(S), np.int32(D))
-    if B * T:
-        cuda.function(SOURCE, "store_kv", q.dtype)((B * T,), (THREADS,), (k, v, *strides, ck, cv, positions, *sizes))
-    return attend_stored(q, ck, cv, positions, S)  # [B, H, T, D]
+    return attend_stored(q, ck, cv, positions, ck.shape[2], new=(k, v))  # [B, H, T, D]
 
 
 def attention(q, k, v, positions):
-    """A pass's attention where kv_cache.attend has stored its keys (`attend`'s second half):
+    """A pass's attention where kv_cache.attend has stored its keys (`attend` without the store):
     each query of q [B, H, T, D] over its row's slots 0..positions[b, t] (host [B, T]) of k, v,
     views [B, H, S', D] of a cache's rows (or, without a cache, the pass's own). So a token
     attends in the same bits in an eager pass (a prompt, a chunk) as in a recorded step.
@@ -202,9 +198,11 @@ def attention(q, k, v, positions):
     return attend_stored(q, k, v, positions, S)  # [B, H, T, D]
 
 
-def attend_stored(q, ck, cv, positions, S):
+def attend_stored(q, ck, cv, positions, S, new=None):
     """The attention kernel: each query of q [B, H, T, D] over its row's slots of ck, cv
-    ([B, H, S, D] rows) up to positions [B, T] (device; -1 or past S: padding, zeros)."""
+    ([B, H, S, D] rows) up to positions [B, T] (device; -1 or past S: padding, zeros). new:
+    (k, v) of the pass, laid out as q, which the kernel stores in ck, cv as it reads them
+    (`attend`); None where the cache holds them already."""
     import cupy
     B, H, T, D = q.shape
     if D > 256:
@@ -212,13 +210,15 @@ def attend_stored(q, ck, cv, positions, S):
     most = 48 * 1024 // 4 - (256 + 32 + 256 * ATTEND_THREADS // 32)  # a block's 48 KiB, less its query and sums
     if S > most:
         raise ValueError(f"attend keeps a row's scores in a block's shared memory: at most {most} slots, not {S}")
-    strides = tuple(np.int64(s // q.itemsize) for s in q.strides[:3])  # of q, in elements
+    strides = tuple(np.int64(s // q.itemsize) for s in q.strides[:3])  # of q (and new's), in elements
     sizes = (np.int32(T), np.int32(H), np.int32(S), np.int32(D))
     out = cupy.empty((B, T, H, D), q.dtype)  # [B, T, H, D]
     scale = np.float32(1.0 / np.sqrt(D))
+    k, v = (q, q) if new is None else new  # (q: a pointer the kernel never reads without new)
     if B * T:
         cuda.function(SOURCE, "attend", q.dtype)((B * T * H,), (ATTEND_THREADS,),  # a block a query, S scores shared
-                                                 (q, *strides, ck, cv, positions, out, *sizes, scale), shared_mem=4 * S)
+                                                 (q, k, v, *strides, ck, cv, positions, out, *sizes, scale,
+                                                  np.int32(new is not None)), shared_mem=4 * S)
     return out.transpose(0, 2, 1, 3)  # [B, H, T, D]
 
 
@@ -252,9 +252,9 @@ def attend_reference(positions, layer, q, k, v):
 
 def transformer_block(x, mlp, attn, ln_1, ln_2, n_head, attend, norm):
     """gpt2.transformer_block's steps, mha and ffn written out, with each product's tail in
-    the product's own launch (cuda_matmul.linear: the bias, the GELU, the residual add): 8
+    the product's own launch (cuda_matmul.linear: the bias, the GELU, the residual add): 7
     launches a layer where gpt2.transformer_block, given these layer norm and attention
-    kernels, makes about 23; a recorded step is bound by its launches."""
+    kernels, makes about 22; a recorded step is bound by its launches."""
     B, T, n_embd = x.shape
     qkv = cuda_matmul.linear(norm(x, **ln_1), **attn["c_attn"])  # [B, T, 3*n_embd]
     q, k, v = qkv.reshape(B, T, 3, n_head, n_embd // n_head).transpose(2, 0, 3, 1, 4)  # [B, n_head, T, d_head] each

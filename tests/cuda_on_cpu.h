@@ -1,7 +1,9 @@
 // CUDA C on a CPU, for tests/cuda_on_cpu.py: what our kernels (kernels/cuda*.py) use of CUDA.
 // A block's threads are fibers on one CPU thread, __syncthreads and a warp's shuffles and
 // ballots are barriers between them, atomics are std::atomic_ref. Blocks run one after
-// another, so __shared__ (a static here) is the running block's. It checks what a kernel
+// another, so __shared__ (a static here) is the running block's, the last block first: a GPU
+// runs them in no set order, and a block that reads what a block before it writes in the same
+// launch would pass in the natural order and fail on a GPU. It checks what a kernel
 // computes; not its speed, nor a race the GPU's weaker memory ordering would expose, nor the
 // GPU's own arithmetic (flush-to-zero, the last bit of expf). x86-64 only (the fiber switch).
 #pragma once
@@ -177,7 +179,7 @@ int launch(int gx, int bx, int shmem, std::function<void()> f) {
     }
     lanes.assign((bx + 31) / 32 * 32, 0);
     any_flag = 0;
-    for (int b = 0; b < gx; b++) {
+    for (int b = gx - 1; b >= 0; b--) {  // the last first (the header's comment says why)
         blockIdx.x = b;
         fibers.assign(bx, Fiber{nullptr, RUNNABLE, 0});
         int warps = (bx + 31) / 32;

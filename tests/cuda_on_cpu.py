@@ -1,9 +1,10 @@
 """Our GPU kernels run on a CPU: CuPy's few functions the kernels' Python calls, played by
 NumPy, and RawModule's CUDA C compiled by g++ against cuda_on_cpu.h (a block's threads as
-fibers: each runs until it waits at a barrier). A machine without a GPU (CI) checks each
-kernel's numbers against NumPy with it, as tests/test_cuda_kernels.py does on a GPU; it
-cannot see speed, nor races that the GPU's weaker memory ordering alone would expose, nor the
-GPU's arithmetic where it differs (flush-to-zero, fused multiply-adds, the last bit of expf).
+fibers: each runs until it waits at a barrier; blocks one at a time, the last first). A
+machine without a GPU (CI) checks each kernel's numbers against NumPy with it, as
+tests/test_cuda_kernels.py does on a GPU; it cannot see speed, nor races that the GPU's
+weaker memory ordering alone would expose, nor the GPU's arithmetic where it differs
+(flush-to-zero, fused multiply-adds, the last bit of expf).
 A block whose threads all wait at barriers that cannot open fails its launch, as a GPU would
 hang. It is lenient where a GPU is undefined or strict: a lane that has returned still
 answers a shuffle, shared memory starts zeroed, and no launch limit (threads, registers,

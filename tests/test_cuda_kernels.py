@@ -60,13 +60,14 @@ def test_the_layer_norm_kernel_matches_gpt2s(cupy, dtype):
 
 
 @pytest.mark.parametrize("S, positions, dtype", [(40, [[37, 38, -1], [0, -1, -1]], np.float32),
-                                                 (300, [[250, 251, 299], [5, -1, -1]], np.float32),
-                                                 (300, [[250, 251, 299], [5, -1, -1]], np.float16)])
+                                                 (300, [[297, 298, 299], [5, -1, -1]], np.float32),
+                                                 (300, [[297, 298, 299], [5, -1, -1]], np.float16)])
 def test_the_attention_kernel_matches_numpy_with_padding(cupy, S, positions, dtype):
     """q, k, v as gpt2.mha makes them (views of one array); a row of 2 or 3 tokens after many
     cached (up to the cache's last slot), a row of 1, padding in between: the same keys
-    stored, the same outputs (float16: NumPy rounds the probabilities to float16, the kernel
-    keeps float32 until it stores)."""
+    stored (the kernel stores them as it attends, and reads the step's own from q's array), the
+    same outputs (float16: NumPy rounds the probabilities to float16, the kernel keeps float32
+    until it stores)."""
     rng = np.random.default_rng(0)
     B, T, H, D = 2, 3, 3, 64
     qkv = rng.standard_normal((B, T, 3 * H * D), dtype=np.float32).astype(dtype)
@@ -82,6 +83,18 @@ def test_the_attention_kernel_matches_numpy_with_padding(cupy, S, positions, dty
     np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float32), want.astype(np.float32),
                                atol=1e-5 if dtype == np.float32 else 2e-3, rtol=0)
     assert np.array_equal(cupy.asnumpy(gpu["k"]), cpu["k"]) and np.array_equal(cupy.asnumpy(gpu["v"]), cpu["v"])
+
+
+def test_a_step_token_out_of_its_rows_run_of_slots_gets_nan_not_another_tokens_keys(cupy):
+    """A step's tokens of a row sit in consecutive slots (cuda_graphs.step), which is how the
+    kernel finds the keys it has not stored yet: a token placed elsewhere is NaN, loudly."""
+    rng = np.random.default_rng(1)
+    B, T, H, D, S = 1, 3, 2, 64, 40
+    qkv = cupy.asarray(rng.standard_normal((B, T, 3 * H * D), dtype=np.float32))
+    q, k, v = qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)
+    layer = {"k": cupy.zeros((B, H, S, D), np.float32), "v": cupy.zeros((B, H, S, D), np.float32)}
+    out = cupy.asnumpy(cuda_ops.attend(cupy.asarray(np.array([[20, 21, 30]])), layer, q, k, v))  # [B, H, T, D]
+    assert np.isfinite(out[:, :, :2]).all() and np.isnan(out[:, :, 2]).all()
 
 
 def sampling_cases():
