@@ -1,10 +1,12 @@
 """`--backend cupy --only kernels`: each of our GPU kernels alone, as a recorded step runs it.
 
-A decode step is ~7 launches a layer (kernels/cuda_ops.py), and whether it reaches the
+A decode step is ~5 launches a layer (kernels/cuda_ops.py), and whether it reaches the
 weights' bandwidth depends on each. Here a kernel runs LAUNCHES times back to back in one CUDA
 graph (as a step's replay runs it: no host between launches), timed by CUDA events: its
 device time a launch and, for a product, the bytes of weights it reads over that time, and
-its time with its loop unrolled otherwise (cuda_matmul.UNROLL: to be chosen here). Then
+its time with its loop unrolled otherwise (cuda_matmul.UNROLL: to be chosen here); c_attn
+with the layer norm before it in its launch (as a step runs it) and without, beside the
+layer norm's own launch (whether the fold pays). Then
 the whole decode step of one row, replayed, beside the sum of its kernels' times: what a
 graph's launches cost beyond their kernels, and where a step's time goes. And a long
 prompt's product, where cuBLAS's tiles would beat ours: ours two ways beside it, in FLOP/s.
@@ -53,18 +55,21 @@ def kernel_rows(cupy, model, reps, launches=LAUNCHES, prompt=PROMPT_ROWS):
     def rand(*shape):
         return cupy.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
     rows, per_step = [], {}
-    products = [("c_attn", block["attn"]["c_attn"]), ("attn c_proj", block["attn"]["c_proj"]),
-                ("c_fc", block["mlp"]["c_fc"]), ("mlp c_proj", block["mlp"]["c_proj"]),
-                ("head", {"w": weights["wte"].T, "b": None})]
-    for name, layer in products:
+    products = [("c_attn", block["attn"]["c_attn"], {"norm": block["ln_1"]}),  # as a step runs each:
+                ("attn c_proj", block["attn"]["c_proj"], {}),  # c_attn and c_fc with the layer norm
+                ("c_fc", block["mlp"]["c_fc"], {"norm": block["ln_2"], "gelu": True}),  # before them
+                ("mlp c_proj", block["mlp"]["c_proj"], {}),
+                ("head", {"w": weights["wte"].T, "b": None}, {}),
+                ("c_attn, its layer norm apart", block["attn"]["c_attn"], {})]  # what the norm costs in it
+    for name, layer, tail in products:
         w = layer["w"]
         for R in (1, 8):
             x = rand(R, w.shape[0])
             product = (lambda: cuda_matmul.matmul(x, w.stored)) if layer["b"] is None else (
-                lambda: cuda_matmul.linear(x, w, layer["b"]))
+                lambda: cuda_matmul.linear(x, w, layer["b"], **tail))
             us = device_us(cupy, product, reps, launches)
             rows.append({"kernel": name, "shape": f"{w.shape[0]} x {w.shape[1]}", "rows": R, "us": us,
-                         "GB_s": w.nbytes / us / 1e3, "unrolled_us": unrolled_us(cupy, x, layer, reps, launches)})
+                         "GB_s": w.nbytes / us / 1e3, "unrolled_us": unrolled_us(cupy, x, layer, tail, reps, launches)})
             per_step[name] = per_step.get(name, us)  # a step's row: R = 1
     rows += prompt_rows(cupy, block["mlp"]["c_fc"], rand(prompt, n_embd), reps, launches)
     x, g, b = rand(1, n_embd), block["ln_1"]["g"], block["ln_1"]["b"]
@@ -84,22 +89,22 @@ def kernel_rows(cupy, model, reps, launches=LAUNCHES, prompt=PROMPT_ROWS):
         rows.append({"kernel": "sampling", "shape": f"{n_vocab} tokens", "rows": 1,
                      "us": device_us(cupy, lambda: sampling.probabilities(logits, None, SAMPLED), reps, launches)})
     n_layer = hparams["n_layer"]
-    kernels_us = n_layer * (2 * per_step["layer norm"] + per_step["c_attn"] + per_step["attention"]
-                            + per_step["attn c_proj"] + per_step["c_fc"] + per_step["mlp c_proj"]) \
-        + per_step["layer norm"] + per_step["head"]
+    kernels_us = n_layer * (per_step["c_attn"] + per_step["attention"] + per_step["attn c_proj"] + per_step["c_fc"]
+                            + per_step["mlp c_proj"]) + per_step["layer norm"] + per_step["head"]  # ln_f's alone
     rows.append({"kernel": f"a decode step ({SLOTS[0]} keys)", "shape": "its kernels' sum", "rows": 1,
                  "us": kernels_us, "step_us": step_us(cupy, model, reps)})
     return rows
 
 
-def unrolled_us(cupy, x, layer, reps, launches):
-    """{unroll: us a launch} of the product x @ layer["w"] with its k-loop unrolled each of
-    UNROLLS times (the same sums: a choice of speed alone); none on the NumPy stand-in."""
+def unrolled_us(cupy, x, layer, tail, reps, launches):
+    """{unroll: us a launch} of the product x @ layer["w"] (with its tail, as the step runs it)
+    with its k-loop unrolled each of UNROLLS times (the same sums: a choice of speed alone);
+    none on the NumPy stand-in."""
     if isinstance(x, np.ndarray):
         return {}
     w, b = layer["w"].stored, layer["b"]
-    return {u: device_us(cupy, lambda code=cuda_matmul.source(u): cuda_matmul.launch(x, w, b, code=code), reps,
-                         launches) for u in UNROLLS}
+    return {u: device_us(cupy, lambda code=cuda_matmul.source(u): cuda_matmul.launch(
+        x, w, b, tail.get("gelu", False), norm=tail.get("norm"), code=code), reps, launches) for u in UNROLLS}
 
 
 def prompt_rows(cupy, layer, x, reps, launches):

@@ -28,7 +28,7 @@ So a step is shaped for it (after vLLM's and gpt-fast's decode graphs):
 
 The model is gpt2.gpt2 as on the CPU, with a pass (kv_cache.Pass's fields) whose positions
 are a device array and whose attention, layer norm and transformer_block (the same math
-in 7 launches a layer) are cuda_ops's. A pass that does not fit (a prompt: more than
+in 5 launches a layer) are cuda_ops's. A pass that does not fit (a prompt: more than
 TOKENS_MAX tokens; riders; a draft's vocabulary subset) runs eagerly through
 kv_cache.begin_pass as on the CPU, on the same kernels (cuda_ops.pass_ops), so a token
 comes out the same bits either way. With NumPy arrays (`layout.device_layout(params,

@@ -23,8 +23,11 @@ each summed in the same order as alone: a quarter of the reads of inputs, and a 
 the warps, of which a product of more than ROWS_BLOCK rows has plenty.
 
 `linear` also does, as each output is stored, what gpt2.py does right after a product (its
-*tail*): the bias, the GELU of the MLP's first layer, the residual add of a block. Apart,
-each is a launch of its own (the GELU alone nine), and a recorded step is bound by launches.
+*tail*): the bias, the GELU of the MLP's first layer, the residual add of a block; and, as
+each input is read, the layer norm gpt2.py does before a block's attention and MLP (each
+block of the launch first takes its rows' mean and deviation, a warp a row, so a row's
+statistics are the same sums whatever shares the launch). Apart, each is a launch of its own
+(the GELU alone nine), and a recorded step is bound by launches.
 """
 import numpy as np
 
@@ -43,17 +46,38 @@ UNROLL = 2
 KERNELS = f"#define ROWS {ROWS}\n#define ROWS_BLOCK {ROWS_BLOCK}\n#define COLS_WIDE {COLS_WIDE}\n" + r"""
 // y[r, j] = tail(sum_k x[r, k] w[j, k]) for r < R: w [n_out, n_in], x [R, n_in], y [R, n_out].
 // The tail is what gpt2.py does next to a product, done as it is stored: + b[j], then gelu (if
-// gelu), then + res[r, j] (if has_res): one launch instead of two to eleven. A warp takes COLS
+// gelu), then + res[r, j] (if has_res): one launch instead of two to eleven. With has_ln, x is
+// layer-normed on the way in (gamma ln_g, beta ln_b), as gpt2.py does before the block's
+// products: each block first takes its rows' mean and deviation, a warp a row (the same sums
+// whatever the block's other rows), then normalizes each input as it loads it. A warp takes COLS
 // outputs from j0 on; block i takes the outputs i % out_blocks of rows ROWS_BLOCK * (i / out_blocks) on.
 template <typename T, int COLS>
 __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict__ x, const T* __restrict__ b,
-                                   const T* res, T* y, int R, int n_in, int n_out, int gelu, int has_res) {
+                                   const T* res, T* y, int R, int n_in, int n_out, int gelu, int has_res,
+                                   const T* __restrict__ ln_g, const T* __restrict__ ln_b, float eps, int has_ln) {
+    __shared__ float mean[ROWS_BLOCK], sd[ROWS_BLOCK];  // the layer norm's statistics of the block's rows
     int warps = blockDim.x / 32, out_blocks = (n_out + warps * COLS - 1) / (warps * COLS);
     int j0 = (blockIdx.x % out_blocks * warps + threadIdx.x / 32) * COLS, lane = threadIdx.x % 32;
     int r_first = blockIdx.x / out_blocks * ROWS_BLOCK, r_end = min(R, r_first + ROWS_BLOCK);
+    if (has_ln) {  // gpt2.layer_norm's statistics, in float32: the mean, then the deviations from it
+        for (int r = r_first + threadIdx.x / 32; r < r_end; r += warps) {
+            const T* xr = x + (size_t)r * n_in;
+            float s = 0.0f, v = 0.0f;
+            for (int k = lane; k < n_in; k += 32) s += load(xr + k);
+            float mu = warp_sum(s) / n_in;
+            for (int k = lane; k < n_in; k += 32) { float d = load(xr + k) - mu; v += d * d; }
+            float deviation = sqrtf(warp_sum(v) / n_in + eps);
+            if (lane == 0) { mean[r - r_first] = mu; sd[r - r_first] = deviation; }
+        }
+        __syncthreads();  // (before any warp leaves: every thread must reach it)
+    }
     if (j0 >= n_out) return;  // the whole warp: no lane is left waiting in a shuffle
     int m = min(COLS, n_out - j0);  // the warp's outputs
     const T* wj = w + (size_t)j0 * n_in;
+    // the input of row r (of the block's) at k: x, or gpt2.layer_norm's g * ((x - mean) / sd) + b
+    auto normed = [&](float xk, int r, float g, float beta) {
+        return has_ln ? g * ((xk - mean[r]) / sd[r]) + beta : xk;
+    };
     for (int r0 = r_first; r0 < r_end; r0 += ROWS) {
         int n = min(ROWS, r_end - r0);
         const T* xr = x + (size_t)r0 * n_in;
@@ -65,16 +89,19 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
         int n4 = n_in % 4 ? 0 : n_in;  // four inputs a load where rows stay aligned to them (every GPT-2)
         #pragma unroll UNROLL
         for (int k = 4 * lane; k < n4; k += 128) {  // a warp reads 512 bytes of float32 weights an output a step
-            float wk[COLS][4], xk[4];
+            float wk[COLS][4], xk[4], gk[4] = {1.0f, 1.0f, 1.0f, 1.0f}, bk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             #pragma unroll
             for (int c = 0; c < COLS; c++) {
                 if (c < m) load4(wj + (size_t)c * n_in + k, wk[c]);
                 else wk[c][0] = wk[c][1] = wk[c][2] = wk[c][3] = 0.0f;
             }
+            if (has_ln) { load4(ln_g + k, gk); load4(ln_b + k, bk); }
             #pragma unroll
             for (int r = 0; r < ROWS; r++) {
                 if (r < n) {
                     load4(xr + (size_t)r * n_in + k, xk);
+                    #pragma unroll
+                    for (int i = 0; i < 4; i++) xk[i] = normed(xk[i], r0 - r_first + r, gk[i], bk[i]);
                     #pragma unroll
                     for (int c = 0; c < COLS; c++)
                         #pragma unroll
@@ -90,6 +117,7 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
             for (int r = 0; r < ROWS; r++) {
                 if (r < n) {
                     float xk = load(xr + (size_t)r * n_in + k);
+                    if (has_ln) xk = normed(xk, r0 - r_first + r, load(ln_g + k), load(ln_b + k));
                     #pragma unroll
                     for (int c = 0; c < COLS; c++) acc[r][c] = fmaf(wk[c], xk, acc[r][c]);
                 }
@@ -113,8 +141,9 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
     }
 }
 #define ROWS_TIMES_COLUMNS(T, COLS, NAME) extern "C" __global__ void NAME(const T* w, const T* x, const T* b,    \
-    const T* res, T* y, int R, int n_in, int n_out, int gelu, int has_res) {                               \
-    rows_times_columns<T, COLS>(w, x, b, res, y, R, n_in, n_out, gelu, has_res); }
+    const T* res, T* y, int R, int n_in, int n_out, int gelu, int has_res, const T* ln_g, const T* ln_b,     \
+    float eps, int has_ln) {                                                                               \
+    rows_times_columns<T, COLS>(w, x, b, res, y, R, n_in, n_out, gelu, has_res, ln_g, ln_b, eps, has_ln); }
 ROWS_TIMES_COLUMNS(float, 1, rows_times_columns_f32)
 ROWS_TIMES_COLUMNS(unsigned short, 1, rows_times_columns_f16)
 ROWS_TIMES_COLUMNS(float, COLS_WIDE, rows_times_wide_columns_f32)
@@ -139,38 +168,43 @@ def matmul(rows, w):
     return launch(rows, w, None)
 
 
-def linear(x, w, b, gelu=False, residual=None):
+def linear(x, w, b, gelu=False, residual=None, norm=None):
     """gpt2.linear(x, w, b), then gpt2.gelu if gelu, then residual + it: x [..., n_in], w a
-    Matrix, residual like the output [..., n_out]. One launch on a GPU (the tail done as
-    each output is stored); NumPy (the stand-in) runs gpt2.py's own functions."""
+    Matrix, residual like the output [..., n_out]; norm: a layer norm's {"g", "b"}, x
+    normalized by gpt2.layer_norm first. One launch on a GPU (the layer norm done as each
+    input is read, the tail as each output is stored); NumPy (the stand-in) runs gpt2.py's
+    own functions."""
     rows = x.reshape(-1, x.shape[-1])  # [n, n_in]
     shape = (*x.shape[:-1], w.stored.shape[0])  # [..., n_out]
     if isinstance(rows, np.ndarray):
-        y = gpt2.linear(x, w, b)  # [..., n_out]
+        y = gpt2.linear(x if norm is None else gpt2.layer_norm(x, **norm), w, b)  # [..., n_out]
         y = gpt2.gelu(y) if gelu else y
         return y if residual is None else residual + y
     res = None if residual is None else residual.reshape(-1, shape[-1])  # [n, n_out]
-    return launch(rows, w.stored, b, gelu, res).reshape(shape)  # [..., n_out]
+    return launch(rows, w.stored, b, gelu, res, norm).reshape(shape)  # [..., n_out]
 
 
-def launch(rows, w, b, gelu=False, res=None, code=SOURCE):
-    """The kernel over rows [n, n_in] and w [n_out, n_in]: [n, n_out] with its tail (code:
-    the CUDA C, another `source` for the benchmark)."""
+def launch(rows, w, b, gelu=False, res=None, norm=None, code=SOURCE):
+    """The kernel over rows [n, n_in] and w [n_out, n_in]: [n, n_out] with its tail, rows
+    layer-normed first by norm {"g", "b"} if given (code: the CUDA C, another `source` for
+    the benchmark)."""
     import cupy
     n, n_in = rows.shape
     rows = cupy.ascontiguousarray(rows, dtype=w.dtype)
     out = cupy.empty((n, w.shape[0]), w.dtype)  # [n, n_out]
     res = out if res is None else cupy.ascontiguousarray(res, dtype=w.dtype)  # (not read without has_res)
     b = cupy.zeros(w.shape[0], w.dtype) if b is None else b  # [n_out]: a plain product adds 0, exactly
-    if b.dtype != w.dtype:  # the kernel reads every array as the weights' dtype
-        raise TypeError(f"the bias is {b.dtype}, the weights {w.dtype}: "
-                        "give both one dtype (layout.device_layout does)")
+    ln = (w, w) if norm is None else (norm["g"], norm["b"])  # (w: never read without has_ln)
+    if any(a.dtype != w.dtype for a in (b, *ln)):  # the kernel reads every array as the weights' dtype
+        raise TypeError(f"the bias and layer norm must be of the weights' dtype, {w.dtype}, not "
+                        f"{[str(a.dtype) for a in (b, *ln)]}: give all one dtype (layout.device_layout does)")
     cols = COLS_WIDE if n > ROWS_BLOCK else 1  # (each output summed in the same order either way)
     kernel = cuda.function(code, "rows_times_wide_columns" if cols > 1 else "rows_times_columns", w.dtype)
     blocks = -(-w.shape[0] // (WARPS * cols)) * -(-n // ROWS_BLOCK)  # cols outputs a warp, ROWS_BLOCK rows a block
     if blocks:  # (none: no rows; CuPy would still launch a block)
         kernel((blocks,), (32 * WARPS,), (w, rows, b, res, out, np.int32(n), np.int32(n_in), np.int32(w.shape[0]),
-                                          np.int32(gelu), np.int32(res is not out)))
+                                          np.int32(gelu), np.int32(res is not out),
+                                          *ln, np.float32(1e-5), np.int32(norm is not None)))  # gpt2.layer_norm's eps
     return out
 
 

@@ -7,13 +7,15 @@ row has, nor which tokens are padding. kv_cache.attend builds a mask and groups 
 length on the host; here each query reads its own position from a device array instead
 (the row_ops.py way: rowwise.attention), and a position of -1 marks a padding token, which
 stores nothing and attends to nothing. The keys a query sees are its row's slots
-0..position, which hold both the cached tokens and the ones this step has just stored.
+0..position: the cached tokens' and this step's own, which `attend` stores as it reads them.
 
 `layer_norm` is gpt2.layer_norm in one launch instead of eleven (a block a row, statistics
-in float32 summed in a fixed tree). `transformer_block` is gpt2.transformer_block's steps,
-mha and ffn written out, each product with its tail in its launch (cuda_matmul.linear). NumPy
-arrays take the NumPy reference (`attend_reference`, gpt2's functions), so a CPU runs the
-bookkeeping around these kernels with the same meaning.
+in float32 summed in a fixed tree): the final one's, before the head. `transformer_block` is
+gpt2.transformer_block's steps, mha and ffn written out, each product with its tail and the
+layer norm before it in its launch (cuda_matmul.linear), and `attend` storing the step's
+keys and values as it reads them: 5 launches a layer. NumPy arrays take the NumPy reference
+(`attend_reference`, gpt2's functions), so a CPU runs the bookkeeping around these kernels
+with the same meaning.
 
 Every other pass of a model in this layout (a prompt, a chunk, a pass of a shape never
 recorded) runs the same kernels (`pass_ops`, through kv_cache.kernel_ops): `attention` is
@@ -250,15 +252,17 @@ def attend_reference(positions, layer, q, k, v):
     return out
 
 
-def transformer_block(x, mlp, attn, ln_1, ln_2, n_head, attend, norm):
-    """gpt2.transformer_block's steps, mha and ffn written out, with each product's tail in
-    the product's own launch (cuda_matmul.linear: the bias, the GELU, the residual add): 7
-    launches a layer where gpt2.transformer_block, given these layer norm and attention
-    kernels, makes about 22; a recorded step is bound by its launches."""
+def transformer_block(x, mlp, attn, ln_1, ln_2, n_head, attend, norm=None):
+    """gpt2.transformer_block's steps, mha and ffn written out, each product's tail and the
+    layer norm before it in the product's own launch (cuda_matmul.linear: the layer norm as
+    its inputs are read; the bias, the GELU, the residual add as its outputs are stored): 5
+    launches a layer where gpt2.transformer_block, given the layer norm and attention kernels,
+    makes about 22; a recorded step is bound by its launches. (norm, the pass's layer norm,
+    which gpt2.gpt2 hands every block, is not called: the products normalize.)"""
     B, T, n_embd = x.shape
-    qkv = cuda_matmul.linear(norm(x, **ln_1), **attn["c_attn"])  # [B, T, 3*n_embd]
+    qkv = cuda_matmul.linear(x, **attn["c_attn"], norm=ln_1)  # linear(layer_norm(x))  [B, T, 3*n_embd]
     q, k, v = qkv.reshape(B, T, 3, n_head, n_embd // n_head).transpose(2, 0, 3, 1, 4)  # [B, n_head, T, d_head] each
     heads = attend(q, k, v).transpose(0, 2, 1, 3).reshape(B, T, n_embd)  # [B, T, n_embd]
     x = cuda_matmul.linear(heads, **attn["c_proj"], residual=x)  # x + mha(...)  [B, T, n_embd]
-    h = cuda_matmul.linear(norm(x, **ln_2), **mlp["c_fc"], gelu=True)  # gelu(linear(...))  [B, T, 4*n_embd]
+    h = cuda_matmul.linear(x, **mlp["c_fc"], gelu=True, norm=ln_2)  # gelu(linear(layer_norm(x)))  [B, T, 4*n_embd]
     return cuda_matmul.linear(h, **mlp["c_proj"], residual=x)  # x + ffn(...)  [B, T, n_embd]

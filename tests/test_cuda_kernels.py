@@ -13,39 +13,50 @@ import sampling
 from kernels import cuda_matmul, cuda_ops, cuda_sampling, layout
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "layer-normed"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("R, n_in", [(1, 1600), (3, 1600), (8, 1600), (13, 1600), (64, 1600), (130, 1600), (3, 771),
                                      (130, 771)])
-def test_the_few_row_product_matches_numpy_and_each_row_is_as_if_alone(cupy, dtype, R, n_in):
+def test_the_few_row_product_matches_numpy_and_each_row_is_as_if_alone(cupy, dtype, R, n_in, norm):
     """n_out 302: a last block of outputs part full, and a warp of the wide kernel with 2 of
     its 4; 130 rows: three blocks of rows, a warp's outputs 4 at a time; n_in 1600 (1558M's
     width: four inputs a load), 771 (one at a time). Each row comes out bitwise as alone, and
-    a product of many rows as in passes of ROWS_BLOCK rows (one output a warp)."""
+    a product of many rows as in passes of ROWS_BLOCK rows (one output a warp); with the
+    layer norm before the product in its launch too (each block takes its rows' statistics)."""
     rng = np.random.default_rng(R)
     w = (rng.standard_normal((302, n_in), dtype=np.float32) * 0.02).astype(dtype)  # [n_out, n_in]
-    x = rng.standard_normal((R, n_in), dtype=np.float32).astype(dtype)
-    got = cuda_matmul.matmul(cupy.asarray(x), cupy.asarray(w))
+    x = (rng.standard_normal((R, n_in), dtype=np.float32) * 3 + 1).astype(dtype)
+    ln = {"g": (1 + rng.standard_normal(n_in, dtype=np.float32) * 0.1).astype(dtype),
+          "b": (rng.standard_normal(n_in, dtype=np.float32) * 0.1).astype(dtype)} if norm else None
+
+    def product(rows):
+        device_ln = None if ln is None else {name: cupy.asarray(a) for name, a in ln.items()}
+        return cuda_matmul.launch(cupy.asarray(rows), cupy.asarray(w), None, norm=device_ln)
+    got = product(x)
     assert got.dtype == dtype and got.shape == (R, 302)
-    want = x.astype(np.float32) @ w.astype(np.float32).T
+    inputs = x.astype(np.float32) if ln is None else gpt2.layer_norm(x.astype(np.float32), *(
+        a.astype(np.float32) for a in ln.values()))
+    want = inputs @ w.astype(np.float32).T
     tolerance = {"atol": 1e-4, "rtol": 0} if dtype == np.float32 else {"atol": 2e-2, "rtol": 1e-2}
     np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float32), want, **tolerance)
-    alone = cuda_matmul.matmul(cupy.asarray(x[-1:]), cupy.asarray(w))
-    assert np.array_equal(cupy.asnumpy(got[-1:]), cupy.asnumpy(alone))
-    blocks = [cuda_matmul.matmul(cupy.asarray(x[i:i + cuda_matmul.ROWS_BLOCK]), cupy.asarray(w))
-              for i in range(0, R, cuda_matmul.ROWS_BLOCK)]
+    assert np.array_equal(cupy.asnumpy(got[-1:]), cupy.asnumpy(product(x[-1:])))
+    blocks = [product(x[i:i + cuda_matmul.ROWS_BLOCK]) for i in range(0, R, cuda_matmul.ROWS_BLOCK)]
     assert np.array_equal(cupy.asnumpy(got), np.concatenate([cupy.asnumpy(y) for y in blocks]))
 
 
-@pytest.mark.parametrize("gelu, residual", [(False, False), (True, False), (False, True)])
-def test_a_products_tail_in_its_launch_matches_gpt2s_functions(cupy, gelu, residual):
+@pytest.mark.parametrize("gelu, residual, norm", [(False, False, False), (True, False, False), (False, True, False),
+                                                  (False, False, True), (True, False, True)])
+def test_a_products_tail_in_its_launch_matches_gpt2s_functions(cupy, gelu, residual, norm):
     rng = np.random.default_rng(1)
     x, res = rng.standard_normal((5, 768), dtype=np.float32), rng.standard_normal((5, 300), dtype=np.float32)
     w, b = rng.standard_normal((768, 300), dtype=np.float32) * 0.05, rng.standard_normal(300, dtype=np.float32)
-    want = gpt2.linear(x, w, b)
+    ln = {"g": 1 + rng.standard_normal(768, dtype=np.float32) * 0.1, "b": rng.standard_normal(768, dtype=np.float32)}
+    want = gpt2.linear(gpt2.layer_norm(x, **ln) if norm else x, w, b)
     want = gpt2.gelu(want) if gelu else want
     want = res + want if residual else want
     matrix = cuda_matmul.Matrix(cupy.asarray(np.ascontiguousarray(w.T)))
-    got = cuda_matmul.linear(cupy.asarray(x), matrix, cupy.asarray(b), gelu, cupy.asarray(res) if residual else None)
+    got = cuda_matmul.linear(cupy.asarray(x), matrix, cupy.asarray(b), gelu, cupy.asarray(res) if residual else None,
+                             {name: cupy.asarray(a) for name, a in ln.items()} if norm else None)
     np.testing.assert_allclose(cupy.asnumpy(got), want, atol=2e-5, rtol=0)
 
 
