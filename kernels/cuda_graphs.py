@@ -108,6 +108,7 @@ def static_step(model, cache, B, T):
     if key not in cache["graphs"]:
         wpe = params["wpe"]
         ids_positions = np.zeros((2, B, T), np.int64, like=wpe)  # [2, B, T]
+        every_token = np.broadcast_to(np.arange(T, like=wpe), (B, T))  # [B, T]: made here, not a launch a replay
         static = cache["graphs"][key] = {"ids_positions": ids_positions, "layers": cache["layers"], "uses": 0,
                                          "replay": None, "logits": None, "graph": None,
                                          "params": params}  # kept: id(params) stays theirs
@@ -117,7 +118,7 @@ def static_step(model, cache, B, T):
             state = types.SimpleNamespace(  # what gpt2.gpt2 reads of a pass (kv_cache.Pass)
                 positions=positions, layer_norm=cuda_ops.layer_norm, transformer_block=cuda_ops.transformer_block,
                 attends=[functools.partial(cuda_ops.attend, positions, layer) for layer in static["layers"]],
-                logits_at=np.broadcast_to(np.arange(T, like=wpe), (B, T)))  # [B, T]: every token (step picks)
+                logits_at=every_token)
             return gpt2.gpt2(ids_positions[0], **params, n_head=hparams["n_head"], state=state)  # [B, T, n_vocab]
         static["forward"] = forward
     return cache["graphs"][key]
