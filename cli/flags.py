@@ -62,10 +62,11 @@ def add_prefix_cache_flag(ap):
 def check_prefix_cache(args):
     if args.prefix_cache_mib < 0:
         raise ValueError(f"--prefix_cache_mib must be >= 0 (0 keeps none), got {args.prefix_cache_mib}")
-    machine = physical_memory()
-    if machine and args.prefix_cache_mib << 20 > machine:
-        raise ValueError(f"--prefix_cache_mib {args.prefix_cache_mib} is more than this machine's memory "
-                         f"({machine >> 20} MiB): give it a part of that")
+    # the blocks live beside the KV cache: in the GPU's memory with --backend cupy (serving/prefix_cache.allocate)
+    where, memory = ("this GPU's", gpu_memory()) if args.backend == "cupy" else ("this machine's", physical_memory())
+    if memory and args.prefix_cache_mib << 20 > memory:
+        raise ValueError(f"--prefix_cache_mib {args.prefix_cache_mib} is more than {where} memory "
+                         f"({memory >> 20} MiB): give it a part of that")
 
 
 def physical_memory():
@@ -73,6 +74,15 @@ def physical_memory():
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
+        return None
+
+
+def gpu_memory():
+    """The GPU's memory in bytes (None without CuPy or a GPU: loading the model says so)."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.memGetInfo()[1]  # (free, total)
+    except Exception:  # no CuPy, no driver, no GPU
         return None
 
 

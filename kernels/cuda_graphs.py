@@ -35,6 +35,7 @@ comes out the same bits either way. With NumPy arrays (`layout.device_layout(par
 numpy)`) the same code runs on a CPU, replay being a plain call: the tests check the
 bookkeeping there, and a GPU (or its emulation, tests/cuda_on_cpu.py) checks the kernels.
 """
+import contextlib
 import functools
 import types
 
@@ -146,8 +147,9 @@ def record(forward, like):
         stream.begin_capture()
         try:
             out = forward()
-        except Exception:
-            stream.end_capture()  # the stream must not stay capturing: the error is forward's
-            raise
+        except Exception as error:
+            with contextlib.suppress(Exception):  # a capture the error invalidated fails to end: forward's
+                stream.end_capture()  # error is the one to see; the stream must not stay capturing either way
+            raise error
         graph = stream.end_capture()
     return graph.launch, out, (pool, stream, graph)

@@ -387,6 +387,16 @@ def test_the_cpus_recording_runs_nothing_and_replays_the_device_arrays_of_now(mo
                   lambda: x[x > 2.0]):
         with pytest.raises(RuntimeError, match="records|recorded"):
             cuda_graphs.record(wrong, x)
+    assert cuda_on_cpu.recording is None  # each failed recording ended
+    ended = cupy.cuda.Stream.end_capture
+
+    def invalidated(stream):  # as CUDA ends a capture that an error broke: with an error of its own
+        ended(stream)
+        raise RuntimeError("cudaErrorStreamCaptureInvalidated")
+    monkeypatch.setattr(cupy.cuda.Stream, "end_capture", invalidated)
+    with pytest.raises(RuntimeError, match="records") as failed:
+        cuda_graphs.record(lambda: x + float(x.sum()), x)
+    assert "Invalidated" not in str(failed.value) and cuda_on_cpu.recording is None  # forward's error, not CUDA's
     cuda.module.cache_clear()
     cuda.function.cache_clear()
 

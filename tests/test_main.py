@@ -5,6 +5,7 @@ import os
 import struct
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ import sampling
 import speculative
 import utils
 from conftest import ROOT, make_model_dir
-from cli import printing, timing
+from cli import flags, printing, timing
 from kernels import rowwise
 
 GREEDY = ["--temperature", "0", "--n_tokens_to_generate", "12"]
@@ -373,6 +374,17 @@ def test_bad_input_is_one_clear_line_before_anything_loads(capsys, tmp_path, arg
     assert rc == 2
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert not os.listdir(tmp_path)  # nothing was downloaded or created
+
+
+def test_a_prefix_cache_larger_than_the_gpu_is_refused_with_backend_cupy(monkeypatch):
+    """With --backend cupy the prefix cache's blocks live in the GPU's memory (beside its KV
+    cache), so that is what its budget is checked against, not the host's."""
+    runtime = types.SimpleNamespace(memGetInfo=lambda: (1 << 29, 1 << 30))  # (free, total): a 1 GiB GPU
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime)))
+    with pytest.raises(ValueError, match=r"--prefix_cache_mib 2048 is more than this GPU's memory \(1024 MiB\)"):
+        flags.check_prefix_cache(types.SimpleNamespace(prefix_cache_mib=2048, backend="cupy"))
+    flags.check_prefix_cache(types.SimpleNamespace(prefix_cache_mib=2048, backend="numpy"))  # the host holds 2 GiB
+    flags.check_prefix_cache(types.SimpleNamespace(prefix_cache_mib=1024, backend="cupy"))
 
 
 def test_a_prompts_file_of_blank_lines_is_refused(capsys, tmp_path):
