@@ -401,6 +401,36 @@ def test_the_cpus_recording_runs_nothing_and_replays_the_device_arrays_of_now(mo
     cuda.function.cache_clear()
 
 
+def test_a_recorded_step_launches_five_kernels_a_layer(monkeypatch):
+    """A graph's launches cost the GPU microseconds each, whatever they do: a layer of a
+    recorded step is 5 (c_attn with the layer norm before it, attention storing the step's keys
+    and values, attn c_proj with the residual add, c_fc with its layer norm and GELU, mlp
+    c_proj with its residual add), counted in the recording itself with 1 and with 2 layers."""
+    why = cuda_on_cpu.unavailable()
+    if why:
+        pytest.skip(f"CUDA C cannot run on this CPU: {why}")
+    cupy = cuda_on_cpu.cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
+    params, hparams = common.random_params("tiny", n_vocab=V, n_ctx=64)
+    recorded, end_capture = [], cupy.cuda.Stream.end_capture
+
+    def kept(stream):
+        recorded.append([node.args[0] for node in cuda_on_cpu.recording if node.func is cuda_on_cpu.run])
+        return end_capture(stream)
+    monkeypatch.setattr(cupy.cuda.Stream, "end_capture", kept)
+    kernels = {}
+    for n_layer in (1, 2):
+        model = (layout.device_layout(layout.plain_layout(dict(params, blocks=params["blocks"][:n_layer])), cupy),
+                 dict(hparams, n_layer=n_layer))
+        recorded.clear()
+        batching.generate(batching.requests([[1, 2, 3]], 4, GREEDY), model)
+        kernels[n_layer] = collections.Counter(recorded[0])
+    layer = kernels[2] - kernels[1]
+    assert layer == {"rows_times_columns_f32": 4, "attend_f32": 1}, layer
+    assert kernels[1] - layer == {"rows_times_columns_f32": 1, "layer_norm_f32": 1}  # the final layer norm, the head
+
+
 def test_a_recorded_step_calls_into_the_device_a_few_times_whatever_its_layers(monkeypatch):
     """On a GPU a step is bound by the host: each call into CuPy (an operation, a view, a
     copy, a launch) costs microseconds. Counted on the CPU's emulation, outside the replays,
