@@ -18,14 +18,17 @@ constants are Python floats, which NumPy keeps at the array's precision.
 Nothing here says which hardware runs it: the arrays do. An array type can take over
 NumPy's functions and operators (its protocols `__array_function__` and `__array_ufunc__`,
 NEPs 18 and 13). CuPy's arrays do, so with the weights on a GPU every step runs there. On
-a CPU each weight matrix is laid out at load as a `Matrix` (README section 4), whose
-`x @ w` runs a compiled loop, and wte as an `Embedding`, whose `wte[tokens]` and `wte.T`
-read that one stored matrix. float16 appears only with CuPy.
+a CPU each weight matrix is laid out at load as a `Matrix` (README section 4; weights.py),
+whose `x @ w` runs a compiled loop (NumPy hands `x @ w` to `w.__rmatmul__`), and wte as an
+`Embedding`, whose `wte[tokens]` and `wte.T` read that one stored matrix. float16 appears
+only with CuPy.
 
 A cached pass may also bring its own layer_norm and transformer_block, the same math in
-fewer, larger steps (a compiled loop on a CPU; on a GPU, one launch a product with its
-bias, GELU and residual), and gpt2 calls whichever it holds. Index arrays are made with
-like=x, on x's device, so a GPU step copies nothing from the host.
+fewer, larger steps (on a CPU a compiled layer norm, in gpt2's own block; on a GPU a block
+whose every product, one GPU call, also does the layer norm before it and the bias, GELU
+and residual after it), and gpt2 calls whichever it holds. Index
+arrays are made with like=x, on x's device, so a recorded GPU step copies nothing from the
+host.
 """
 import numpy as np
 
@@ -100,11 +103,11 @@ def transformer_block(x, mlp, attn, ln_1, ln_2, n_head, attend=None, norm=layer_
 
 def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, state=None):
     """Logits of a batch of token ids inputs [B, T]: [B, T, n_vocab] at every position, as
-    picoGPT (state None: gpt2(np.array([ids]), **params, n_head=hparams["n_head"])).
-    With state (a kv_cache.Pass, section 3: each token's position, each layer's attend, the
-    layer norm and the transformer_block the pass runs, and state.logits_at [B, n], the n
-    positions of each row that need logits), [B, n, n_vocab], since the 50257-wide head is
-    the largest product of a step."""
+    picoGPT (state None: gpt2(np.array([ids]), **params, n_head=hparams["n_head"])); with
+    state, [B, n, n_vocab] at only the n positions of each row in state.logits_at [B, n]
+    (the 50257-wide head is the largest product of a step). state, a kv_cache.Pass (section
+    3), also holds each token's position, each layer's attend, and the layer norm and
+    transformer_block the pass runs."""
     if state is None:  # picoGPT: the whole text, no cache
         positions, attends = np.arange(inputs.shape[1]), [None] * len(blocks)  # [T]
         norm, run_block = layer_norm, transformer_block

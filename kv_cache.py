@@ -55,9 +55,9 @@ from kernels import cuda_graphs, cuda_ops, rowwise
 
 def init_cache(hparams, B, n_slots, like):
     """An empty static cache for B rows of n_slots tokens, with like's dtype and device.
-    Written through now (not np.zeros, whose pages the OS maps on first write): a step that
-    first wrote a fresh row would otherwise wait while the OS zeroes its pages, a stall in
-    the middle of serving instead of one at the start. (Not np.full(like=): NumPy 2 hands
+    Every page is touched now (np.zeros would leave the OS to map each on first write): a
+    step that first wrote a fresh row would otherwise wait while the OS zeroes its pages, a
+    stall in the middle of serving instead of one at the start. (Not np.full(like=): NumPy 2 hands
     CuPy a device=None that CuPy 14's full does not take.)"""
     n_head = hparams["n_head"]
     shape = (B, n_head, n_slots, hparams["n_embd"] // n_head)  # [B, n_head, n_slots, d_head]
@@ -130,7 +130,8 @@ class Pass:
     where: object = None  # where each real token's keys and values go (write_slots)
     S: int = 0  # the slots attention reads
     layer_norm: object = gpt2.layer_norm  # the layer norm of this pass: gpt2's, or the kernels' loop
-    transformer_block: object = gpt2.transformer_block  # gpt2's, or a GPU's (cuda_ops's: tails in the products)
+    transformer_block: object = gpt2.transformer_block  # gpt2's, or a GPU's (cuda_ops's: layer norm, bias, GELU and
+    # residual inside each product's launch)
     attention: object = None  # the kernels' attention loop attention(q, k, v, positions), or None: attend's NumPy
     attends: object = None  # attend(q, k, v) of each layer, for gpt2.mha (one per cached layer; else repeated)
     parts: list = None  # a packed pass (ride_along): [(Pass, first token, B, T)] of the passes it packs
@@ -239,7 +240,7 @@ def attend(state, layer, q, k, v):
     return out
 
 
-# A row's tokens that need no logits (a prompt but its last token, a window refilled
+# A row's tokens that need no logits (all of a prompt except its last token, a window refilled
 # after a restart) run in a pass of the row's own when there are more than this: its
 # product over many tokens costs less per token than a pass over few, and it keeps the
 # batch's pass's T (every row's padding) short.
@@ -260,7 +261,8 @@ def next_logits(model, cache, texts, n_logits=1, riders=()):
         if cache is not None:
             prefill_alone(model, cache, texts, n_logits)
         inputs, n_new = pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
-        if cuda_graphs.fits(model, cache, inputs, riders):  # a GPU's static step, replayed as a CUDA graph
+        # GPU only (--backend cupy, GPT2_GPU_KERNELS=1): a static step, replayed as a CUDA graph
+        if cuda_graphs.fits(model, cache, inputs, riders):
             logits = cuda_graphs.step(model, cache, inputs, n_new, n_logits)  # [B, n, n_vocab]
             cache["lengths"] += n_new  # (advance's work: the step stored the keys and values)
             return logits
@@ -369,8 +371,8 @@ def rollback(cache, n_valid):
 
 def rows(cache, lo, hi):
     """Rows lo..hi-1 as a cache of their own (views: what a pass writes lands here too). Only
-    views of the first rows, the batch's steps, keep a GPU's recorded steps: a pass over later
-    rows (a joining request's prompt) is a one-off, run eagerly. The views of the first rows
+    views starting at row 0 (the batch's own steps) share the cache's recorded GPU steps: a
+    pass over later rows (a joining request's prompt) is a one-off, run eagerly. The views of the first rows
     and of a single row are made once and kept: a step asks for them, and on a GPU a view is a
     call into CuPy (2 a layer: 96 a step of 1558M)."""
     kept = cache.get("views", {}) if lo == 0 or hi == lo + 1 else {}

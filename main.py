@@ -206,6 +206,9 @@ def run(args):
         print(f"\nspeedup of speculative over autoregressive: {sp['tokens_per_s'] / ar['tokens_per_s']:.2f}x")
         if settings.greedy:
             print("greedy texts identical: " + ("yes" if ar["tokens"] == sp["tokens"] else "NO (this is a bug)"))
+        else:  # exact means the same distribution, not the same draws
+            print("sampled: the two texts are different draws from the same distribution "
+                  "(--temperature 0: both the target's greedy text, token for token)")
     return results
 
 

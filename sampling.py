@@ -196,7 +196,7 @@ def process_logits(logits, counts, s, prompt_counts=None):
     """Logits [..., n_vocab] after every processor: -inf marks a removed token."""
     logits = penalize(logits, counts, s, prompt_counts)
     if s.greedy:
-        return logits  # only the argmax matters, the warpers cannot change it
+        return logits  # only the argmax matters: temperature, top-k/p and min-p cannot change it
     logits = apply_temperature(logits, s.temperature)
     logits = apply_top_k(logits, int(s.top_k))
     logits = apply_top_p(logits, s.top_p)
@@ -236,6 +236,6 @@ def sample(probs, u):
     else:
         tokens = np.flatnonzero(drawable)  # [m]
         cdf = probs[:, tokens].astype(np.float64)  # [B, m]
-    cdf = np.cumsum(cdf, axis=-1, out=cdf)  # in place: a float32 cumsum into float64 takes twice as long
+    cdf = np.cumsum(cdf, axis=-1, out=cdf)  # in place on the float64 copy: np.cumsum(probs, dtype=float64) is 2x slower
     u = np.asarray(u, like=cdf) * cdf[:, -1]  # [B]: u times each row's total
     return tokens[np.minimum((cdf < u[:, None]).sum(axis=-1), len(tokens) - 1)]  # [B]

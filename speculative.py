@@ -20,9 +20,12 @@ So each step:
 This is rejection sampling, so every emitted token is distributed exactly as if
 sampled from p alone: P(emit x) = q(x) min(1, p(x)/q(x)) + (1 - sum_y min(q(y),
 p(y))) * max(0, p(x) - q(x)) / sum_y max(0, p(y) - q(y)) = min(q(x), p(x)) +
-max(0, p(x) - q(x)) = p(x). Both caches are rolled back to the accepted text but its
-last token, which the next pass reads.
-Each step emits n+1 tokens (n accepted, 1 from the target), for one target pass.
+max(0, p(x) - q(x)) = p(x). With n of the K drafts accepted, each step emits n+1 tokens
+(the n, then 1 from the target) for one target pass. Every cache (the target's, and the
+draft model's if one drafts) is rolled back to all of the accepted text except its last
+token, which is the next pass's input. After a step that accepted all K, the draft's cache
+lacks d_K (it proposed d_K, never read it) and the bonus token: its next pass reads both
+(the catch-up pass).
 
 Near the end of GPT-2's window (kv_cache.py) a row drafts only as many tokens as
 fit before its window restarts (`kv_cache.room`), so every p_i is computed on
@@ -180,12 +183,13 @@ def vocab_subset(model, texts, N):
 
 class VocabSubset:
     """A draft's wte with a cheaper head: wte[tokens] as ever, but wte.T gives logits only
-    for the first N token ids (GPT-2's BPE numbers its tokens in the order it learned its
-    merges, most frequent pair first, so those are mostly common words; the 256 single bytes
-    among them are not: a proxy for frequency, cheap and the same for every text) and the
-    tokens already in each row's text; -inf (q = 0) for the rest. Speculative sampling
-    stays exact for any q: a token the draft cannot propose still comes from the residual
-    max(0, p - q) = p there."""
+    for the first N token ids and the tokens already in each row's text; -inf (q = 0) for
+    the rest. Speculative sampling stays exact for any q: a token the draft cannot propose
+    still comes from the residual max(0, p - q) = p there.
+
+    Why the first N ids: GPT-2's BPE numbers its tokens in the order it learned its merges,
+    most frequent pair first, so those are mostly common words (the 256 single bytes among
+    them are not). A proxy for frequency, cheap, and the same for every text."""
 
     def __init__(self, wte, N, texts):
         self.wte, self.N, self.texts, self.T = wte, N, texts, VocabSubsetHead(self)
@@ -269,7 +273,7 @@ class SpeculativeConfig:
     adaptive: bool = False  # before each step, each row picks its K from its own acceptance so far
     K_max: int = None  # the largest K adaptive K picks; None: max(K, 7)
     costs: cost_model.Costs = None  # for adaptive K; None: estimated from the models' sizes and formats (default_costs)
-    draft_vocab: int = 0  # the draft's head covers the N most frequent tokens (+ the text's); 0: all
+    draft_vocab: int = 0  # the draft's head: the first N token ids, roughly the most frequent, + the text's; 0: all
 
 
 def check(config, target_hparams=None, draft_hparams=None):

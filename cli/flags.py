@@ -40,8 +40,8 @@ def add_decoder_flags(ap, modes, default):
                     help="who drafts: the draft model, or prompt lookup (copies what followed the text's last "
                          "n-gram earlier on)")
     ap.add_argument("--draft_vocab", type=int, default=0,
-                    help="the draft model computes logits only for the N most frequent tokens and the text's "
-                         "own (a cheaper draft step; still exact); 0 = all")
+                    help="the draft model computes logits only for the first N token ids (roughly the most "
+                         "frequent) and the text's own (a cheaper draft step; still exact); 0 = all")
     ap.add_argument("--draft_dtype", choices=DTYPES,
                     help="the draft's weights (default: int8 for a smaller draft model on the CPU's kernel, else "
                          "--dtype); the draft's precision never changes the text, only how often its guesses are "

@@ -27,13 +27,17 @@ So a step is shaped for it (after vLLM's and gpt-fast's decode graphs):
   products are cuda_matmul.py's), no mask built on the host, no data-dependent shape.
 
 The model is gpt2.gpt2 as on the CPU, with a pass (kv_cache.Pass's fields) whose positions
-are a device array and whose attention, layer norm and transformer_block (the same math
-in 5 launches a layer) are cuda_ops's. A pass that does not fit (a prompt: more than
-TOKENS_MAX tokens; riders; a draft's vocabulary subset) runs eagerly through
-kv_cache.begin_pass as on the CPU, on the same kernels (cuda_ops.pass_ops), so a token
-comes out the same bits either way. With NumPy arrays (`layout.device_layout(params,
-numpy)`) the same code runs on a CPU, replay being a plain call: the tests check the
-bookkeeping there, and a GPU (or its emulation, tests/cuda_on_cpu.py) checks the kernels.
+are a device array and whose attends (cuda_ops.attend), layer norm and transformer_block
+(the same math in 5 launches a layer, a launch being one GPU kernel call) are cuda_ops's.
+A pass that does not fit (a prompt: more than TOKENS_MAX tokens; riders; a draft's
+vocabulary subset) runs eagerly through kv_cache.begin_pass as on the CPU, on the same
+kernels (cuda_ops.pass_ops), so a token comes out the same bits either way.
+
+This path is chosen with --backend cupy and GPT2_GPU_KERNELS=1 (layout.to_backend). A CPU
+checks it two ways: the *stand-in*, the same code on NumPy arrays (`layout.device_layout(
+params, numpy)`), replay being a plain call, checks the bookkeeping; the *emulation*
+(tests/cuda_on_cpu.py: our CUDA C compiled for the CPU, CuPy played by NumPy, graphs
+recorded and replayed) checks the kernels and the recording, as a GPU does.
 """
 import contextlib
 import functools
@@ -73,8 +77,9 @@ def step(model, cache, inputs, n_new, n_logits):
     ids_positions = np.stack([np.zeros((bucket(B), T), np.int64), np.full((bucket(B), T), -1)])  # [2, B', T]: padding
     ids_positions[0, :B], ids_positions[1, :B] = inputs, np.where(np.arange(T) < n_new[:, None], slots, -1)
     static = static_step(model, cache, bucket(B), T)
-    # the rows this step writes, a view of B' rows or fewer (a graph keeps the pointers it was
-    # recorded with, the same ones: it never reads or writes a padding row)
+    # the rows this step writes: a view of the cache's first B' rows or fewer, which starts at
+    # the cache's own address, so the pointers the graph was recorded with stay valid; the
+    # padding rows past B (position -1) are never read or written
     static["layers"] = cache["layers"]
     if isinstance(static["ids_positions"], np.ndarray):  # the stand-in
         static["ids_positions"][...] = ids_positions

@@ -3,14 +3,15 @@ with the same shapes every time.
 
 A CUDA graph (cuda_graphs.py) replays the same launches on the same buffers, so nothing in
 a recorded step may depend on data the host would have to look at: not how many keys a
-row has, nor which tokens are padding. kv_cache.attend builds a mask and groups rows by
-length on the host; here each query reads its own position from a device array instead
+row has, nor which tokens are padding. kv_cache.begin_pass builds a mask and groups rows
+by length on the host; here each query reads its own position from a device array instead
 (the row_ops.py way: rowwise.attention), and a position of -1 marks a padding token, which
 stores nothing and attends to nothing. The keys a query sees are its row's slots
 0..position: the cached tokens' and this step's own, which `attend` stores as it reads them.
 
 `layer_norm` is gpt2.layer_norm in one launch instead of eleven (a block a row, statistics
-in float32 summed in a fixed tree): the final one's, before the head. `transformer_block` is
+in float32 summed in a fixed tree), now used only for ln_f before the head (the blocks'
+layer norms live in the products). `transformer_block` is
 gpt2.transformer_block's steps, mha and ffn written out, each product with its tail and the
 layer norm before it in its launch (cuda_matmul.linear), and `attend` storing the step's
 keys and values as it reads them: 5 launches a layer. NumPy arrays take the NumPy reference

@@ -11,7 +11,8 @@ would alone. `Embedding` is the tied wte: `wte[tokens]` reads the tokens' embedd
 `wte.T` is the head, both from the one stored matrix, so a narrow model keeps one copy.
 
 The format and the kernel are chosen once, at load; a pass never asks which runs. A GPU's
-kernels would enter the same way: a Matrix of device memory whose __rmatmul__ launches them.
+kernels enter the same way: cuda_matmul.Matrix, of device memory, whose __rmatmul__
+launches them.
 """
 import numpy as np
 

@@ -129,6 +129,15 @@ def test_greedy_flags_keep_the_texts_identical(models_dir, extra):
     assert len(r["autoregressive"]["tokens"][0]) == 70 or r["autoregressive"]["tokens"][0][-1] == 50256
 
 
+def test_sampled_texts_are_said_to_differ_as_draws_not_as_a_bug(capsys, models_dir):
+    """The users' command samples (temperature 0.8, top-p 0.9): both decoders' texts follow
+    the target's distribution, and the run says why they still differ."""
+    rc, out, err = run_main(capsys, "--models_dir", models_dir, "--target_model_size", "124M",
+                            "--n_tokens_to_generate", "8")
+    assert rc == 0, err
+    assert "sampled: the two texts are different draws" in out and "greedy texts identical" not in out
+
+
 def test_sampled_modes_run(capsys, models_dir):
     rc, out, err = run_main(capsys, "--models_dir", models_dir, "--target_model_size", "124M", "--mode",
                             "speculative", "--top_k", "5", "--temperature", "1", "--n_tokens_to_generate", "12")
