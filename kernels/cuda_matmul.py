@@ -43,31 +43,34 @@ COLS_WIDE = 4  # outputs a warp computes in a product of more than ROWS_BLOCK ro
 # --use_fast_math), so any value gives the same bits (bench/gpu_kernels.py times 1, 4 and 8)
 UNROLL = 2
 
-KERNELS = f"#define ROWS {ROWS}\n#define ROWS_BLOCK {ROWS_BLOCK}\n#define COLS_WIDE {COLS_WIDE}\n" + r"""
+KERNELS = "".join(f"#define {name} {value}\n" for name, value in
+                  (("ROWS", ROWS), ("ROWS_BLOCK", ROWS_BLOCK), ("COLS_WIDE", COLS_WIDE), ("WARPS", WARPS))) + r"""
 // y[r, j] = tail(sum_k x[r, k] w[j, k]) for r < R: w [n_out, n_in], x [R, n_in], y [R, n_out].
 // The tail is what gpt2.py does next to a product, done as it is stored: + b[j], then gelu (if
-// gelu), then + res[r, j] (if has_res): one launch instead of two to eleven. With has_ln, x is
+// gelu), then + res[r, j] (if has_res): one launch instead of two to eleven. With LN, x is
 // layer-normed on the way in (gamma ln_g, beta ln_b), as gpt2.py does before the block's
 // products: each block first takes its rows' mean and deviation, a warp a row (the same sums
-// whatever the block's other rows), then normalizes each input as it loads it. A warp takes COLS
-// outputs from j0 on; block i takes the outputs i % out_blocks of rows ROWS_BLOCK * (i / out_blocks) on.
-template <typename T, int COLS>
+// whatever the block's other rows), then normalizes each input as it loads it. LN is a
+// template parameter, not a flag: its code would cost every product registers, and so warps
+// in flight. A warp takes COLS outputs from j0 on; block i takes the outputs i % out_blocks of
+// rows ROWS_BLOCK * (i / out_blocks) on.
+template <typename T, int COLS, bool LN>
 __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict__ x, const T* __restrict__ b,
                                    const T* res, T* y, int R, int n_in, int n_out, int gelu, int has_res,
-                                   const T* __restrict__ ln_g, const T* __restrict__ ln_b, float eps, int has_ln) {
-    __shared__ float mean[ROWS_BLOCK], sd[ROWS_BLOCK];  // the layer norm's statistics of the block's rows
+                                   const T* __restrict__ ln_g, const T* __restrict__ ln_b, float eps) {
+    __shared__ float mean[ROWS_BLOCK], rsd[ROWS_BLOCK];  // the layer norm's statistics of the block's rows
     int warps = blockDim.x / 32, out_blocks = (n_out + warps * COLS - 1) / (warps * COLS);
     int j0 = (blockIdx.x % out_blocks * warps + threadIdx.x / 32) * COLS, lane = threadIdx.x % 32;
     int r_first = blockIdx.x / out_blocks * ROWS_BLOCK, r_end = min(R, r_first + ROWS_BLOCK);
-    if (has_ln) {  // gpt2.layer_norm's statistics, in float32: the mean, then the deviations from it
+    if (LN) {  // gpt2.layer_norm's statistics, in float32: the mean, then the deviations from it
         for (int r = r_first + threadIdx.x / 32; r < r_end; r += warps) {
             const T* xr = x + (size_t)r * n_in;
             float s = 0.0f, v = 0.0f;
             for (int k = lane; k < n_in; k += 32) s += load(xr + k);
             float mu = warp_sum(s) / n_in;
             for (int k = lane; k < n_in; k += 32) { float d = load(xr + k) - mu; v += d * d; }
-            float deviation = sqrtf(warp_sum(v) / n_in + eps);
-            if (lane == 0) { mean[r - r_first] = mu; sd[r - r_first] = deviation; }
+            float inverse = 1.0f / sqrtf(warp_sum(v) / n_in + eps);  // once a row: a multiply an input, not a divide
+            if (lane == 0) { mean[r - r_first] = mu; rsd[r - r_first] = inverse; }
         }
         __syncthreads();  // (before any warp leaves: every thread must reach it)
     }
@@ -76,7 +79,7 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
     const T* wj = w + (size_t)j0 * n_in;
     // the input of row r (of the block's) at k: x, or gpt2.layer_norm's g * ((x - mean) / sd) + b
     auto normed = [&](float xk, int r, float g, float beta) {
-        return has_ln ? g * ((xk - mean[r]) / sd[r]) + beta : xk;
+        return LN ? g * ((xk - mean[r]) * rsd[r]) + beta : xk;
     };
     for (int r0 = r_first; r0 < r_end; r0 += ROWS) {
         int n = min(ROWS, r_end - r0);
@@ -95,7 +98,7 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
                 if (c < m) load4(wj + (size_t)c * n_in + k, wk[c]);
                 else wk[c][0] = wk[c][1] = wk[c][2] = wk[c][3] = 0.0f;
             }
-            if (has_ln) { load4(ln_g + k, gk); load4(ln_b + k, bk); }
+            if (LN) { load4(ln_g + k, gk); load4(ln_b + k, bk); }
             #pragma unroll
             for (int r = 0; r < ROWS; r++) {
                 if (r < n) {
@@ -117,7 +120,7 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
             for (int r = 0; r < ROWS; r++) {
                 if (r < n) {
                     float xk = load(xr + (size_t)r * n_in + k);
-                    if (has_ln) xk = normed(xk, r0 - r_first + r, load(ln_g + k), load(ln_b + k));
+                    if (LN) xk = normed(xk, r0 - r_first + r, load(ln_g + k), load(ln_b + k));
                     #pragma unroll
                     for (int c = 0; c < COLS; c++) acc[r][c] = fmaf(wk[c], xk, acc[r][c]);
                 }
@@ -140,14 +143,21 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
         }
     }
 }
-#define ROWS_TIMES_COLUMNS(T, COLS, NAME) extern "C" __global__ void NAME(const T* w, const T* x, const T* b,    \
-    const T* res, T* y, int R, int n_in, int n_out, int gelu, int has_res, const T* ln_g, const T* ln_b,     \
-    float eps, int has_ln) {                                                                               \
-    rows_times_columns<T, COLS>(w, x, b, res, y, R, n_in, n_out, gelu, has_res, ln_g, ln_b, eps, has_ln); }
-ROWS_TIMES_COLUMNS(float, 1, rows_times_columns_f32)
-ROWS_TIMES_COLUMNS(unsigned short, 1, rows_times_columns_f16)
-ROWS_TIMES_COLUMNS(float, COLS_WIDE, rows_times_wide_columns_f32)
-ROWS_TIMES_COLUMNS(unsigned short, COLS_WIDE, rows_times_wide_columns_f16)
+#define ROWS_TIMES_COLUMNS(T, COLS, LN, BOUNDS, NAME) extern "C" __global__ void BOUNDS NAME(const T* w,  \
+    const T* x, const T* b, const T* res, T* y, int R, int n_in, int n_out, int gelu, int has_res,         \
+    const T* ln_g, const T* ln_b, float eps) {                                                             \
+    rows_times_columns<T, COLS, LN>(w, x, b, res, y, R, n_in, n_out, gelu, has_res, ln_g, ln_b, eps); }
+#define ROWS_TIMES_COLUMNS_ALL(COLS, BOUNDS, NAME)                            \
+    ROWS_TIMES_COLUMNS(float, COLS, false, BOUNDS, NAME##_f32)                \
+    ROWS_TIMES_COLUMNS(unsigned short, COLS, false, BOUNDS, NAME##_f16)       \
+    ROWS_TIMES_COLUMNS(float, COLS, true, BOUNDS, NAME##_ln_f32)              \
+    ROWS_TIMES_COLUMNS(unsigned short, COLS, true, BOUNDS, NAME##_ln_f16)
+// A decode step's products keep 3 blocks an SM (at most 85 registers a thread; sm_90 builds
+// take 64-80 and spill none): c_attn and c_fc of 124M are 288 and 384 blocks, one wave on an
+// H200's 132 SMs, where the layer norm's code would otherwise cost a second. A prompt's (wide)
+// kernel is left unbounded: bounded, it spills.
+ROWS_TIMES_COLUMNS_ALL(1, __launch_bounds__(32 * WARPS, 3), rows_times_columns)
+ROWS_TIMES_COLUMNS_ALL(COLS_WIDE, , rows_times_wide_columns)
 """
 
 
@@ -194,17 +204,17 @@ def launch(rows, w, b, gelu=False, res=None, norm=None, code=SOURCE):
     out = cupy.empty((n, w.shape[0]), w.dtype)  # [n, n_out]
     res = out if res is None else cupy.ascontiguousarray(res, dtype=w.dtype)  # (not read without has_res)
     b = cupy.zeros(w.shape[0], w.dtype) if b is None else b  # [n_out]: a plain product adds 0, exactly
-    ln = (w, w) if norm is None else (norm["g"], norm["b"])  # (w: never read without has_ln)
+    ln = (w, w) if norm is None else (norm["g"], norm["b"])  # (w: never read by the kernel without _ln)
     if any(a.dtype != w.dtype for a in (b, *ln)):  # the kernel reads every array as the weights' dtype
         raise TypeError(f"the bias and layer norm must be of the weights' dtype, {w.dtype}, not "
                         f"{[str(a.dtype) for a in (b, *ln)]}: give all one dtype (layout.device_layout does)")
     cols = COLS_WIDE if n > ROWS_BLOCK else 1  # (each output summed in the same order either way)
-    kernel = cuda.function(code, "rows_times_wide_columns" if cols > 1 else "rows_times_columns", w.dtype)
+    name = ("rows_times_wide_columns" if cols > 1 else "rows_times_columns") + ("" if norm is None else "_ln")
+    kernel = cuda.function(code, name, w.dtype)
     blocks = -(-w.shape[0] // (WARPS * cols)) * -(-n // ROWS_BLOCK)  # cols outputs a warp, ROWS_BLOCK rows a block
     if blocks:  # (none: no rows; CuPy would still launch a block)
         kernel((blocks,), (32 * WARPS,), (w, rows, b, res, out, np.int32(n), np.int32(n_in), np.int32(w.shape[0]),
-                                          np.int32(gelu), np.int32(res is not out),
-                                          *ln, np.float32(1e-5), np.int32(norm is not None)))  # gpt2.layer_norm's eps
+                                          np.int32(gelu), np.int32(res is not out), *ln, np.float32(1e-5)))  # its eps
     return out
 
 

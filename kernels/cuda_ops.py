@@ -53,52 +53,63 @@ __device__ void layer_norm_rows(const T* x, const T* g, const T* b, T* y, int n,
 // a block a query (blockIdx.x = (b * n_tok + t) * H + h), scores in shared memory [S]. Its warps
 // take the keys KEYS at a time in turn, for the scores and for the values alike: a decode step
 // has a block a head, so many keys' reads must be in flight within a block for the cache to
-// stream at all. With `fresh`, k_new and v_new (strides as q's) are this step's keys and
+// stream at all. With FRESH, k_new and v_new (strides as q's) are this step's keys and
 // values, not yet in the cache: each block stores its own token's head in its slot (the step's
 // KV write, in this launch rather than one of its own) and reads the step's tokens from k_new
 // and v_new, since the blocks that store them run in no set order. A row's real tokens sit in
 // consecutive slots from its first token's (cuda_graphs.step places them so): slot s >= first
 // is token s - first (a query placed otherwise gets NaN). Without, every key comes from the
-// cache (kv_cache.attend stored them).
-template <typename T>
+// cache (kv_cache.attend stored them). FRESH is a template parameter, not a flag: its code
+// would cost the other kernel registers.
+template <typename T, bool FRESH>
 __device__ void attend(const T* q, const T* k_new, const T* v_new, long long sb, long long sh, long long st,
                        T* ck, T* cv, const long long* positions, T* out, int n_tok, int H, int S, int D,
-                       float scale, int fresh) {
+                       float scale) {
     extern __shared__ float scores[];
     __shared__ float qs[256], part[32], sums[WARPS][256];
     int h = blockIdx.x % H, bt = blockIdx.x / H, b = bt / n_tok, t = bt % n_tok;
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
-    long long p = positions[bt];
+    long long position = positions[bt];
     T* o = out + (size_t)blockIdx.x * D;
-    if (p < 0 || p >= S) {  // padding: zeros (later layers compute on them; no logits are taken there)
+    if (position < 0 || position >= S) {  // padding: zeros (later layers compute on them; no logits are taken there)
         for (int d = threadIdx.x; d < D; d += blockDim.x) store(o + d, 0.0f);
         return;
     }
+    int p = (int)position;  // (slots in an int: fewer registers than 64-bit ones, S is at most 9,952)
     size_t at = b * sb + h * sh;  // row b's head h in q, k_new, v_new
     for (int d = threadIdx.x; d < D; d += blockDim.x) qs[d] = load(q + at + t * st + d);
     T* kc = ck + ((size_t)b * H + h) * S * D;
     T* vc = cv + ((size_t)b * H + h) * S * D;
-    long long first = fresh ? positions[(size_t)b * n_tok] : S;  // slots from first on: this step's tokens
-    if (fresh && p - first != t) {  // not where the step's tokens must be: NaN, loud, not another token's keys
+    int first = FRESH ? (int)positions[(size_t)b * n_tok] : S;  // slots from first on: this step's tokens
+    if (FRESH && p - first != t) {  // not where the step's tokens must be: NaN, loud, not another token's keys
         for (int d = threadIdx.x; d < D; d += blockDim.x) store(o + d, __int_as_float(0x7fc00000));  // NaN
         return;
     }
-    auto key = [&](long long s) -> const T* { return s < first ? kc + s * D : k_new + at + (s - first) * st; };
-    auto value = [&](long long s) -> const T* { return s < first ? vc + s * D : v_new + at + (s - first) * st; };
-    if (fresh)
+    auto key = [&](int s) -> const T* { return !FRESH || s < first ? kc + s * D : k_new + at + (s - first) * st; };
+    auto value = [&](int s) -> const T* { return !FRESH || s < first ? vc + s * D : v_new + at + (s - first) * st; };
+    if (FRESH)
         for (int d = threadIdx.x; d < D; d += blockDim.x) {
-            kc[p * D + d] = k_new[at + t * st + d];
-            vc[p * D + d] = v_new[at + t * st + d];
+            kc[(size_t)p * D + d] = k_new[at + t * st + d];
+            vc[(size_t)p * D + d] = v_new[at + t * st + d];
         }
     __syncthreads();
     for (int s0 = warp * KEYS; s0 <= p; s0 += n_warps * KEYS) {  // a warp KEYS keys at once, its lanes
         float dot[KEYS];                                              // reading each key's D values together
         #pragma unroll
         for (int k = 0; k < KEYS; k++) dot[k] = 0.0f;
-        for (int d = lane; d < D; d += 32) {
-            #pragma unroll
-            for (int k = 0; k < KEYS; k++)
-                if (s0 + k <= p) dot[k] = fmaf(qs[d], load(key(s0 + k) + d), dot[k]);
+        if (!FRESH || s0 + KEYS <= first) {  // all from the cache: one pointer for the KEYS keys
+            const T* k0 = kc + (size_t)s0 * D;
+            for (int d = lane; d < D; d += 32) {
+                #pragma unroll
+                for (int k = 0; k < KEYS; k++)
+                    if (s0 + k <= p) dot[k] = fmaf(qs[d], load(k0 + k * D + d), dot[k]);
+            }
+        } else {  // this step's among them: a key at a time, from where it is (the same sums, in the same order)
+            for (int k = 0; k < KEYS; k++) {
+                if (s0 + k > p) break;
+                const T* ks = key(s0 + k);
+                for (int d = lane; d < D; d += 32) dot[k] = fmaf(qs[d], load(ks + d), dot[k]);
+            }
         }
         #pragma unroll
         for (int k = 0; k < KEYS; k++) {
@@ -144,8 +155,12 @@ extern "C" __global__ void layer_norm##S(const T* x, const T* g, const T* b, T* 
     layer_norm_rows<T>(x, g, b, y, n, eps); }                                                              \
 extern "C" __global__ void attend##S(const T* q, const T* k_new, const T* v_new, long long sb, long long sh, \
     long long st, T* ck, T* cv, const long long* positions, T* out, int n_tok, int H, int S_, int D,        \
-    float scale, int fresh) {                                                                              \
-    attend<T>(q, k_new, v_new, sb, sh, st, ck, cv, positions, out, n_tok, H, S_, D, scale, fresh); }
+    float scale) {                                                                                         \
+    attend<T, true>(q, k_new, v_new, sb, sh, st, ck, cv, positions, out, n_tok, H, S_, D, scale); }          \
+extern "C" __global__ void attend_stored##S(const T* q, const T* k_new, const T* v_new, long long sb,        \
+    long long sh, long long st, T* ck, T* cv, const long long* positions, T* out, int n_tok, int H, int S_,  \
+    int D, float scale) {                                                                                  \
+    attend<T, false>(q, k_new, v_new, sb, sh, st, ck, cv, positions, out, n_tok, H, S_, D, scale); }
 OPS(float, _f32)
 OPS(unsigned short, _f16)
 """
@@ -219,9 +234,9 @@ def attend_stored(q, ck, cv, positions, S, new=None):
     scale = np.float32(1.0 / np.sqrt(D))
     k, v = (q, q) if new is None else new  # (q: a pointer the kernel never reads without new)
     if B * T:
-        cuda.function(SOURCE, "attend", q.dtype)((B * T * H,), (ATTEND_THREADS,),  # a block a query, S scores shared
-                                                 (q, k, v, *strides, ck, cv, positions, out, *sizes, scale,
-                                                  np.int32(new is not None)), shared_mem=4 * S)
+        kernel = cuda.function(SOURCE, "attend_stored" if new is None else "attend", q.dtype)
+        kernel((B * T * H,), (ATTEND_THREADS,),  # a block a query, S scores in shared memory
+               (q, k, v, *strides, ck, cv, positions, out, *sizes, scale), shared_mem=4 * S)
     return out.transpose(0, 2, 1, 3)  # [B, H, T, D]
 
 
@@ -244,6 +259,10 @@ def attend_reference(positions, layer, q, k, v):
     out = np.zeros_like(q)  # [B, H, T, D]
     S = layer["k"].shape[2]
     real = [(b, t, int(positions[b, t])) for b in range(B) for t in range(T) if 0 <= positions[b, t] < S]
+    misplaced = [(b, t) for b, t, p in real if p - positions[b, 0] != t]  # not in its row's run of slots
+    for b, t in misplaced:  # NaN and nothing stored, as the kernel does
+        out[b, :, t] = np.nan
+    real = [(b, t, p) for b, t, p in real if (b, t) not in misplaced]
     for b, t, p in real:  # every key stored first: a query reads its step's earlier tokens too
         layer["k"][b, :, p], layer["v"][b, :, p] = k[b, :, t], v[b, :, t]
     for b, t, p in real:

@@ -29,7 +29,7 @@ char* dynamic_shared;  // extern __shared__ arrays point here (cuda_on_cpu.py re
 #define __forceinline__ inline
 #define __restrict__
 #define __shared__ static
-#define __launch_bounds__(threads)
+#define __launch_bounds__(...)
 
 // A block's threads are fibers: each runs on a stack of its own until it waits at a barrier,
 // then hands the CPU to the next (a few instructions: `cuda_on_cpu_switch` below), so a

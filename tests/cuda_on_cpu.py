@@ -284,7 +284,7 @@ def kernels(source):
     its macros expanded (g++ -E)."""
     expanded = subprocess.run(["g++", "-E", "-P", "-x", "c++", "-"], input=source, capture_output=True, text=True,
                               check=True).stdout
-    found, signature = {}, r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\(\w+\)\s+)?(\w+)\s*\(([^)]*)\)'
+    found, signature = {}, r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(([^)]*)\)'
     for name, params in re.findall(signature, expanded):
         found[name] = [re.match(r"(.*?)(\w+)$", p.strip()).groups() for p in params.split(",") if p.strip()]
     return found

@@ -427,7 +427,7 @@ def test_a_recorded_step_launches_five_kernels_a_layer(monkeypatch):
         batching.generate(batching.requests([[1, 2, 3]], 4, GREEDY), model)
         kernels[n_layer] = collections.Counter(recorded[0])
     layer = kernels[2] - kernels[1]
-    assert layer == {"rows_times_columns_f32": 4, "attend_f32": 1}, layer
+    assert layer == {"rows_times_columns_ln_f32": 2, "rows_times_columns_f32": 2, "attend_f32": 1}, layer
     assert kernels[1] - layer == {"rows_times_columns_f32": 1, "layer_norm_f32": 1}  # the final layer norm, the head
 
 

@@ -98,14 +98,21 @@ def test_the_attention_kernel_matches_numpy_with_padding(cupy, S, positions, dty
 
 def test_a_step_token_out_of_its_rows_run_of_slots_gets_nan_not_another_tokens_keys(cupy):
     """A step's tokens of a row sit in consecutive slots (cuda_graphs.step), which is how the
-    kernel finds the keys it has not stored yet: a token placed elsewhere is NaN, loudly."""
+    kernel finds the keys it has not stored yet: a token placed elsewhere is NaN, loudly, and
+    stores nothing; the NumPy stand-in does the same, so a CPU test of the bookkeeping fails too."""
     rng = np.random.default_rng(1)
     B, T, H, D, S = 1, 3, 2, 64, 40
     qkv = cupy.asarray(rng.standard_normal((B, T, 3 * H * D), dtype=np.float32))
     q, k, v = qkv.reshape(B, T, 3, H, D).transpose(2, 0, 3, 1, 4)
     layer = {"k": cupy.zeros((B, H, S, D), np.float32), "v": cupy.zeros((B, H, S, D), np.float32)}
-    out = cupy.asnumpy(cuda_ops.attend(cupy.asarray(np.array([[20, 21, 30]])), layer, q, k, v))  # [B, H, T, D]
+    positions = np.array([[20, 21, 30]])
+    out = cupy.asnumpy(cuda_ops.attend(cupy.asarray(positions), layer, q, k, v))  # [B, H, T, D]
     assert np.isfinite(out[:, :, :2]).all() and np.isnan(out[:, :, 2]).all()
+    assert not cupy.asnumpy(layer["k"])[:, :, 30].any()  # its key not stored
+    cpu = {"k": np.zeros((B, H, S, D), np.float32), "v": np.zeros((B, H, S, D), np.float32)}
+    want = cuda_ops.attend_reference(positions, cpu, *(cupy.asnumpy(a) for a in (q, k, v)))  # the stand-in: the same
+    np.testing.assert_allclose(out, want, atol=1e-5, rtol=0)  # (NaN where NaN)
+    assert np.array_equal(cupy.asnumpy(layer["k"]), cpu["k"])
 
 
 def sampling_cases():
