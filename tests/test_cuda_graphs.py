@@ -7,6 +7,7 @@ in for the device (layout.device_layout(params, numpy)). Then the whole step on 
 replayed as a GPU would, tests/cuda_on_cpu.py): the CPU's logits and text, and replay equal
 to eager bit for bit."""
 import collections
+import struct
 import sys
 
 import numpy as np
@@ -55,6 +56,55 @@ def test_a_typo_in_the_cuda_source_is_caught_without_a_gpu():
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC comes with CuPy (pip install cupy-cuda12x)")
     with pytest.raises(RuntimeError, match="warp_summ"):
         cuda.check(cuda_matmul.SOURCE.replace("warp_sum(acc[r][c])", "warp_summ(acc[r][c])"))
+
+
+def built_for(source, arch="sm_90"):
+    """{kernel: [registers a thread, stack frame bytes]} of source as NVRTC builds it for arch
+    (with CuPy's -ftz=true), read from the cubin's .nv.info sections: EIATTR_REGCOUNT (0x2f)
+    and EIATTR_FRAME_SIZE (0x11), each an 8-byte value (the kernel's symbol, the number)."""
+    from cupy_backends.cuda.libs import nvrtc
+    program = nvrtc.createProgram(cuda.SHARED + source, "k.cu", [], [])
+    try:
+        nvrtc.compileProgram(program, [f"--gpu-architecture={arch}", "-ftz=true"])
+        elf = nvrtc.getCUBIN(program)
+    finally:
+        nvrtc.destroyProgram(program)
+    (table,), (entry, count, names) = struct.unpack_from("<Q", elf, 0x28), struct.unpack_from("<HHH", elf, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", elf, table + i * entry) for i in range(count)]  # ELF64 headers
+
+    def string(strings, at):  # a name from string table section `strings`
+        start = sections[strings][4] + at
+        return elf[start:elf.index(b"\0", start)].decode()
+    symbols = next(s for s in sections if s[1] == 2)  # SHT_SYMTAB, 24-byte entries, names in section s[6]
+    found = collections.defaultdict(lambda: [0, 0])
+    for name, _, _, _, at, size, *_ in sections:
+        if not string(names, name).startswith(".nv.info"):
+            continue
+        end = at + size
+        while at < end:
+            form, attribute = elf[at], elf[at + 1]
+            if form == 4:  # a value with its size
+                n, = struct.unpack_from("<H", elf, at + 2)
+                if attribute in (0x2f, 0x11) and n == 8:
+                    symbol, value = struct.unpack_from("<II", elf, at + 4)
+                    found[string(symbols[6], struct.unpack_from("<I", elf, symbols[4] + 24 * symbol)[0])][
+                        attribute == 0x11] = value
+                at += 4 + n
+            else:
+                at += 4 if form in (2, 3) else 2
+    return found
+
+
+def test_a_decode_products_kernels_keep_three_blocks_an_sm_and_no_kernel_spills():
+    """Registers decide how many blocks an SM holds, so how many weight loads are in flight:
+    built for an H100/H200 (sm_90), every few-row product (the layer norm's or not) fits 3
+    blocks an SM, and no product or attention kernel keeps values on a stack (spills)."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC comes with CuPy (pip install cupy-cuda12x)")
+    products, ops = built_for(cuda_matmul.SOURCE), built_for(cuda_ops.SOURCE)
+    narrow = {name: r for name, (r, _) in products.items() if name.startswith("rows_times_columns")}
+    assert len(narrow) == 4 and max(narrow.values()) <= 65536 // (3 * 32 * cuda_matmul.WARPS), narrow
+    kernels = {name: frame for name, (_, frame) in {**products, **ops}.items() if not name.startswith("$")}
+    assert len(kernels) == 8 + 6 and not any(kernels.values()), kernels  # ("$": CUDA's own division helpers)
 
 
 def test_every_step_gives_the_eager_passes_logits(both):
