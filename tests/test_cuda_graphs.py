@@ -451,18 +451,24 @@ def test_the_cpus_recording_runs_nothing_and_replays_the_device_arrays_of_now(mo
     cuda.function.cache_clear()
 
 
-def test_a_recorded_step_launches_five_kernels_a_layer(monkeypatch):
-    """A graph's launches cost the GPU microseconds each, whatever they do: a layer of a
-    recorded step is 5 (c_attn with the layer norm before it, attention storing the step's keys
-    and values, attn c_proj with the residual add, c_fc with its layer norm and GELU, mlp
-    c_proj with its residual add), counted in the recording itself with 1 and with 2 layers."""
+def emulated_with_our_kernels(monkeypatch):
+    """(cupy, params, hparams): the emulation standing in for CuPy, our kernels chosen, and
+    random weights of the tiny model's shapes with a vocabulary of V."""
     why = cuda_on_cpu.unavailable()
     if why:
         pytest.skip(f"CUDA C cannot run on this CPU: {why}")
     cupy = cuda_on_cpu.cupy()
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
-    params, hparams = common.random_params("tiny", n_vocab=V, n_ctx=64)
+    return (cupy, *common.random_params("tiny", n_vocab=V, n_ctx=64))
+
+
+def test_a_recorded_step_launches_five_kernels_a_layer(monkeypatch):
+    """A graph's launches cost the GPU microseconds each, whatever they do: a layer of a
+    recorded step is 5 (c_attn with the layer norm before it, attention storing the step's keys
+    and values, attn c_proj with the residual add, c_fc with its layer norm and GELU, mlp
+    c_proj with its residual add), counted in the recording itself with 1 and with 2 layers."""
+    cupy, params, hparams = emulated_with_our_kernels(monkeypatch)
     recorded, end_capture = [], cupy.cuda.Stream.end_capture
 
     def kept(stream):
@@ -489,13 +495,7 @@ def test_a_recorded_step_calls_into_the_device_a_few_times_whatever_its_layers(m
     model drafting for itself: four drafts, a catch-up pass, a verification in two launches)
     make the same few calls with 2 layers as with 1, none a layer, and no more than now.
     Without the cache's views kept (kv_cache.rows) there are 2 more a layer, a model pass."""
-    why = cuda_on_cpu.unavailable()
-    if why:
-        pytest.skip(f"CUDA C cannot run on this CPU: {why}")
-    cupy = cuda_on_cpu.cupy()
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
-    params, hparams = common.random_params("tiny", n_vocab=V, n_ctx=64)
+    cupy, params, hparams = emulated_with_our_kernels(monkeypatch)
     calls, record = [], cuda_graphs.record
 
     def counted(f):  # f, each call outside a recording noted
