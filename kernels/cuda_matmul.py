@@ -49,7 +49,7 @@ KERNELS = "".join(f"#define {name} {value}\n" for name, value in
 // The tail is what gpt2.py does next to a product, done as it is stored: + b[j], then gelu (if
 // gelu), then + res[r, j] (if has_res): one launch instead of two to eleven. With LN, x is
 // layer-normed on the way in (gamma ln_g, beta ln_b), as gpt2.py does before the block's
-// products: each block first takes its rows' mean and deviation, a warp a row (the same sums
+// products: each block first takes its rows' mean and 1 / deviation, a warp a row (the same sums
 // whatever the block's other rows), then normalizes each input as it loads it. LN is a
 // template parameter, not a flag: its code would cost every product registers, and so warps
 // in flight. A warp takes COLS outputs from j0 on; block i takes the outputs i % out_blocks of
@@ -77,7 +77,7 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
     if (j0 >= n_out) return;  // the whole warp: no lane is left waiting in a shuffle
     int m = min(COLS, n_out - j0);  // the warp's outputs
     const T* wj = w + (size_t)j0 * n_in;
-    // the input of row r (of the block's) at k: x, or gpt2.layer_norm's g * ((x - mean) / sd) + b
+    // the input of row r (of the block's) at k: x, or gpt2.layer_norm's g * ((x - mean) / sd) + b (times 1 / sd)
     auto normed = [&](float xk, int r, float g, float beta) {
         return LN ? g * ((xk - mean[r]) * rsd[r]) + beta : xk;
     };
