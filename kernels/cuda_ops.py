@@ -254,21 +254,26 @@ def pass_ops(model):
 
 
 def attend_reference(positions, layer, q, k, v):
-    """What `attend` computes, in NumPy: the stand-in on a CPU, and what a GPU test compares with."""
+    """What `attend` computes, in NumPy: the stand-in on a CPU, and what a GPU test compares
+    with. As the kernel: a query at slot p of a row whose step begins at slot `first` sees the
+    cache's slots before first and the step's own tokens 0..p - first; one not at first + t
+    (its row's run of slots broken) gets NaN and stores nothing."""
     B, H, T, D = q.shape
     out = np.zeros_like(q)  # [B, H, T, D]
     S = layer["k"].shape[2]
     real = [(b, t, int(positions[b, t])) for b in range(B) for t in range(T) if 0 <= positions[b, t] < S]
-    misplaced = [(b, t) for b, t, p in real if p - positions[b, 0] != t]  # not in its row's run of slots
-    for b, t in misplaced:  # NaN and nothing stored, as the kernel does
-        out[b, :, t] = np.nan
-    real = [(b, t, p) for b, t, p in real if (b, t) not in misplaced]
-    for b, t, p in real:  # every key stored first: a query reads its step's earlier tokens too
-        layer["k"][b, :, p], layer["v"][b, :, p] = k[b, :, t], v[b, :, t]
     for b, t, p in real:
-        keys, values = layer["k"][b, :, :p + 1], layer["v"][b, :, :p + 1]  # [H, p + 1, D]
+        first = int(positions[b, 0])
+        if p - first != t:
+            out[b, :, t] = np.nan
+            continue
+        keys = np.concatenate([layer["k"][b, :, :first], k[b, :, :t + 1]], axis=1)  # [H, p + 1, D]
+        values = np.concatenate([layer["v"][b, :, :first], v[b, :, :t + 1]], axis=1)  # [H, p + 1, D]
         # [H, 1, D] against [H, p + 1, D] -> [H, D]; mask 0: the keys are cut at p already
         out[b, :, t] = gpt2.attention(q[b, :, t, None], keys, values, np.float32(0.0))[:, 0]
+    for b, t, p in real:  # stored after every query has read (the kernel reads no cache slot past first)
+        if p - int(positions[b, 0]) == t:
+            layer["k"][b, :, p], layer["v"][b, :, p] = k[b, :, t], v[b, :, t]
     return out
 
 
