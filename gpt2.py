@@ -26,9 +26,8 @@ only with CuPy.
 A cached pass may also bring its own layer_norm and transformer_block, the same math in
 fewer, larger steps (on a CPU a compiled layer norm, in gpt2's own block; on a GPU a block
 whose every product, one GPU call, also does the layer norm before it and the bias, GELU
-and residual after it), and gpt2 calls whichever it holds. Index
-arrays are made with like=x, on x's device, so a recorded GPU step copies nothing from the
-host.
+and residual after it), and gpt2 calls whichever it holds. Index arrays are made with
+like=x, on x's device, so a recorded GPU step copies nothing from the host.
 """
 import numpy as np
 

@@ -57,8 +57,8 @@ def init_cache(hparams, B, n_slots, like):
     """An empty static cache for B rows of n_slots tokens, with like's dtype and device.
     Every page is touched now (np.zeros would leave the OS to map each on first write): a
     step that first wrote a fresh row would otherwise wait while the OS zeroes its pages, a
-    stall in the middle of serving instead of one at the start. (Not np.full(like=): NumPy 2 hands
-    CuPy a device=None that CuPy 14's full does not take.)"""
+    stall in the middle of serving instead of one at the start. (Not np.full(like=): NumPy 2
+    hands CuPy a device=None that CuPy 14's full does not take.)"""
     n_head = hparams["n_head"]
     shape = (B, n_head, n_slots, hparams["n_embd"] // n_head)  # [B, n_head, n_slots, d_head]
     layers = [{"k": np.empty(shape, like.dtype, like=like), "v": np.empty(shape, like.dtype, like=like)}
@@ -130,8 +130,7 @@ class Pass:
     where: object = None  # where each real token's keys and values go (write_slots)
     S: int = 0  # the slots attention reads
     layer_norm: object = gpt2.layer_norm  # the layer norm of this pass: gpt2's, or the kernels' loop
-    transformer_block: object = gpt2.transformer_block  # gpt2's, or a GPU's (cuda_ops's: layer norm, bias, GELU and
-    # residual inside each product's launch)
+    transformer_block: object = gpt2.transformer_block  # gpt2's, or a GPU's (cuda_ops's: norm and tails in products)
     attention: object = None  # the kernels' attention loop attention(q, k, v, positions), or None: attend's NumPy
     attends: object = None  # attend(q, k, v) of each layer, for gpt2.mha (one per cached layer; else repeated)
     parts: list = None  # a packed pass (ride_along): [(Pass, first token, B, T)] of the passes it packs
@@ -372,9 +371,9 @@ def rollback(cache, n_valid):
 def rows(cache, lo, hi):
     """Rows lo..hi-1 as a cache of their own (views: what a pass writes lands here too). Only
     views starting at row 0 (the batch's own steps) share the cache's recorded GPU steps: a
-    pass over later rows (a joining request's prompt) is a one-off, run eagerly. The views of the first rows
-    and of a single row are made once and kept: a step asks for them, and on a GPU a view is a
-    call into CuPy (2 a layer: 96 a step of 1558M)."""
+    pass over later rows (a joining request's prompt) is a one-off, run eagerly. The views of
+    the first rows and of a single row are made once and kept: a step asks for them, and on a
+    GPU a view is a call into CuPy (2 a layer: 96 a step of 1558M)."""
     kept = cache.get("views", {}) if lo == 0 or hi == lo + 1 else {}
     if (lo, hi) not in kept:
         kept[lo, hi] = {"layers": [{"k": layer["k"][lo:hi], "v": layer["v"][lo:hi]} for layer in cache["layers"]],
