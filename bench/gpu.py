@@ -68,8 +68,9 @@ def gpu_benchmark(args, command, save=lambda results: None):
                 save(results)
     if "speculative" in args.only:
         draft, target = ours_of[args.draft], ours_of[args.target]
-        costs = bench_speculative_costs(draft, target, args)
-        results["speculative"] = dict(costs, end_to_end=bench_speculative_end_to_end(draft, target, costs, args))
+        with sampling_on_device():  # q and the verification in our kernels, a draft's K tokens one recorded graph
+            costs = bench_speculative_costs(draft, target, args)
+            results["speculative"] = dict(costs, end_to_end=bench_speculative_end_to_end(draft, target, costs, args))
     return results
 
 

@@ -19,7 +19,7 @@ import cost_model
 import speculative
 import utils
 from bench.common import GREEDY, ROOT, TOKENIZER_DIR, greedy, in_format, prompt_ids
-from cli.timing import pass_seconds
+from cli.timing import draft_seconds, pass_seconds
 
 
 def break_even_alpha(costs, K):
@@ -59,8 +59,9 @@ def settle(step, tries=20, within=0.05):
 
 def bench_speculative_costs(draft, target, args):
     """The costs that decide speculative speed, each paired with target steps: verify(K+1)
-    for K = 1..K_max and one draft token with the full head and with vocabulary subsets,
-    in target steps (and the draft's two-token catch-up pass, in draft tokens); the
+    for K = 1..K_max and one draft token (as drafting at K runs it: draft_seconds) with the
+    full head and with vocabulary subsets, in target steps (and the draft's two-token
+    catch-up pass, in draft passes); the
     speedups they predict, and the acceptance rate at which each K breaks even. Each
     pass is the best of 3 (a single pass strays by 10-20% here, enough to rank K wrong)."""
     L = args.prompt_len
@@ -73,7 +74,7 @@ def bench_speculative_costs(draft, target, args):
     drafts, catch_up = {}, {}
     for N in [0] + args.draft_vocabs:
         subset = speculative.vocab_subset(draft, [prompt_ids(L)], N)
-        drafts[N] = paired(lambda: pass_seconds(subset, L, reps=3), step, args.reps)
+        drafts[N] = paired(lambda: draft_seconds(subset, L, args.K, reps=3), step, args.reps)
         catch_up[N] = paired(lambda: pass_seconds(subset, L, 2, reps=3, n_logits=1),
                              lambda: pass_seconds(subset, L, reps=3), args.reps)
     step_s = float(np.median([step() for _ in range(args.reps)]))
@@ -149,12 +150,13 @@ def typical_pass(model, L, T=1, n_logits=None, reps=3):
 
 def costs_beside(draft, target, L, K):
     """(target step seconds, Costs) timed right before or after a run, so that the run and
-    its prediction see the same machine: c, verify(K+1) (the only entry of the verify table
-    that is filled in, at index K) and the draft's catch-up pass, typical passes each."""
+    its prediction see the same machine: c (draft_seconds), verify(K+1) (the only entry of
+    the verify table that is filled in, at index K) and the draft's catch-up pass, each
+    the median of three."""
     step = typical_pass(target, L)
-    draft_step = typical_pass(draft, L)
+    draft_step = float(np.median([draft_seconds(draft, L, K, reps=1) for _ in range(3)]))
     verify = typical_pass(target, L, K + 1) / step
-    catch_up = typical_pass(draft, L, 2, n_logits=1) / draft_step
+    catch_up = typical_pass(draft, L, 2, n_logits=1) / typical_pass(draft, L)
     return step, cost_model.Costs(draft_step / step, (1.0,) + (float("nan"),) * (K - 1) + (verify,), catch_up)
 
 

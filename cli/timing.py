@@ -8,8 +8,11 @@ import numpy as np
 
 import cost_model
 import kv_cache
+import sampling
 import speculative
-from kernels import cuda_graphs, rowwise
+from kernels import cuda_draft_loop, cuda_graphs, rowwise
+
+GREEDY = sampling.SamplingSettings(temperature=0.0)
 
 
 def pass_seconds(model, context, T=1, reps=3, n_logits=None):
@@ -35,21 +38,41 @@ def pass_seconds(model, context, T=1, reps=3, n_logits=None):
     return min(times[warm:])
 
 
+def draft_seconds(model, context, K=4, reps=3):
+    """Seconds of one draft token (the best of reps): where a draft's K passes and draws are
+    one recorded graph (a GPU's kernels, cuda_draft_loop.py), a K-token draft's over K; else
+    a pass's (pass_seconds), as drafting runs there."""
+    params, hparams = model
+    text = [i % hparams["n_vocab"] for i in range(context + 1)]
+    cache = kv_cache.init_cache(hparams, 1, context + K, like=params["wpe"])
+    for layer in cache["layers"]:
+        layer["k"][...] = 1
+        layer["v"][...] = 1
+    times = []
+    for _ in range(reps + 2):  # two warm-ups: the second records the graph the rest replay
+        cache["lengths"][:] = context
+        start = time.perf_counter()
+        if cuda_draft_loop.draft(model, cache, [text], [K], [GREEDY], lambda: np.ones((1, K))) is None:
+            return pass_seconds(model, context, reps=reps)
+        times.append(time.perf_counter() - start)  # (the drafted ids came back to the host: the GPU is done)
+    return min(times[2:]) / K
+
+
 CONTEXT = 32  # cached tokens before each timed pass of the advice
 REPS = 2  # timed passes a cost, the best kept (after a warm-up): a run with advice pays for 10 costs x 3 passes
 
 
-def measure_costs(target, draft, K_max, draft_vocab=0, context=CONTEXT):
-    """Costs measured on this machine: a draft token and verify(K+1) for K = 0..K_max, in
-    target decode steps. A few passes of each model; used to advise, never to decide
-    (a decision on the clock would change the text from run to run)."""
+def measure_costs(target, draft, K_max, draft_vocab=0, context=CONTEXT, K=4):
+    """Costs measured on this machine: a draft token (drafting K at a time) and verify(K+1)
+    for K = 0..K_max, in target decode steps. A few passes of each model; used to advise,
+    never to decide (a decision on the clock would change the text from run to run)."""
     step = pass_seconds(target, context, reps=REPS)
     verify = (1.0,) + tuple(pass_seconds(target, context, K + 1, reps=REPS) / step for K in range(1, K_max + 1))
     if draft is None:
         return cost_model.Costs(0.0, verify)
     draft = speculative.vocab_subset(draft, [list(range(context))], draft_vocab)
-    draft_step = pass_seconds(draft, context, reps=REPS)
-    catch_up = pass_seconds(draft, context, 2, reps=REPS, n_logits=1) / draft_step
+    draft_step = draft_seconds(draft, context, K, reps=REPS)
+    catch_up = pass_seconds(draft, context, 2, reps=REPS, n_logits=1) / pass_seconds(draft, context, reps=REPS)
     return cost_model.Costs(draft_step / step, verify, catch_up)
 
 
@@ -60,7 +83,7 @@ def advise_K(stats, target, drafter, config, self_draft=False):
         return
     alpha = cost_model.estimate_alpha(stats.accepted, stats.rejected)
     draft = drafter.model
-    costs = measure_costs(target, draft, config.K_max, config.draft_vocab)
+    costs = measure_costs(target, draft, config.K_max, config.draft_vocab, K=config.K)
     K = cost_model.best_K(alpha, costs, config.K_max)
     print(f"advice: at this run's acceptance (alpha = {alpha:.2f}) and costs measured now (a draft token "
           f"{costs.draft:.2f} of a target step; verifying K+1 tokens {min(costs.verify[1:]):.2f}-"

@@ -81,19 +81,8 @@ def step(model, cache, inputs, n_new, n_logits):
     # the cache's own address, so the pointers the graph was recorded with stay valid; the
     # padding rows past B (position -1) are never read or written
     static["layers"] = cache["layers"]
-    if isinstance(static["ids_positions"], np.ndarray):  # the stand-in
-        static["ids_positions"][...] = ids_positions
-    else:
-        static["ids_positions"].set(ids_positions)  # one copy to the device, into the buffer the graph reads
-    static["uses"] += 1
-    if static["replay"] is not None:
-        static["replay"]()
-        logits = static["logits"]  # [B', T, n_vocab]: the graph's own output, overwritten by its next replay
-    else:
-        logits = static["forward"]()  # [B', T, n_vocab]
-        if static["uses"] == 2:
-            static["replay"], static["logits"], static["graph"] = record(static["forward"], logits)
-    logits = logits[:B]  # [B, T, n_vocab]: the batch's rows (a view)
+    copy_in(static["ids_positions"], ids_positions)
+    logits = run(static)[:B]  # [B, T, n_vocab]: the batch's rows (a view of the graph's own output)
     n_logits = np.broadcast_to(n_logits, (B,))  # [B]: which tokens' logits, as kv_cache.begin_pass picks them
     at = n_new[:, None] - n_logits[:, None] + np.arange(n_logits.max())  # [B, n]
     at = np.clip(at, 0, (n_new - 1).clip(0)[:, None])
@@ -104,30 +93,58 @@ def step(model, cache, inputs, n_new, n_logits):
     return logits[np.asarray(np.arange(B)[:, None], like=logits), np.asarray(at, like=logits)]  # [B, n, n_vocab]
 
 
+def run(static):
+    """static["forward"]() (a static step's, or cuda_draft_loop's): eager its first two times,
+    recorded at the second, replayed from the third. Returns its output: once recorded, the
+    graph's own, which its next replay overwrites."""
+    static["uses"] += 1
+    if static["replay"] is not None:
+        static["replay"]()
+        return static["output"]
+    output = static["forward"]()
+    if static["uses"] == 2:
+        static["replay"], static["output"], static["graph"] = record(static["forward"], output)
+    return output
+
+
 def static_step(model, cache, B, T):
     """The step of B rows x T tokens over this cache (views of its first rows share it), made
     at first use: {"ids_positions": the buffer it reads [2, B, T], "forward": the pass over
     the cache rows "layers" (`step` sets them), "uses", and once recorded "replay", its
-    "logits" and the "graph" with what it needs kept alive}."""
-    params, hparams = model
+    "output" (the logits) and the "graph" with what it needs kept alive}."""
+    params = model[0]
     key = (id(params), pointer(cache["layers"][0]["k"]), B, T)
     if key not in cache["graphs"]:
         wpe = params["wpe"]
         ids_positions = np.zeros((2, B, T), np.int64, like=wpe)  # [2, B, T]
         every_token = np.broadcast_to(np.arange(T, like=wpe), (B, T))  # [B, T]: made here, not a launch a replay
         static = cache["graphs"][key] = {"ids_positions": ids_positions, "layers": cache["layers"], "uses": 0,
-                                         "replay": None, "logits": None, "graph": None,
+                                         "replay": None, "output": None, "graph": None,
                                          "params": params}  # kept: id(params) stays theirs
 
         def forward():
-            positions = ids_positions[1]  # [B, T]
-            state = types.SimpleNamespace(  # what gpt2.gpt2 reads of a pass (kv_cache.Pass)
-                positions=positions, layer_norm=cuda_ops.layer_norm, transformer_block=cuda_ops.transformer_block,
-                attends=[functools.partial(cuda_ops.attend, positions, layer) for layer in static["layers"]],
-                logits_at=every_token)
-            return gpt2.gpt2(ids_positions[0], **params, n_head=hparams["n_head"], state=state)  # [B, T, n_vocab]
+            return pass_over(model, static["layers"], ids_positions[0], ids_positions[1],
+                             every_token)  # [B, T, n_vocab]
         static["forward"] = forward
     return cache["graphs"][key]
+
+
+def pass_over(model, layers, ids, positions, logits_at):
+    """gpt2.gpt2 over ids [B, T] at positions [B, T] (device arrays; -1: padding), storing and
+    attending over the cache's layers: logits [B, n, n_vocab] at the tokens logits_at [B, n]."""
+    params, hparams = model
+    state = types.SimpleNamespace(  # what gpt2.gpt2 reads of a pass (kv_cache.Pass)
+        positions=positions, layer_norm=cuda_ops.layer_norm, transformer_block=cuda_ops.transformer_block,
+        attends=[functools.partial(cuda_ops.attend, positions, layer) for layer in layers], logits_at=logits_at)
+    return gpt2.gpt2(ids, **params, n_head=hparams["n_head"], state=state)  # [B, n, n_vocab]
+
+
+def copy_in(buffer, values):
+    """The host's values into a device buffer a graph reads: one copy (the stand-in: NumPy's)."""
+    if isinstance(buffer, np.ndarray):
+        buffer[...] = values
+    else:
+        buffer.set(values)
 
 
 def pointer(a):

@@ -318,13 +318,14 @@ def takes(x):
     return layout.gpu_kernels()
 
 
-def distribution(logits, s):
+def distribution(logits, s, out=None):
     """sampling.probabilities on the device after the penalties: logits [..., n_vocab] (their
-    penalties applied) to the distribution (float32) under settings s, in one launch."""
+    penalties applied) to the distribution (float32) under settings s, in one launch; into
+    out (contiguous, logits' shape) if given."""
     import cupy
     n = logits.shape[-1]
     rows = cupy.ascontiguousarray(logits.reshape(-1, n), dtype=np.float32)  # [R, n_vocab]
-    p = cupy.empty_like(rows)  # [R, n_vocab]
+    p = cupy.empty_like(rows) if out is None else out.reshape(rows.shape)  # [R, n_vocab]
     top_k = int(s.top_k) if 0 < s.top_k < n else 0
     thr = np.float32(1.0 - s.top_p) if s.top_p < 1.0 else np.float32(0.0)  # as NumPy compares: float32
     settings = (np.int32(s.greedy), np.float32(s.temperature), np.int32(top_k), thr, np.float32(s.min_p))
@@ -338,12 +339,18 @@ def sample(probs, u):
     sampling.sample's ValueError for a row that is not a distribution. Returns the ids on the
     host [B]: the host waits for them here, to check them, and they leave the device once."""
     import cupy
+    tokens = cupy.empty(probs.shape[0], np.int64)  # [B]
+    draw(on_device(probs, np.float32), on_device(u, np.float64), tokens)
+    return checked(tokens.get())
+
+
+def draw(probs, u, tokens):
+    """sample's draw into tokens [B] (int64; -1 for a row that is not a distribution), all three
+    contiguous device arrays (probs float32 [B, n_vocab], u float64 [B]): one launch, and
+    nothing the host waits for, so a recorded graph may hold it (cuda_draft_loop.py)."""
     B, n = probs.shape
-    probs, u = on_device(probs, np.float32), on_device(u, np.float64)
-    tokens = cupy.empty(B, np.int64)  # [B]
     if B:
         cuda.function(SOURCE, "sample")((B,), (THREADS,), (probs, u, tokens, np.int32(n)))
-    return checked(tokens.get())
 
 
 def verify(p, q, drafts, k, u, v):

@@ -15,16 +15,19 @@ import pytest
 
 import batching
 import beam_search
+import cost_model
 import cuda_on_cpu
 import kv_cache
 import sampling
 import speculative
 from bench import common
-from kernels import cuda, cuda_graphs, cuda_matmul, cuda_ops, cuda_sampling, layout
+from kernels import cuda, cuda_draft_loop, cuda_graphs, cuda_matmul, cuda_ops, cuda_sampling, layout
 from serving import prefix_cache, scheduler
 
 GREEDY = sampling.SamplingSettings(temperature=0.0)
 SAMPLED = sampling.SamplingSettings(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.2)
+UNPENALIZED = sampling.SamplingSettings(temperature=0.8, top_k=40, top_p=0.9)  # drawn inside a recorded graph
+CHEAP = cost_model.Costs(0.02, (1.0,) * 9)  # a draft so cheap that adaptive K gives each row K from 1 to 7
 PROMPTS = [[464, 2068, 7586, 21831], [15496, 11, 995, 0, 383, 2068, 7586, 21831, 18045, 625, 262], [36235]]
 
 
@@ -39,10 +42,10 @@ def generate(params, hparams, n, settings=GREEDY, seed=0, prompts=PROMPTS):
     return batching.generate(batching.requests(prompts, n, settings, seed), (params, hparams))[0]
 
 
-def spec(params, hparams, n, K, settings=GREEDY, seed=0):
+def spec(params, hparams, n, K, settings=GREEDY, seed=0, adaptive=False):
     draft = speculative.model_drafter((dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1)))
     return speculative.speculative_generate(batching.requests(PROMPTS, n, settings, seed), (params, hparams), draft,
-                                            speculative.SpeculativeConfig(K=K))
+                                            speculative.SpeculativeConfig(K=K, adaptive=adaptive, costs=CHEAP))
 
 
 @pytest.mark.parametrize("source", [cuda_matmul.SOURCE, cuda_ops.SOURCE, cuda_sampling.SOURCE],
@@ -164,6 +167,48 @@ def test_a_timed_pass_on_a_static_step_is_a_replay(both, monkeypatch, T):
     assert len(passes) == 3 and len(replays) == steps  # the CPU: one warm-up, no static step
 
 
+def test_a_timed_draft_token_is_a_replay_of_the_draft_loop_over_K(both, monkeypatch):
+    """The benchmark's and main.py's draft cost c on a GPU: a K-token draft's replay over K
+    (the two runs before it warm up and record); on the CPU, a pass as before."""
+    from cli import timing
+    hparams, params, dev = both
+    ran, run, passes = [], cuda_graphs.run, []
+    monkeypatch.setattr(cuda_graphs, "run", lambda static: ran.append(("q" in static, static["replay"] is not None))
+                        or run(static))
+    assert timing.draft_seconds((dev, hparams), 16, K=3, reps=2) > 0
+    assert ran == [(True, False)] * 2 + [(True, True)] * 2
+    monkeypatch.setattr(timing, "pass_seconds", lambda *args, **kwargs: passes.append(args) or 0.5)
+    assert timing.draft_seconds((params, hparams), 16, K=3, reps=2) == 0.5 and len(passes) == 1
+
+
+def test_the_draft_loop_leaves_what_it_cannot_record_and_keeps_the_graphs_of_its_last_settings(both):
+    """Penalties, n-gram bans, rows of different settings, riders, no drafts: None, nothing
+    drawn, nothing cached (a pass at a time does it all). Each new settings is a graph of its
+    own (its kernels' arguments): a cache keeps those of the last SETTINGS_KEPT."""
+    hparams, _, dev = both
+    model = (dict(dev, blocks=dev["blocks"][:1]), dict(hparams, n_layer=1))
+    cache = kv_cache.init_cache(model[1], 2, hparams["n_ctx"], like=dev["wpe"])
+    texts = [list(PROMPTS[0]), list(PROMPTS[2])]
+
+    def never():
+        raise AssertionError("drew for a loop that does not run")
+    banning = sampling.SamplingSettings(temperature=0.8, no_repeat_ngram_size=2)
+    for k, settings, riders in (([3, 3], [SAMPLED] * 2, ()), ([3, 3], [banning] * 2, ()),
+                                ([3, 3], [GREEDY, UNPENALIZED], ()), ([0, 0], [GREEDY] * 2, ()),
+                                ([3, 3], [GREEDY] * 2, [(kv_cache.rows(cache, 1, 2), texts[1], 1)])):
+        assert cuda_draft_loop.draft(model, cache, texts, k, settings, never, riders) is None
+        assert not cache["lengths"].any()
+    kept = []
+    for t in range(cuda_draft_loop.SETTINGS_KEPT + 2):
+        s = sampling.SamplingSettings(temperature=0.5 + t / 10)
+        drafts, q = cuda_draft_loop.draft(model, cache, texts, [3, 1], [s, s], lambda: np.full((2, 3), 0.5))
+        assert [len(d) for d in drafts] == [3, 1] and q.shape == (2, 3, hparams["n_vocab"])
+        assert list(cache["lengths"]) == [len(texts[0]) + 2, len(texts[1]) + 1]  # pass 0, then the drafts read
+        kv_cache.rollback(cache, [len(text) - 1 for text in texts])
+        kept.append(s)
+    assert {key[-1] for key in cache["graphs"] if key[0] == "draft loop"} == set(kept[-cuda_draft_loop.SETTINGS_KEPT:])
+
+
 @pytest.mark.parametrize("settings", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_text_through_recorded_steps_equals_the_cpu_path(both, settings):
     """60 tokens on the tiny model (n_ctx 64): every row's window restarts on the way."""
@@ -177,6 +222,42 @@ def test_speculative_greedy_equals_plain_greedy_through_recorded_steps(both, K):
     hparams, params, dev = both
     got, stats = spec(dev, hparams, 30, K)
     assert got == generate(dev, hparams, 30) == generate(params, hparams, 30) and 0 < stats.acceptance_rate < 1
+
+
+def watch_verify(monkeypatch, looped=True):
+    """[(drafts, u, v, each row's q at its drafts)] as speculative.verify sees them, and [1 for
+    each step drafted by the recorded loop]; looped False: every step drafts a pass at a time."""
+    seen, loops, verify, draft = [], [], speculative.verify, cuda_draft_loop.draft
+
+    def watched(p, q, drafts, k, u, v):
+        q_host = q if isinstance(q, np.ndarray) else q.get()  # [B, K, n_vocab]
+        seen.append((drafts.tolist(), u.tolist(), v.tolist(), [q_host[b, :kb].tolist() for b, kb in enumerate(k)]))
+        return verify(p, q, drafts, k, u, v)
+
+    def counted(*args):
+        out = draft(*args) if looped else None
+        loops.extend([1] if out is not None else [])
+        return out
+    monkeypatch.setattr(speculative, "verify", watched)
+    monkeypatch.setattr(cuda_draft_loop, "draft", counted)
+    return seen, loops
+
+
+@pytest.mark.parametrize("settings, adaptive", [(GREEDY, False), (UNPENALIZED, False), (GREEDY, True)],
+                         ids=["greedy", "sampled", "adaptive K"])
+def test_the_recorded_draft_loop_drafts_what_a_pass_at_a_time_drafts(both, monkeypatch, settings, adaptive):
+    """Speculative decoding with the draft's K passes and draws as one recorded loop, and a pass
+    at a time: the same drafts, draws and q (bit for bit) in every step, and the same texts. Rows
+    draft fewer than the batch's K (adaptive K, their ends), some steps read two tokens (a
+    catch-up pass), and the windows restart (pass 0 then too long for a static step)."""
+    hparams, _, dev = both
+    runs = []
+    for looped in (True, False):
+        with monkeypatch.context() as m:
+            seen, loops = watch_verify(m, looped)
+            runs.append((spec(dev, hparams, 60, 4, settings, seed=5, adaptive=adaptive)[0], seen))
+        assert len(loops) > (len(seen) // 2 if looped else -1) and (looped or not loops)
+    assert runs[0] == runs[1]
 
 
 def test_rows_joining_and_leaving_mid_run_keep_their_texts(both):
@@ -299,6 +380,33 @@ def test_greedy_text_on_the_device_equals_the_cpus(cupy, small, K, monkeypatch):
                                                       speculative.SpeculativeConfig(K=K))
         assert got == want and 0 < stats.acceptance_rate < 1
     assert replayed
+
+
+@pytest.mark.parametrize("settings", [GREEDY, UNPENALIZED], ids=["greedy", "sampled"])
+def test_the_recorded_draft_loop_on_the_device_drafts_what_a_pass_at_a_time_drafts(cupy, small, monkeypatch,
+                                                                                   settings):
+    """Our kernels drafting with a 1-layer draft and adaptive K: the K passes and draws recorded
+    and replayed as one graph give the drafts, draws and q (bit for bit) of a pass at a time,
+    and greedy gives the CPU's greedy text."""
+    monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
+    hparams, params = small
+    model = on_device(cupy, small)
+    draft = speculative.model_drafter((dict(model[0], blocks=model[0]["blocks"][:1]), dict(hparams, n_layer=1)))
+    config = speculative.SpeculativeConfig(K=4, adaptive=True, costs=CHEAP)
+    runs, replayed, run = [], [], cuda_graphs.run
+    monkeypatch.setattr(cuda_graphs, "run", lambda static: replayed.append(
+        "q" in static and static["replay"] is not None) or run(static))
+    for looped in (True, False):
+        with monkeypatch.context() as m:
+            seen, loops = watch_verify(m, looped)
+            runs.append((speculative.speculative_generate(batching.requests(SMALL_PROMPTS, 40, settings, 5), model,
+                                                          draft, config)[0], seen))
+        assert (len(loops) > len(seen) // 2) if looped else not loops
+        assert any(replayed) == looped  # the loop's graph replayed
+        replayed.clear()
+    assert runs[0] == runs[1]
+    if settings is GREEDY:
+        assert runs[0][0] == generate(params, hparams, 40, prompts=SMALL_PROMPTS)
 
 
 def test_uncached_passes_and_beam_search_on_the_device_decide_as_the_cpu(cupy, small):
@@ -492,9 +600,10 @@ def test_a_recorded_step_calls_into_the_device_a_few_times_whatever_its_layers(m
     copy, a launch) costs microseconds. Counted on the CPU's emulation, outside the replays,
     once every shape is recorded: a greedy step of plain decoding (the ids in, the replay, a
     copy of the logits, their argmax, the ids out) and a step of speculative decoding (the
-    model drafting for itself: four drafts, a catch-up pass, a verification in two launches)
-    make the same few calls with 2 layers as with 1, none a layer, and no more than now.
-    Without the cache's views kept (kv_cache.rows) there are 2 more a layer, a model pass."""
+    model drafting for itself: four drafts in one replay of the recorded loop, the verification
+    pass, its distributions in a launch, the verification in two) make the same few calls with
+    2 layers as with 1, none a layer, and no more than now. Without the cache's views kept
+    (kv_cache.rows) there are 2 more a layer, a model pass; drafting a pass at a time, 68."""
     cupy, params, hparams = emulated_with_our_kernels(monkeypatch)
     calls, record = [], cuda_graphs.record
 
@@ -538,5 +647,5 @@ def test_a_recorded_step_calls_into_the_device_a_few_times_whatever_its_layers(m
             monkeypatch.setattr(where, step.__name__, step)
             per_step[where.__name__, n_layer] = collections.Counter(steps[3:]).most_common(1)[0][0]  # recorded
     assert per_step["batching", 1] == per_step["batching", 2] <= 8, per_step  # 8 now
-    assert per_step["speculative", 1] == per_step["speculative", 2] <= 70, per_step  # 68 now: 5 passes, 4 draws
+    assert per_step["speculative", 1] == per_step["speculative", 2] <= 20, per_step  # 20 now: the drafts one replay
 

@@ -1,0 +1,124 @@
+"""A draft model's K tokens as one CUDA graph: each token drawn on the device and read by the
+next pass there, without the host in between.
+
+speculative.draft_with_model drafts a pass at a time: the draft model's pass (on a GPU a
+recorded step, cuda_graphs.py), the distribution q_i, a draw from it, and the drawn ids back
+to the host, which makes the next pass's input from them. So in every speculative step the
+host waits for the GPU K times, and the GPU waits K times for the host's Python. For a draft
+10x smaller than its target, a draft token's cost (c in cost_model.py) is then more the
+host's than the GPU's. Here the K passes and their draws are one recorded graph:
+
+- pass 0 reads each row's pending tokens (its last token; two after a catch-up pass); pass
+  i > 0 reads the tokens draw i - 1 wrote, in the buffer the draw writes them to;
+- every position is known before the loop: row b's token of pass i goes to slot lengths[b] +
+  n_new[b] + i - 1, and a row that has drafted its k[b] tokens is padding (position -1) after
+  the pass that reads its last;
+- so are every row's draws u [K, B] (batching.uniforms: a row's generator gives the same
+  numbers k at a time as one at a time);
+- q_i goes into a buffer [K, B, n_vocab] on the device, where the verification reads it.
+
+A speculative step's drafts are then two copies in (the inputs, the draws), one replay, and
+one copy out (the drafted ids). The passes and kernels are those of the loop a pass at a
+time, so the drafts and q are the same bits (tests/test_cuda_graphs.py). The graph draws with
+one settings for every row and no penalties or n-gram bans (those read the host's counts and
+texts): a batch that has them drafts a pass at a time.
+"""
+import numpy as np
+
+import kv_cache
+import sampling
+from kernels import cuda_graphs, cuda_sampling
+
+SETTINGS_KEPT = 4  # the graphs of the last few settings (their kernels' arguments) a cache keeps
+
+
+def draft(model, cache, texts, k, settings, draws, riders=()):
+    """speculative.draft_with_model's drafts from one replay: k[b] tokens for texts[b] and q
+    [B, K, n_vocab] (K = max k, a view of the graph's buffer: read it before the next replay),
+    the cache advanced as K passes would; None where the loop cannot be recorded (then it runs
+    a pass at a time). settings: each row's; draws(): each row's k[b] uniforms [B, K], taken only
+    when the loop runs here."""
+    params, hparams = model
+    B, K, s = len(texts), max(k), settings[0]
+    on_device = isinstance(params["wpe"], np.ndarray) or cuda_sampling.takes(params["wpe"])  # (the stand-in: NumPy)
+    if not (K and on_device and all(x == s for x in settings) and not s.uses_counts and not s.no_repeat_ngram_size
+            and cuda_graphs.fits(model, cache, np.zeros((B, 1)), riders)):
+        return None
+    kv_cache.prefill_alone(model, cache, texts, 1)  # as the loop's first pass does
+    inputs, n_new = kv_cache.pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
+    if not cuda_graphs.fits(model, cache, inputs):
+        return None  # too many tokens for a static step (a restarted window): a pass at a time
+    T, Bp = inputs.shape[1], cuda_graphs.bucket(B)
+    loop = static_loop(model, cache, Bp, T, K, s)
+    loop["layers"] = cache["layers"]  # (the rows of this step: cuda_graphs.step says why a view serves)
+    cuda_graphs.copy_in(loop["inputs"], flat_inputs(cache["lengths"], inputs, n_new, np.asarray(k), Bp, K))
+    u = np.ones((K, Bp))  # [K, B']
+    u[:, :B] = draws().T
+    cuda_graphs.copy_in(loop["u"], u)
+    tokens = cuda_graphs.run(loop)  # [K, B']
+    drafted = (tokens if isinstance(tokens, np.ndarray) else tokens.get())[:, :B].T  # [B, K]: the one copy out
+    drafts = [drafted[b, :k[b]].tolist() for b in range(B)]
+    cuda_sampling.checked(np.array(sum(drafts, []), dtype=np.int64))  # a row that was not a distribution: -1
+    cache["lengths"] += n_new + np.minimum(k, K - 1)  # pass 0's tokens, then each draft read after it
+    return drafts, loop["q"].transpose(1, 0, 2)[:B]  # [B, K, n_vocab]
+
+
+def flat_inputs(lengths, inputs, n_new, k, Bp, K):
+    """The loop's inputs as one int64 buffer (`static_loop` views it): pass 0's ids and
+    positions [B', T] and the token it needs logits at [B'], then each later pass's positions
+    [K - 1, B']. Rows past B, tokens past n_new[b] and passes past a row's last draft: -1."""
+    B, T = inputs.shape
+    ids, positions = np.zeros((Bp, T), np.int64), np.full((Bp, T), -1)  # [B', T] each
+    ids[:B] = inputs
+    positions[:B] = np.where(np.arange(T) < n_new[:, None], lengths[:, None] + np.arange(T), -1)
+    at = np.zeros(Bp, np.int64)  # [B']: each row's last real token of pass 0
+    at[:B] = np.maximum(n_new - 1, 0)
+    i = np.arange(1, K)  # [K - 1]: pass i reads draft i
+    later = np.full((K - 1, Bp), -1)  # [K - 1, B']
+    later[:, :B] = np.where(i[:, None] <= k, lengths + n_new + i[:, None] - 1, -1)
+    return np.concatenate([ids.ravel(), positions.ravel(), at, later.ravel()])
+
+
+def static_loop(model, cache, Bp, T, K, s):
+    """The loop for B' rows, T tokens in pass 0, K passes and settings s, made at first use
+    (cuda_graphs.run records and replays it): {"inputs" (flat_inputs), "u" [K, B'], "q" [K,
+    B', n_vocab], "forward" (writes q and returns the drafted ids [K, B']), "layers", ...}."""
+    params, hparams = model
+    key = ("draft loop", id(params), cuda_graphs.pointer(cache["layers"][0]["k"]), Bp, T, K, s)
+    graphs = cache["graphs"]
+    if key not in graphs:
+        kept = list(dict.fromkeys(other[-1] for other in graphs if other[0] == "draft loop"))  # oldest first
+        if s not in kept and len(kept) >= SETTINGS_KEPT:  # a server's requests may each bring their own
+            for other in [other for other in graphs if other[0] == "draft loop" and other[-1] == kept[0]]:
+                del graphs[other]
+        wpe = params["wpe"]
+        buffer = np.zeros(2 * Bp * T + Bp * K, np.int64, like=wpe)  # flat_inputs
+        ids, positions = buffer[:Bp * T].reshape(Bp, T), buffer[Bp * T:2 * Bp * T].reshape(Bp, T)  # [B', T] each
+        at = buffer[2 * Bp * T:2 * Bp * T + Bp].reshape(Bp, 1)  # [B', 1]
+        later = buffer[2 * Bp * T + Bp:].reshape(K - 1, Bp, 1)  # [K - 1, B', 1]
+        first = np.zeros((Bp, 1), np.int64, like=wpe)  # [B', 1]: a later pass's one token
+        u = np.zeros((K, Bp), like=wpe)  # [K, B'] (np.ones(like=) hands CuPy 14 a device= it does not take)
+        q = np.zeros((K, Bp, hparams["n_vocab"]), np.float32, like=wpe)  # [K, B', n_vocab]
+        tokens = np.zeros((K, Bp), np.int64, like=wpe)  # [K, B']: draft i + 1 of each row in row i
+        loop = graphs[key] = {"inputs": buffer, "u": u, "q": q, "layers": cache["layers"], "uses": 0,
+                              "replay": None, "output": None, "graph": None, "params": params}
+
+        def forward():
+            for i in range(K):
+                pass_inputs = (ids, positions, at) if i == 0 else (tokens[i - 1][:, None], later[i - 1], first)
+                logits = cuda_graphs.pass_over(model, loop["layers"], *pass_inputs)[:, 0]  # [B', n_vocab]
+                draw(logits, s, u[i], q[i], tokens[i])
+            return tokens
+        loop["forward"] = forward
+    return graphs[key]
+
+
+def draw(logits, s, u, q, tokens):
+    """q = the distribution under s of logits [B, n_vocab], tokens [B] = a draw from it at u,
+    without the host: our kernels into the buffers given (the stand-in: sampling.py)."""
+    if isinstance(logits, np.ndarray):
+        q[...] = sampling.probabilities(logits, None, s)
+        tokens[...] = sampling.sample(q, u)
+    else:
+        cuda_sampling.distribution(logits, s, out=q)
+        cuda_sampling.draw(q, u, tokens)
