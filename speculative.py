@@ -153,13 +153,14 @@ def draft_with_model(batch, model, k, vocab=0):
     """k[b] tokens for row b from the draft model, one pass per token (rows that have
     drafted enough ride along, and their outputs are ignored), sampled from q with
     each row's own settings and history; over a vocabulary subset if vocab > 0."""
-    looped = cuda_draft_loop.draft(model, batching.cache(batch, "draft"), batching.token_ids(batch), k,
-                                   [seq.request.settings for seq in batch.seqs], lambda: batching.uniforms(batch, k),
-                                   batch.riders.get("draft", ())) if not vocab else None
-    if looped is not None:  # a GPU's kernels: the K passes and their draws as one CUDA graph
-        batch.stats.draft_passes += max(k)
-        return looped
     B, K = len(batch.seqs), max(k)
+    if not vocab:  # on a GPU's kernels, the K passes and their draws as one CUDA graph (None elsewhere)
+        looped = cuda_draft_loop.draft(model, batching.cache(batch, "draft"), batching.token_ids(batch), k,
+                                       [seq.request.settings for seq in batch.seqs],
+                                       lambda: batching.uniforms(batch, k), batch.riders.get("draft", ()))
+        if looped is not None:
+            batch.stats.draft_passes += K
+            return looped
     drafts = [[] for _ in range(B)]
     q = np.zeros((B, K, model[1]["n_vocab"]), dtype=np.float32, like=model[0]["wpe"])  # [B, K, n_vocab]
     counts = batch.counts[:B].copy() if batching.penalized(batch) else None  # penalties see the drafts too
