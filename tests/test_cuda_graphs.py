@@ -272,6 +272,24 @@ def test_rows_joining_and_leaving_mid_run_keep_their_texts(both):
     assert finished == {i: batching.generate([r], (params, hparams))[0][0] for i, r in enumerate(reqs)}
 
 
+def test_a_speculative_batch_whose_rows_come_and_go_drafts_through_the_recorded_loop(both, monkeypatch):
+    """12 requests through 3 rows of the scheduler's speculative decoder, prompts in chunks of
+    8 tokens (a step that caches a chunk drafts a pass at a time): the loop's graphs serve
+    the batch's first rows as it changes size, and each text is the CPU's greedy text alone."""
+    hparams, params, dev = both
+    rng = np.random.default_rng(1)
+    reqs = [batching.Request(tuple(rng.integers(0, 50000, rng.integers(1, 30)).tolist()), int(rng.integers(1, 20)),
+                             GREEDY, seed=i) for i in range(12)]
+    draft = speculative.model_drafter((dict(dev, blocks=dev["blocks"][:1]), dict(hparams, n_layer=1)))
+    seen, loops = watch_verify(monkeypatch)
+    events = list(scheduler.serve(reqs, scheduler.speculative_decoder((dev, hparams), draft,
+                                                                      speculative.SpeculativeConfig(K=3)),
+                                  max_batch=3, max_prefill_tokens=8))
+    finished = {e.index: e.tokens for e in events if e.kind == "finished"}
+    assert finished == {i: batching.generate([r], (params, hparams))[0][0] for i, r in enumerate(reqs)}
+    assert len(seen) > len(loops) > len(seen) // 2, (len(seen), len(loops))
+
+
 def test_a_padding_token_stores_nothing_and_attends_to_nothing():
     rng = np.random.default_rng(0)
     B, H, T, D, S = 2, 2, 3, 4, 8
