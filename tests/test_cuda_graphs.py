@@ -400,15 +400,16 @@ def test_greedy_text_on_the_device_equals_the_cpus(cupy, small, K, monkeypatch):
     assert replayed
 
 
-@pytest.mark.parametrize("settings", [GREEDY, UNPENALIZED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("settings, dtype", [(GREEDY, "float32"), (UNPENALIZED, "float32"), (UNPENALIZED, "float16")],
+                         ids=["greedy", "sampled", "sampled-float16"])
 def test_the_recorded_draft_loop_on_the_device_drafts_what_a_pass_at_a_time_drafts(cupy, small, monkeypatch,
-                                                                                   settings):
+                                                                                   settings, dtype):
     """Our kernels drafting with a 1-layer draft and adaptive K: the K passes and draws recorded
     and replayed as one graph give the drafts, draws and q (bit for bit) of a pass at a time,
     and greedy gives the CPU's greedy text."""
     monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
     hparams, params = small
-    model = on_device(cupy, small)
+    model = on_device(cupy, small, dtype)
     draft = speculative.model_drafter((dict(model[0], blocks=model[0]["blocks"][:1]), dict(hparams, n_layer=1)))
     config = speculative.SpeculativeConfig(K=4, adaptive=True, costs=CHEAP)
     runs, replayed, run = [], [], cuda_graphs.run
