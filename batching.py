@@ -27,6 +27,7 @@ import numpy as np
 
 import kv_cache
 import sampling
+from kernels import cuda_decode_loop
 
 
 @dataclass(frozen=True)
@@ -366,13 +367,19 @@ def uniforms(batch, n):
 
 def autoregressive_step(batch, model):
     """Every row gains one token, sampled from the model's next-token distribution."""
-    logits = kv_cache.next_logits(model, cache(batch, "target"), token_ids(batch),
-                                  riders=batch.riders.pop("target", ()))[:, 0]  # [B, n_vocab]
-    u = uniforms(batch, 1)[:, 0]  # [B]: drawn even when unused, so a row's generator advances a draw a step
-    if all(seq.request.settings.picks_argmax for seq in batch.seqs):
-        tokens = np.argmax(logits, axis=-1).tolist()  # [B]: one launch on a GPU, and only the ids leave it
+    drawn = cuda_decode_loop.step(model, cache(batch, "target"), token_ids(batch),
+                                  [seq.request.settings for seq in batch.seqs], lambda: uniforms(batch, 1),
+                                  batch.riders.get("target", ()))  # a GPU's kernels: pass and draw one graph
+    if drawn is not None:
+        tokens, logits = drawn  # [B], [B, n_vocab]
     else:
-        tokens = sampling.sample(distributions(batch, logits), u).tolist()  # [B]: only these leave a GPU
+        logits = kv_cache.next_logits(model, cache(batch, "target"), token_ids(batch),
+                                      riders=batch.riders.pop("target", ()))[:, 0]  # [B, n_vocab]
+        u = uniforms(batch, 1)[:, 0]  # [B]: drawn even when unused, so a row's generator advances a draw a step
+        if all(seq.request.settings.picks_argmax for seq in batch.seqs):
+            tokens = np.argmax(logits, axis=-1).tolist()  # [B]: one launch on a GPU, and only the ids leave it
+        else:
+            tokens = sampling.sample(distributions(batch, logits), u).tolist()  # [B]: only these leave a GPU
     for b, token in enumerate(tokens):
         emit(batch, b, [token], logits=logits[b:b + 1])  # [1, n_vocab]
     batch.stats.step_done()

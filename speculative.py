@@ -45,7 +45,7 @@ import batching
 import cost_model
 import kv_cache
 import sampling
-from kernels import cuda_draft_loop, cuda_sampling
+from kernels import cuda_decode_loop, cuda_sampling
 
 
 def verify(p, q, drafts, k, u, v):
@@ -155,7 +155,7 @@ def draft_with_model(batch, model, k, vocab=0):
     each row's own settings and history; over a vocabulary subset if vocab > 0."""
     B, K = len(batch.seqs), max(k)
     if not vocab:  # on a GPU's kernels, the K passes and their draws as one CUDA graph (None elsewhere)
-        looped = cuda_draft_loop.draft(model, batching.cache(batch, "draft"), batching.token_ids(batch), k,
+        looped = cuda_decode_loop.draft(model, batching.cache(batch, "draft"), batching.token_ids(batch), k,
                                        [seq.request.settings for seq in batch.seqs],
                                        lambda: batching.uniforms(batch, k), batch.riders.get("draft", ()))
         if looped is not None:

@@ -10,7 +10,7 @@ import cost_model
 import kv_cache
 import sampling
 import speculative
-from kernels import cuda_draft_loop, cuda_graphs, rowwise
+from kernels import cuda_decode_loop, cuda_graphs, rowwise
 
 GREEDY = sampling.SamplingSettings(temperature=0.0)
 
@@ -40,7 +40,7 @@ def pass_seconds(model, context, T=1, reps=3, n_logits=None):
 
 def draft_seconds(model, context, K=4, reps=3):
     """Seconds of one draft token (the best of reps): where a draft's K passes and draws are
-    one recorded graph (a GPU's kernels, cuda_draft_loop.py), a K-token draft's over K; else
+    one recorded graph (a GPU's kernels, cuda_decode_loop.py), a K-token draft's over K; else
     a pass's (pass_seconds), as drafting runs there."""
     params, hparams = model
     text = [i % hparams["n_vocab"] for i in range(context + 1)]
@@ -52,7 +52,7 @@ def draft_seconds(model, context, K=4, reps=3):
     for _ in range(reps + 2):  # two warm-ups: the second records the graph the rest replay
         cache["lengths"][:] = context
         start = time.perf_counter()
-        if cuda_draft_loop.draft(model, cache, [text], [K], [GREEDY], lambda: np.ones((1, K))) is None:
+        if cuda_decode_loop.draft(model, cache, [text], [K], [GREEDY], lambda: np.ones((1, K))) is None:
             return pass_seconds(model, context, reps=reps)
         times.append(time.perf_counter() - start)  # (the drafted ids came back to the host: the GPU is done)
     return min(times[2:]) / K

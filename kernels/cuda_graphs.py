@@ -94,7 +94,7 @@ def step(model, cache, inputs, n_new, n_logits):
 
 
 def run(static):
-    """static["forward"]() (a static step's, or cuda_draft_loop's): eager its first two times,
+    """static["forward"]() (a static step's, or cuda_decode_loop's): eager its first two times,
     recorded at the second, replayed from the third. Returns its output: once recorded, the
     graph's own, which its next replay overwrites."""
     static["uses"] += 1

@@ -347,7 +347,7 @@ def sample(probs, u):
 def draw(probs, u, tokens):
     """sample's draw into tokens [B] (int64; -1 for a row that is not a distribution), all three
     contiguous device arrays (probs float32 [B, n_vocab], u float64 [B]): one launch, and
-    nothing the host waits for, so a recorded graph may hold it (cuda_draft_loop.py)."""
+    nothing the host waits for, so a recorded graph may hold it (cuda_decode_loop.py)."""
     B, n = probs.shape
     if B:
         cuda.function(SOURCE, "sample")((B,), (THREADS,), (probs, u, tokens, np.int32(n)))

@@ -21,7 +21,7 @@ import kv_cache
 import sampling
 import speculative
 from bench import common
-from kernels import cuda, cuda_draft_loop, cuda_graphs, cuda_matmul, cuda_ops, cuda_sampling, layout
+from kernels import cuda, cuda_decode_loop, cuda_graphs, cuda_matmul, cuda_ops, cuda_sampling, layout
 from serving import prefix_cache, scheduler
 
 GREEDY = sampling.SamplingSettings(temperature=0.0)
@@ -196,24 +196,42 @@ def test_the_draft_loop_leaves_what_it_cannot_record_and_keeps_the_graphs_of_its
     for k, settings, riders in (([3, 3], [SAMPLED] * 2, ()), ([3, 3], [banning] * 2, ()),
                                 ([3, 3], [GREEDY, UNPENALIZED], ()), ([0, 0], [GREEDY] * 2, ()),
                                 ([3, 3], [GREEDY] * 2, [(kv_cache.rows(cache, 1, 2), texts[1], 1)])):
-        assert cuda_draft_loop.draft(model, cache, texts, k, settings, never, riders) is None
+        assert cuda_decode_loop.draft(model, cache, texts, k, settings, never, riders) is None
         assert not cache["lengths"].any()
     kept = []
-    for t in range(cuda_draft_loop.SETTINGS_KEPT + 2):
+    for t in range(cuda_decode_loop.SETTINGS_KEPT + 2):
         s = sampling.SamplingSettings(temperature=0.5 + t / 10)
-        drafts, q = cuda_draft_loop.draft(model, cache, texts, [3, 1], [s, s], lambda: np.full((2, 3), 0.5))
+        drafts, q = cuda_decode_loop.draft(model, cache, texts, [3, 1], [s, s], lambda: np.full((2, 3), 0.5))
         assert [len(d) for d in drafts] == [3, 1] and q.shape == (2, 3, hparams["n_vocab"])
         assert list(cache["lengths"]) == [len(texts[0]) + 2, len(texts[1]) + 1]  # pass 0, then the drafts read
         kv_cache.rollback(cache, [len(text) - 1 for text in texts])
         kept.append(s)
-    assert {key[-1] for key in cache["graphs"] if key[0] == "draft loop"} == set(kept[-cuda_draft_loop.SETTINGS_KEPT:])
+    loops = {key[-1] for key in cache["graphs"] if key[0] == "decode loop"}  # their settings
+    assert loops == set(kept[-cuda_decode_loop.SETTINGS_KEPT:])
 
 
-@pytest.mark.parametrize("settings", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("settings", [GREEDY, SAMPLED, UNPENALIZED], ids=["greedy", "penalized", "sampled"])
 def test_text_through_recorded_steps_equals_the_cpu_path(both, settings):
     """60 tokens on the tiny model (n_ctx 64): every row's window restarts on the way."""
     hparams, params, dev = both
     assert generate(dev, hparams, 60, settings, seed=3) == generate(params, hparams, 60, settings, seed=3)
+
+
+@pytest.mark.parametrize("settings", [GREEDY, UNPENALIZED], ids=["greedy", "sampled"])
+def test_a_step_drawn_inside_its_graph_gives_the_tokens_and_logits_of_a_step_drawn_after(both, monkeypatch, settings):
+    """Plain decoding's pass and draw as one recorded loop (cuda_decode_loop.step), and the
+    draw after the pass: every token and every logits row a callback sees (a server's
+    logprobs), bit for bit, windows restarting on the way."""
+    hparams, _, dev = both
+    runs = []
+    for looped in (True, False):
+        seen, step = [], cuda_decode_loop.step
+        with monkeypatch.context() as m:
+            m.setattr(cuda_decode_loop, "step", lambda *args: (step(*args) if looped else None))
+            texts = batching.generate(batching.requests(PROMPTS, 60, settings, 3), (dev, hparams), callback=lambda
+                                      seq, token, accepted, logits: seen.append((seq.index, token, logits.tolist())))[0]
+        runs.append((texts, seen))
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.parametrize("K", [1, 4, 7])
@@ -227,7 +245,7 @@ def test_speculative_greedy_equals_plain_greedy_through_recorded_steps(both, K):
 def watch_verify(monkeypatch, looped=True):
     """[(drafts, u, v, each row's q at its drafts)] as speculative.verify sees them, and [1 for
     each step drafted by the recorded loop]; looped False: every step drafts a pass at a time."""
-    seen, loops, verify, draft = [], [], speculative.verify, cuda_draft_loop.draft
+    seen, loops, verify, draft = [], [], speculative.verify, cuda_decode_loop.draft
 
     def watched(p, q, drafts, k, u, v):
         q_host = q if isinstance(q, np.ndarray) else q.get()  # [B, K, n_vocab]
@@ -239,7 +257,7 @@ def watch_verify(monkeypatch, looped=True):
         loops.extend([1] if out is not None else [])
         return out
     monkeypatch.setattr(speculative, "verify", watched)
-    monkeypatch.setattr(cuda_draft_loop, "draft", counted)
+    monkeypatch.setattr(cuda_decode_loop, "draft", counted)
     return seen, loops
 
 
@@ -443,14 +461,19 @@ def test_uncached_passes_and_beam_search_on_the_device_decide_as_the_cpu(cupy, s
                                atol=1e-5, rtol=0)
 
 
-def test_sampled_text_on_the_device_equals_the_cpus(cupy, small, monkeypatch):
-    """main.py's way of sampling with a repetition penalty: the penalty in CuPy's operations,
-    then top-k, top-p and the draw in kernels/cuda_sampling.py, the same seed as the CPU's."""
+@pytest.mark.parametrize("settings", [SAMPLED, UNPENALIZED], ids=["penalized", "sampled"])
+def test_sampled_text_on_the_device_equals_the_cpus(cupy, small, monkeypatch, settings):
+    """Sampling with a repetition penalty: the penalty in CuPy's operations, then top-k, top-p
+    and the draw in kernels/cuda_sampling.py; without: the pass and its draw recorded as one
+    graph (cuda_decode_loop.py). The same seed as the CPU's, the CPU's text."""
     monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
     hparams, params = small
-    model, replayed = on_device(cupy, small), replays(monkeypatch)
-    assert generate(model[0], hparams, 20, SAMPLED, seed=7, prompts=SMALL_PROMPTS) == \
-        generate(params, hparams, 20, SAMPLED, seed=7, prompts=SMALL_PROMPTS) and replayed
+    model, drawn_inside, run = on_device(cupy, small), [], cuda_graphs.run
+    monkeypatch.setattr(cuda_graphs, "run", lambda static: drawn_inside.append(
+        "q" in static and static["replay"] is not None) or run(static))
+    assert generate(model[0], hparams, 20, settings, seed=7, prompts=SMALL_PROMPTS) == \
+        generate(params, hparams, 20, settings, seed=7, prompts=SMALL_PROMPTS)
+    assert any(drawn_inside) == (settings is UNPENALIZED)
 
 
 def test_requests_joining_and_leaving_rows_on_the_device_keep_their_texts(cupy, small, monkeypatch):
@@ -594,7 +617,8 @@ def test_a_recorded_step_launches_five_kernels_a_layer(monkeypatch):
     """A graph's launches cost the GPU microseconds each, whatever they do: a layer of a
     recorded step is 5 (c_attn with the layer norm before it, attention storing the step's keys
     and values, attn c_proj with the residual add, c_fc with its layer norm and GELU, mlp
-    c_proj with its residual add), counted in the recording itself with 1 and with 2 layers."""
+    c_proj with its residual add), counted in the recording itself with 1 and with 2 layers;
+    then the final layer norm, the head, and the draw (its distribution, then the token)."""
     cupy, params, hparams = emulated_with_our_kernels(monkeypatch)
     recorded, end_capture = [], cupy.cuda.Stream.end_capture
 
@@ -611,18 +635,20 @@ def test_a_recorded_step_launches_five_kernels_a_layer(monkeypatch):
         kernels[n_layer] = collections.Counter(recorded[0])
     layer = kernels[2] - kernels[1]
     assert layer == {"rows_times_columns_ln_f32": 2, "rows_times_columns_f32": 2, "attend_f32": 1}, layer
-    assert kernels[1] - layer == {"rows_times_columns_f32": 1, "layer_norm_f32": 1}  # the final layer norm, the head
+    assert kernels[1] - layer == {"rows_times_columns_f32": 1, "layer_norm_f32": 1, "distribution": 1, "sample": 1}
 
 
 def test_a_recorded_step_calls_into_the_device_a_few_times_whatever_its_layers(monkeypatch):
     """On a GPU a step is bound by the host: each call into CuPy (an operation, a view, a
     copy, a launch) costs microseconds. Counted on the CPU's emulation, outside the replays,
-    once every shape is recorded: a greedy step of plain decoding (the ids in, the replay, a
-    copy of the logits, their argmax, the ids out) and a step of speculative decoding (the
-    model drafting for itself: four drafts in one replay of the recorded loop, the verification
-    pass, its distributions in a launch, the verification in two) make the same few calls with
-    2 layers as with 1, none a layer, and no more than now. Without the cache's views kept
-    (kv_cache.rows) there are 2 more a layer, a model pass; drafting a pass at a time, 68."""
+    once every shape is recorded: a step of plain decoding, greedy or sampled (the ids and
+    draws in, the replay of the pass and its draw, the ids out, a copy of the logits) and a
+    step of speculative decoding (the model drafting for itself: four drafts in one replay,
+    the verification pass, its distributions in a launch, the verification in two) make the
+    same few calls with 2 layers as with 1, none a layer, and no more than now. Without the
+    cache's views kept (kv_cache.rows) there are 2 more a layer, a model pass; with the draws
+    made from the host after each pass (cuda_decode_loop.py), 8 greedy, 12 sampled, 68
+    speculative."""
     cupy, params, hparams = emulated_with_our_kernels(monkeypatch)
     calls, record = [], cuda_graphs.record
 
@@ -650,7 +676,9 @@ def test_a_recorded_step_calls_into_the_device_a_few_times_whatever_its_layers(m
     for n_layer in (1, 2):
         model = (layout.device_layout(layout.plain_layout(dict(params, blocks=params["blocks"][:n_layer])), cupy),
                  dict(hparams, n_layer=n_layer))
-        for where, step in ((batching, batching.autoregressive_step), (speculative, speculative.speculative_step)):
+        for name, where, step, settings in (("greedy", batching, batching.autoregressive_step, GREEDY),
+                                            ("sampled", batching, batching.autoregressive_step, UNPENALIZED),
+                                            ("speculative", speculative, speculative.speculative_step, GREEDY)):
             steps = []
 
             def counting(*args, step=step):
@@ -659,12 +687,12 @@ def test_a_recorded_step_calls_into_the_device_a_few_times_whatever_its_layers(m
                 steps.append(len(calls))
             monkeypatch.setattr(where, step.__name__, counting)
             if where is batching:
-                batching.generate(batching.requests([[1, 2, 3]], 24, GREEDY), model)
+                batching.generate(batching.requests([[1, 2, 3]], 24, settings), model)
             else:
-                speculative.speculative_generate(batching.requests([[1, 2, 3]], 40, GREEDY), model,
+                speculative.speculative_generate(batching.requests([[1, 2, 3]], 40, settings), model,
                                                  speculative.model_drafter(model), speculative.SpeculativeConfig(K=4))
             monkeypatch.setattr(where, step.__name__, step)
-            per_step[where.__name__, n_layer] = collections.Counter(steps[3:]).most_common(1)[0][0]  # recorded
-    assert per_step["batching", 1] == per_step["batching", 2] <= 8, per_step  # 8 now
-    assert per_step["speculative", 1] == per_step["speculative", 2] <= 20, per_step  # 20 now: the drafts one replay
+            per_step[name, n_layer] = collections.Counter(steps[3:]).most_common(1)[0][0]  # recorded
+    assert per_step["greedy", 1] == per_step["greedy", 2] == per_step["sampled", 2] <= 6, per_step  # 6 now
+    assert per_step["speculative", 1] == per_step["speculative", 2] <= 19, per_step  # 19 now
 

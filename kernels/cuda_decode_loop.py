@@ -1,5 +1,5 @@
-"""A draft model's K tokens as one CUDA graph: each token drawn on the device and read by the
-next pass there, without the host in between.
+"""Decoding's passes and their draws as one CUDA graph: each token drawn on the device and
+read by the next pass there, without the host in between.
 
 speculative.draft_with_model drafts a pass at a time: the draft model's pass (on a GPU a
 recorded step, cuda_graphs.py), the distribution q_i, a draw from it, and the drawn ids back
@@ -17,11 +17,13 @@ host's than the GPU's. Here the K passes and their draws are one recorded graph:
   numbers k at a time as one at a time);
 - q_i goes into a buffer [K, B, n_vocab] on the device, where the verification reads it.
 
-A speculative step's drafts are then two copies in (the inputs, the draws), one replay, and
-one copy out (the drafted ids). The passes and kernels are those of the loop a pass at a
-time, so the drafts and q are the same bits (tests/test_cuda_graphs.py). The graph draws with
-one settings for every row and no penalties or n-gram bans (those read the host's counts and
-texts): a batch that has them drafts a pass at a time.
+A speculative step's drafts are then one copy in (the inputs and the draws), one replay, and
+one copy out (the drafted ids). Plain decoding's step is the same loop with K = 1 (`step`):
+the pass and its draw in one replay, where the draw (a dozen calls into CuPy sampled, four
+greedy) would follow it from the host. The passes and kernels are those run a pass at a
+time, so the tokens and q are the same bits (tests/test_cuda_graphs.py). The graph draws
+with one settings for every row and no penalties or n-gram bans (those read the host's
+counts and texts): a batch that has them runs a pass at a time.
 """
 import numpy as np
 
@@ -34,40 +36,63 @@ SETTINGS_KEPT = 4  # the graphs of the last few settings (their kernels' argumen
 
 def draft(model, cache, texts, k, settings, draws, riders=()):
     """speculative.draft_with_model's drafts from one replay: k[b] tokens for texts[b] and q
-    [B, K, n_vocab] (K = max k, a view of the graph's buffer: read it before the next replay),
-    the cache advanced as K passes would; None where the loop cannot be recorded (then it runs
-    a pass at a time). settings: each row's; draws(): each row's k[b] uniforms [B, K], taken only
-    when the loop runs here."""
+    [B, K, n_vocab] (K = max k; a view of the graph's buffer, which its next replay writes
+    over); None where the loop cannot be recorded (then it runs a pass at a time)."""
+    ran = run_loop(model, cache, texts, k, settings, draws, riders)
+    if ran is None:
+        return None
+    drafted, q, _ = ran
+    return [drafted[b, :kb].tolist() for b, kb in enumerate(k)], q.transpose(1, 0, 2)[:len(texts)]
+
+
+def step(model, cache, texts, settings, draws, riders=()):
+    """batching.autoregressive_step's next token of each text, and the logits [B, n_vocab] it
+    was drawn from (a copy), from one replay of the loop with K = 1: a pass and its draw;
+    None where the loop cannot be recorded (then the step runs as on the CPU)."""
+    ran = run_loop(model, cache, texts, [1] * len(texts), settings, draws, riders)
+    if ran is None:
+        return None
+    drafted, _, logits = ran
+    return drafted[:, 0].tolist(), logits[:len(texts)].copy()
+
+
+def run_loop(model, cache, texts, k, settings, draws, riders):
+    """The loop over texts drafting k[b] tokens for row b: (the drafted ids [B, K] on the host,
+    and the graph's buffers q [K, B', n_vocab] and the last pass's logits [B', n_vocab]),
+    the cache advanced as K passes a pass at a time would; or None where it cannot be
+    recorded: settings (each row's) not all the same or reading counts or texts, riders, a
+    model or cache without static steps, no drafts, or a pass 0 too long for a static step.
+    draws(): each row's k[b] uniforms [B, K], called only when the loop runs."""
     params, hparams = model
     B, K, s = len(texts), max(k), settings[0]
     on_device = isinstance(params["wpe"], np.ndarray) or cuda_sampling.takes(params["wpe"])  # (the stand-in: NumPy)
     if not (K and on_device and all(x == s for x in settings) and not s.uses_counts and not s.no_repeat_ngram_size
             and cuda_graphs.fits(model, cache, np.zeros((B, 1)), riders)):
         return None
-    kv_cache.prefill_alone(model, cache, texts, 1)  # as the loop's first pass does
+    kv_cache.prefill_alone(model, cache, texts, 1)  # as the first pass a pass at a time does
     inputs, n_new = kv_cache.pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
     if not cuda_graphs.fits(model, cache, inputs):
         return None  # too many tokens for a static step (a restarted window): a pass at a time
-    T, Bp = inputs.shape[1], cuda_graphs.bucket(B)
+    k, T, Bp = np.asarray(k), inputs.shape[1], cuda_graphs.bucket(B)
     loop = static_loop(model, cache, Bp, T, K, s)
     loop["layers"] = cache["layers"]  # (the rows of this step: cuda_graphs.step says why a view serves)
-    cuda_graphs.copy_in(loop["inputs"], flat_inputs(cache["lengths"], inputs, n_new, np.asarray(k), Bp, K))
     u = np.ones((K, Bp))  # [K, B']
     u[:, :B] = draws().T
-    cuda_graphs.copy_in(loop["u"], u)
-    tokens = cuda_graphs.run(loop)  # [K, B']
+    cuda_graphs.copy_in(loop["inputs"], flat_inputs(cache["lengths"], inputs, n_new, k, u))  # the one copy in
+    logits = cuda_graphs.run(loop)  # [B', n_vocab]
+    tokens = loop["tokens"]  # [K, B']
     drafted = (tokens if isinstance(tokens, np.ndarray) else tokens.get())[:, :B].T  # [B, K]: the one copy out
-    drafts = [drafted[b, :k[b]].tolist() for b in range(B)]
-    cuda_sampling.checked(np.array(sum(drafts, []), dtype=np.int64))  # a row that was not a distribution: -1
+    cuda_sampling.checked(drafted[np.arange(K) < k[:, None]])  # a row that was not a distribution: -1
     cache["lengths"] += n_new + np.minimum(k, K - 1)  # pass 0's tokens, then each draft read after it
-    return drafts, loop["q"].transpose(1, 0, 2)[:B]  # [B, K, n_vocab]
+    return drafted, loop["q"], logits
 
 
-def flat_inputs(lengths, inputs, n_new, k, Bp, K):
+def flat_inputs(lengths, inputs, n_new, k, u):
     """The loop's inputs as one int64 buffer (`static_loop` views it): pass 0's ids and
-    positions [B', T] and the token it needs logits at [B'], then each later pass's positions
-    [K - 1, B']. Rows past B, tokens past n_new[b] and passes past a row's last draft: -1."""
-    B, T = inputs.shape
+    positions [B', T] and the token it needs logits at [B'], each later pass's positions
+    [K - 1, B'] (rows past B, tokens past n_new[b] and passes past a row's last draft: -1),
+    then the draws u [K, B'] (float64) as their bits."""
+    (B, T), (K, Bp) = inputs.shape, u.shape
     ids, positions = np.zeros((Bp, T), np.int64), np.full((Bp, T), -1)  # [B', T] each
     ids[:B] = inputs
     positions[:B] = np.where(np.arange(T) < n_new[:, None], lengths[:, None] + np.arange(T), -1)
@@ -76,39 +101,40 @@ def flat_inputs(lengths, inputs, n_new, k, Bp, K):
     i = np.arange(1, K)  # [K - 1]: pass i reads draft i
     later = np.full((K - 1, Bp), -1)  # [K - 1, B']
     later[:, :B] = np.where(i[:, None] <= k, lengths + n_new + i[:, None] - 1, -1)
-    return np.concatenate([ids.ravel(), positions.ravel(), at, later.ravel()])
+    return np.concatenate([ids.ravel(), positions.ravel(), at, later.ravel(), u.ravel().view(np.int64)])
 
 
 def static_loop(model, cache, Bp, T, K, s):
     """The loop for B' rows, T tokens in pass 0, K passes and settings s, made at first use
-    (cuda_graphs.run records and replays it): {"inputs" (flat_inputs), "u" [K, B'], "q" [K,
-    B', n_vocab], "forward" (writes q and returns the drafted ids [K, B']), "layers", ...}."""
+    (cuda_graphs.run records and replays it): {"inputs" (flat_inputs), "q" [K, B', n_vocab],
+    "tokens" [K, B'] (the drafted ids), "forward" (writes q and tokens, returns
+    the last pass's logits [B', n_vocab]), "layers", ...}."""
     params, hparams = model
-    key = ("draft loop", id(params), cuda_graphs.pointer(cache["layers"][0]["k"]), Bp, T, K, s)
+    key = ("decode loop", id(params), cuda_graphs.pointer(cache["layers"][0]["k"]), Bp, T, K, s)
     graphs = cache["graphs"]
     if key not in graphs:
-        kept = list(dict.fromkeys(other[-1] for other in graphs if other[0] == "draft loop"))  # oldest first
+        kept = list(dict.fromkeys(other[-1] for other in graphs if other[0] == "decode loop"))  # oldest first
         if s not in kept and len(kept) >= SETTINGS_KEPT:  # a server's requests may each bring their own
-            for other in [other for other in graphs if other[0] == "draft loop" and other[-1] == kept[0]]:
+            for other in [other for other in graphs if other[0] == "decode loop" and other[-1] == kept[0]]:
                 del graphs[other]
         wpe = params["wpe"]
-        buffer = np.zeros(2 * Bp * T + Bp * K, np.int64, like=wpe)  # flat_inputs
+        buffer = np.zeros(2 * Bp * T + 2 * Bp * K, np.int64, like=wpe)  # flat_inputs
         ids, positions = buffer[:Bp * T].reshape(Bp, T), buffer[Bp * T:2 * Bp * T].reshape(Bp, T)  # [B', T] each
         at = buffer[2 * Bp * T:2 * Bp * T + Bp].reshape(Bp, 1)  # [B', 1]
-        later = buffer[2 * Bp * T + Bp:].reshape(K - 1, Bp, 1)  # [K - 1, B', 1]
+        later = buffer[2 * Bp * T + Bp:2 * Bp * T + Bp * K].reshape(K - 1, Bp, 1)  # [K - 1, B', 1]
+        u = buffer[2 * Bp * T + Bp * K:].view(np.float64).reshape(K, Bp)  # [K, B']
         first = np.zeros((Bp, 1), np.int64, like=wpe)  # [B', 1]: a later pass's one token
-        u = np.zeros((K, Bp), like=wpe)  # [K, B'] (np.ones(like=) hands CuPy 14 a device= it does not take)
         q = np.zeros((K, Bp, hparams["n_vocab"]), np.float32, like=wpe)  # [K, B', n_vocab]
         tokens = np.zeros((K, Bp), np.int64, like=wpe)  # [K, B']: draft i + 1 of each row in row i
-        loop = graphs[key] = {"inputs": buffer, "u": u, "q": q, "layers": cache["layers"], "uses": 0,
-                              "replay": None, "output": None, "graph": None, "params": params}
+        loop = graphs[key] = {"inputs": buffer, "q": q, "tokens": tokens, "layers": cache["layers"],
+                              "uses": 0, "replay": None, "output": None, "graph": None, "params": params}
 
         def forward():
             for i in range(K):
                 pass_inputs = (ids, positions, at) if i == 0 else (tokens[i - 1][:, None], later[i - 1], first)
                 logits = cuda_graphs.pass_over(model, loop["layers"], *pass_inputs)[:, 0]  # [B', n_vocab]
                 draw(logits, s, u[i], q[i], tokens[i])
-            return tokens
+            return logits
         loop["forward"] = forward
     return graphs[key]
 
