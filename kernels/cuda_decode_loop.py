@@ -31,7 +31,7 @@ import kv_cache
 import sampling
 from kernels import cuda_graphs, cuda_sampling
 
-SETTINGS_KEPT = 4  # the graphs of the last few settings (their kernels' arguments) a cache keeps
+GREEDY = sampling.SamplingSettings(temperature=0.0)  # the padding rows': the cheapest to draw
 
 
 def draft(model, cache, texts, k, settings, draws, riders=()):
@@ -60,13 +60,14 @@ def run_loop(model, cache, texts, k, settings, draws, riders):
     """The loop over texts drafting k[b] tokens for row b: (the drafted ids [B, K] on the host,
     and the graph's buffers q [K, B', n_vocab] and the last pass's logits [B', n_vocab]),
     the cache advanced as K passes a pass at a time would; or None where it cannot be
-    recorded: settings (each row's) not all the same or reading counts or texts, riders, a
-    model or cache without static steps, no drafts, or a pass 0 too long for a static step.
-    draws(): each row's k[b] uniforms [B, K], called only when the loop runs."""
+    recorded: a row's settings reading its counts or text (penalties, an n-gram ban), riders,
+    a model or cache without static steps, no drafts, or a pass 0 too long for a static step.
+    settings: each row's; draws(): each row's k[b] uniforms [B, K], called only when the loop
+    runs."""
     params, hparams = model
-    B, K, s = len(texts), max(k), settings[0]
+    B, K = len(texts), max(k)
     on_device = isinstance(params["wpe"], np.ndarray) or cuda_sampling.takes(params["wpe"])  # (the stand-in: NumPy)
-    if not (K and on_device and all(x == s for x in settings) and not s.uses_counts and not s.no_repeat_ngram_size
+    if not (K and on_device and not any(s.uses_counts or s.no_repeat_ngram_size for s in settings)
             and cuda_graphs.fits(model, cache, np.zeros((B, 1)), riders)):
         return None
     kv_cache.prefill_alone(model, cache, texts, 1)  # as the first pass a pass at a time does
@@ -74,11 +75,13 @@ def run_loop(model, cache, texts, k, settings, draws, riders):
     if not cuda_graphs.fits(model, cache, inputs):
         return None  # too many tokens for a static step (a restarted window): a pass at a time
     k, T, Bp = np.asarray(k), inputs.shape[1], cuda_graphs.bucket(B)
-    loop = static_loop(model, cache, Bp, T, K, s)
+    loop = static_loop(model, cache, Bp, T, K)
     loop["layers"] = cache["layers"]  # (the rows of this step: cuda_graphs.step says why a view serves)
+    loop["settings"] = list(settings) + [GREEDY] * (Bp - B)  # [B']
     u = np.ones((K, Bp))  # [K, B']
     u[:, :B] = draws().T
-    cuda_graphs.copy_in(loop["inputs"], flat_inputs(cache["lengths"], inputs, n_new, k, u))  # the one copy in
+    rows = [cuda_sampling.kernel_settings(s, hparams["n_vocab"]) for s in loop["settings"]]
+    cuda_graphs.copy_in(loop["inputs"], flat_inputs(cache["lengths"], inputs, n_new, k, u, np.array(rows, np.float64)))
     logits = cuda_graphs.run(loop)  # [B', n_vocab]
     tokens = loop["tokens"]  # [K, B']
     drafted = (tokens if isinstance(tokens, np.ndarray) else tokens.get())[:, :B].T  # [B, K]: the one copy out
@@ -87,11 +90,12 @@ def run_loop(model, cache, texts, k, settings, draws, riders):
     return drafted, loop["q"], logits
 
 
-def flat_inputs(lengths, inputs, n_new, k, u):
+def flat_inputs(lengths, inputs, n_new, k, u, settings):
     """The loop's inputs as one int64 buffer (`static_loop` views it): pass 0's ids and
     positions [B', T] and the token it needs logits at [B'], each later pass's positions
     [K - 1, B'] (rows past B, tokens past n_new[b] and passes past a row's last draft: -1),
-    then the draws u [K, B'] (float64) as their bits."""
+    then the draws u [K, B'] and each row's settings [B', 5] (cuda_sampling.kernel_settings),
+    float64 both, as their bits."""
     (B, T), (K, Bp) = inputs.shape, u.shape
     ids, positions = np.zeros((Bp, T), np.int64), np.full((Bp, T), -1)  # [B', T] each
     ids[:B] = inputs
@@ -101,50 +105,59 @@ def flat_inputs(lengths, inputs, n_new, k, u):
     i = np.arange(1, K)  # [K - 1]: pass i reads draft i
     later = np.full((K - 1, Bp), -1)  # [K - 1, B']
     later[:, :B] = np.where(i[:, None] <= k, lengths + n_new + i[:, None] - 1, -1)
-    return np.concatenate([ids.ravel(), positions.ravel(), at, later.ravel(), u.ravel().view(np.int64)])
+    return np.concatenate([ids.ravel(), positions.ravel(), at, later.ravel(), u.ravel().view(np.int64),
+                           settings.ravel().view(np.int64)])
 
 
-def static_loop(model, cache, Bp, T, K, s):
-    """The loop for B' rows, T tokens in pass 0, K passes and settings s, made at first use
+def static_loop(model, cache, Bp, T, K):
+    """The loop for B' rows, T tokens in pass 0 and K passes, made at first use
     (cuda_graphs.run records and replays it): {"inputs" (flat_inputs), "q" [K, B', n_vocab],
-    "tokens" [K, B'] (the drafted ids), "forward" (writes q and tokens, returns
-    the last pass's logits [B', n_vocab]), "layers", ...}."""
+    "tokens" [K, B'] (the drafted ids), "forward" (writes q and tokens, returns the last
+    pass's logits [B', n_vocab]), "layers" and "settings" (run_loop sets them), ...}."""
     params, hparams = model
-    key = ("decode loop", id(params), cuda_graphs.pointer(cache["layers"][0]["k"]), Bp, T, K, s)
-    graphs = cache["graphs"]
-    if key not in graphs:
-        kept = list(dict.fromkeys(other[-1] for other in graphs if other[0] == "decode loop"))  # oldest first
-        if s not in kept and len(kept) >= SETTINGS_KEPT:  # a server's requests may each bring their own
-            for other in [other for other in graphs if other[0] == "decode loop" and other[-1] == kept[0]]:
-                del graphs[other]
+    key = ("decode loop", id(params), cuda_graphs.pointer(cache["layers"][0]["k"]), Bp, T, K)
+    if key not in cache["graphs"]:
         wpe = params["wpe"]
-        buffer = np.zeros(2 * Bp * T + 2 * Bp * K, np.int64, like=wpe)  # flat_inputs
+        buffer = np.zeros(2 * Bp * T + 2 * Bp * K + 5 * Bp, np.int64, like=wpe)  # flat_inputs
         ids, positions = buffer[:Bp * T].reshape(Bp, T), buffer[Bp * T:2 * Bp * T].reshape(Bp, T)  # [B', T] each
         at = buffer[2 * Bp * T:2 * Bp * T + Bp].reshape(Bp, 1)  # [B', 1]
         later = buffer[2 * Bp * T + Bp:2 * Bp * T + Bp * K].reshape(K - 1, Bp, 1)  # [K - 1, B', 1]
-        u = buffer[2 * Bp * T + Bp * K:].view(np.float64).reshape(K, Bp)  # [K, B']
+        u = buffer[2 * Bp * T + Bp * K:2 * Bp * T + 2 * Bp * K].view(np.float64).reshape(K, Bp)  # [K, B']
+        settings = buffer[2 * Bp * T + 2 * Bp * K:].view(np.float64).reshape(Bp, 5)  # [B', 5]
         first = np.zeros((Bp, 1), np.int64, like=wpe)  # [B', 1]: a later pass's one token
+        every_token, rows = np.broadcast_to(np.arange(T, like=wpe), (Bp, T)), np.arange(Bp, like=wpe)[:, None]
         q = np.zeros((K, Bp, hparams["n_vocab"]), np.float32, like=wpe)  # [K, B', n_vocab]
         tokens = np.zeros((K, Bp), np.int64, like=wpe)  # [K, B']: draft i + 1 of each row in row i
-        loop = graphs[key] = {"inputs": buffer, "q": q, "tokens": tokens, "layers": cache["layers"],
-                              "uses": 0, "replay": None, "output": None, "graph": None, "params": params}
+        loop = cache["graphs"][key] = {"inputs": buffer, "q": q, "tokens": tokens, "layers": cache["layers"],
+                                       "settings": None, "uses": 0, "replay": None, "output": None, "graph": None,
+                                       "params": params}
 
         def forward():
             for i in range(K):
-                pass_inputs = (ids, positions, at) if i == 0 else (tokens[i - 1][:, None], later[i - 1], first)
-                logits = cuda_graphs.pass_over(model, loop["layers"], *pass_inputs)[:, 0]  # [B', n_vocab]
-                draw(logits, s, u[i], q[i], tokens[i])
+                if i == 0:  # the head at every token, as a pass at a time has it (a product's rows: its bits
+                    # on our kernels whatever their number, not on the stand-in's BLAS), then each row's last
+                    logits = cuda_graphs.pass_over(model, loop["layers"], ids, positions, every_token)  # [B', T, V]
+                    logits = (logits[rows, at] if T > 1 else logits)[:, 0]  # [B', n_vocab]
+                else:
+                    logits = cuda_graphs.pass_over(model, loop["layers"], tokens[i - 1][:, None], later[i - 1],
+                                                   first)[:, 0]  # [B', n_vocab]
+                draw(logits, settings, loop["settings"], u[i], q[i], tokens[i])
             return logits
         loop["forward"] = forward
-    return graphs[key]
+    return cache["graphs"][key]
 
 
-def draw(logits, s, u, q, tokens):
-    """q = the distribution under s of logits [B, n_vocab], tokens [B] = a draw from it at u,
-    without the host: our kernels into the buffers given (the stand-in: sampling.py)."""
+def draw(logits, settings, row_settings, u, q, tokens):
+    """q = the distribution of logits [B, n_vocab], row b under its settings (on the device:
+    `settings` [B, 5], cuda_sampling.kernel_settings), and tokens [B] = a draw from it at u,
+    without the host: our kernels into the buffers given. The stand-in: sampling.py under
+    row_settings [B] (SamplingSettings), the rows that share settings in one call, as
+    batching.distributions groups them."""
     if isinstance(logits, np.ndarray):
-        q[...] = sampling.probabilities(logits, None, s)
+        for s in dict.fromkeys(row_settings):
+            rows = [b for b, x in enumerate(row_settings) if x == s]
+            q[rows] = sampling.probabilities(logits[rows], None, s)
         tokens[...] = sampling.sample(q, u)
     else:
-        cuda_sampling.distribution(logits, s, out=q)
+        cuda_sampling.distribution_rows(logits, settings, q)
         cuda_sampling.draw(q, u, tokens)

@@ -146,13 +146,10 @@ __device__ void block_argmax(const float* x, int n, float t, float* m, int* at) 
 // p[r] = the distribution sampling.probabilities draws from, for logits[r] (penalties applied):
 // greedy: one-hot at the first largest; else x = logits / temperature, then top_k (0: off), top-p
 // (thr = float32(1 - top_p), 0: off), min_p (0: off), softmax. p holds exp(x - max) on the way.
-extern "C" __global__ void __launch_bounds__(THREADS) distribution(const float* logits, float* p, int n, int greedy,
-                                                                   float temperature, int top_k, float thr,
-                                                                   float min_p) {
+__device__ void distribution_of(const float* x, float* pr, int n, int greedy, float temperature, int top_k,
+                                float thr, float min_p) {
     __shared__ u64 hist[256];
     __shared__ float part[32];
-    const float* x = logits + (size_t)blockIdx.x * n;
-    float* pr = p + (size_t)blockIdx.x * n;
     float m;
     int first;
     block_argmax(x, n, greedy ? 1.0f : temperature, &m, &first);
@@ -217,6 +214,22 @@ extern "C" __global__ void __launch_bounds__(THREADS) distribution(const float* 
         z = block_sum(z3, part);
     }
     for (int i = threadIdx.x; i < n; i += blockDim.x) pr[i] = pr[i] / z;
+}
+
+// every row under the same settings
+extern "C" __global__ void __launch_bounds__(THREADS) distribution(const float* logits, float* p, int n, int greedy,
+                                                                   float temperature, int top_k, float thr,
+                                                                   float min_p) {
+    size_t r = blockIdx.x;
+    distribution_of(logits + r * n, p + r * n, n, greedy, temperature, top_k, thr, min_p);
+}
+
+// row r under its own settings[r] = (greedy, temperature, top_k, thr, min_p), as float64 (each exact)
+extern "C" __global__ void __launch_bounds__(THREADS) distribution_rows(const float* logits, float* p, int n,
+                                                                        const double* settings) {
+    size_t r = blockIdx.x;
+    const double* s = settings + r * 5;
+    distribution_of(logits + r * n, p + r * n, n, (int)s[0], (float)s[1], (int)s[2], (float)s[3], (float)s[4]);
 }
 
 // tokens[r] = the first token whose cumulative probability reaches u[r] times the row's total
@@ -318,20 +331,37 @@ def takes(x):
     return layout.gpu_kernels()
 
 
-def distribution(logits, s, out=None):
+def distribution(logits, s):
     """sampling.probabilities on the device after the penalties: logits [..., n_vocab] (their
-    penalties applied) to the distribution (float32) under settings s, in one launch; into
-    out (contiguous, logits' shape) if given."""
+    penalties applied) to the distribution (float32) under settings s, in one launch."""
     import cupy
     n = logits.shape[-1]
     rows = cupy.ascontiguousarray(logits.reshape(-1, n), dtype=np.float32)  # [R, n_vocab]
-    p = cupy.empty_like(rows) if out is None else out.reshape(rows.shape)  # [R, n_vocab]
-    top_k = int(s.top_k) if 0 < s.top_k < n else 0
-    thr = np.float32(1.0 - s.top_p) if s.top_p < 1.0 else np.float32(0.0)  # as NumPy compares: float32
-    settings = (np.int32(s.greedy), np.float32(s.temperature), np.int32(top_k), thr, np.float32(s.min_p))
+    p = cupy.empty_like(rows)  # [R, n_vocab]
+    greedy, temperature, top_k, thr, min_p = kernel_settings(s, n)
     if rows.shape[0]:
-        cuda.function(SOURCE, "distribution")((rows.shape[0],), (THREADS,), (rows, p, np.int32(n), *settings))
+        cuda.function(SOURCE, "distribution")((rows.shape[0],), (THREADS,), (
+            rows, p, np.int32(n), np.int32(greedy), np.float32(temperature), np.int32(top_k), thr, np.float32(min_p)))
     return p.reshape(logits.shape)  # [..., n_vocab]
+
+
+def distribution_rows(logits, settings, out):
+    """`distribution` of logits [R, n_vocab], row r under its own
+    settings[r] (kernel_settings, a float64 device array [R, 5]), into out [R, n_vocab]: one
+    launch, nothing the host waits for (a recorded graph's: cuda_decode_loop.py)."""
+    import cupy
+    R, n = logits.shape
+    logits = cupy.ascontiguousarray(logits, dtype=np.float32)  # (a float16 model's: converted)
+    if R:
+        cuda.function(SOURCE, "distribution_rows")((R,), (THREADS,), (logits, out, np.int32(n), settings))
+
+
+def kernel_settings(s, n):
+    """What the distribution kernels read of settings s over n tokens: (greedy, temperature,
+    top_k (0: off), thr = float32(1 - top_p) (0: off; as NumPy compares: float32), min_p)."""
+    top_k = int(s.top_k) if 0 < s.top_k < n else 0
+    thr = np.float32(1.0 - s.top_p) if s.top_p < 1.0 else np.float32(0.0)
+    return int(s.greedy), float(np.float32(s.temperature)), top_k, thr, float(np.float32(s.min_p))
 
 
 def sample(probs, u):

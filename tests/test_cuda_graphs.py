@@ -27,6 +27,7 @@ from serving import prefix_cache, scheduler
 GREEDY = sampling.SamplingSettings(temperature=0.0)
 SAMPLED = sampling.SamplingSettings(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.2)
 UNPENALIZED = sampling.SamplingSettings(temperature=0.8, top_k=40, top_p=0.9)  # drawn inside a recorded graph
+MIN_P = sampling.SamplingSettings(temperature=1.3, min_p=0.05)
 CHEAP = cost_model.Costs(0.02, (1.0,) * 9)  # a draft so cheap that adaptive K gives each row K from 1 to 7
 PROMPTS = [[464, 2068, 7586, 21831], [15496, 11, 995, 0, 383, 2068, 7586, 21831, 18045, 625, 262], [36235]]
 
@@ -43,8 +44,12 @@ def generate(params, hparams, n, settings=GREEDY, seed=0, prompts=PROMPTS):
 
 
 def spec(params, hparams, n, K, settings=GREEDY, seed=0, adaptive=False):
+    """Speculative decoding of PROMPTS with the first layer as the draft; settings: every
+    row's, or a list of each row's."""
     draft = speculative.model_drafter((dict(params, blocks=params["blocks"][:1]), dict(hparams, n_layer=1)))
-    return speculative.speculative_generate(batching.requests(PROMPTS, n, settings, seed), (params, hparams), draft,
+    each = settings if isinstance(settings, list) else [settings] * len(PROMPTS)
+    reqs = [batching.Request(tuple(p), n, s, seed=seed + b) for b, (p, s) in enumerate(zip(PROMPTS, each))]
+    return speculative.speculative_generate(reqs, (params, hparams), draft,
                                             speculative.SpeculativeConfig(K=K, adaptive=adaptive, costs=CHEAP))
 
 
@@ -181,10 +186,11 @@ def test_a_timed_draft_token_is_a_replay_of_the_draft_loop_over_K(both, monkeypa
     assert timing.draft_seconds((params, hparams), 16, K=3, reps=2) == 0.5 and len(passes) == 1
 
 
-def test_the_draft_loop_leaves_what_it_cannot_record_and_keeps_the_graphs_of_its_last_settings(both):
-    """Penalties, n-gram bans, rows of different settings, riders, no drafts: None, nothing
-    drawn, nothing cached (a pass at a time does it all). Each new settings is a graph of its
-    own (its kernels' arguments): a cache keeps those of the last SETTINGS_KEPT."""
+def test_the_decode_loop_leaves_what_it_cannot_record_and_records_a_graph_whatever_the_settings(both):
+    """A row's penalties or n-gram ban, riders, no drafts: None, nothing drawn, nothing cached
+    (a pass at a time does it all). Each row's settings are its own and the graph's data, not
+    its kernels' arguments: rows of different settings share one graph, as do later steps
+    under other settings."""
     hparams, _, dev = both
     model = (dict(dev, blocks=dev["blocks"][:1]), dict(hparams, n_layer=1))
     cache = kv_cache.init_cache(model[1], 2, hparams["n_ctx"], like=dev["wpe"])
@@ -194,20 +200,18 @@ def test_the_draft_loop_leaves_what_it_cannot_record_and_keeps_the_graphs_of_its
         raise AssertionError("drew for a loop that does not run")
     banning = sampling.SamplingSettings(temperature=0.8, no_repeat_ngram_size=2)
     for k, settings, riders in (([3, 3], [SAMPLED] * 2, ()), ([3, 3], [banning] * 2, ()),
-                                ([3, 3], [GREEDY, UNPENALIZED], ()), ([0, 0], [GREEDY] * 2, ()),
+                                ([3, 3], [GREEDY, SAMPLED], ()), ([0, 0], [GREEDY] * 2, ()),
                                 ([3, 3], [GREEDY] * 2, [(kv_cache.rows(cache, 1, 2), texts[1], 1)])):
         assert cuda_decode_loop.draft(model, cache, texts, k, settings, never, riders) is None
         assert not cache["lengths"].any()
-    kept = []
-    for t in range(cuda_decode_loop.SETTINGS_KEPT + 2):
-        s = sampling.SamplingSettings(temperature=0.5 + t / 10)
-        drafts, q = cuda_decode_loop.draft(model, cache, texts, [3, 1], [s, s], lambda: np.full((2, 3), 0.5))
+    for t in range(4):
+        settings = [sampling.SamplingSettings(temperature=0.5 + t / 10, top_k=2 + t), GREEDY]
+        drafts, q = cuda_decode_loop.draft(model, cache, texts, [3, 1], settings, lambda: np.full((2, 3), 0.5))
         assert [len(d) for d in drafts] == [3, 1] and q.shape == (2, 3, hparams["n_vocab"])
         assert list(cache["lengths"]) == [len(texts[0]) + 2, len(texts[1]) + 1]  # pass 0, then the drafts read
+        assert ((q[1, 0] == 0) | (q[1, 0] == 1)).all() and (q[0, 0] < 1).all()  # greedy one-hot, the other not
         kv_cache.rollback(cache, [len(text) - 1 for text in texts])
-        kept.append(s)
-    loops = {key[-1] for key in cache["graphs"] if key[0] == "decode loop"}  # their settings
-    assert loops == set(kept[-cuda_decode_loop.SETTINGS_KEPT:])
+    assert [key[3:] for key in cache["graphs"] if key[0] == "decode loop"] == [(2, 4, 3), (2, 1, 3)]  # (B', T, K)
 
 
 @pytest.mark.parametrize("settings", [GREEDY, SAMPLED, UNPENALIZED], ids=["greedy", "penalized", "sampled"])
@@ -261,8 +265,9 @@ def watch_verify(monkeypatch, looped=True):
     return seen, loops
 
 
-@pytest.mark.parametrize("settings, adaptive", [(GREEDY, False), (UNPENALIZED, False), (GREEDY, True)],
-                         ids=["greedy", "sampled", "adaptive K"])
+@pytest.mark.parametrize("settings, adaptive", [(GREEDY, False), (UNPENALIZED, False), (GREEDY, True),
+                                                ([UNPENALIZED, GREEDY, MIN_P], True)],
+                         ids=["greedy", "sampled", "adaptive K", "each row its settings"])
 def test_the_recorded_draft_loop_drafts_what_a_pass_at_a_time_drafts(both, monkeypatch, settings, adaptive):
     """Speculative decoding with the draft's K passes and draws as one recorded loop, and a pass
     at a time: the same drafts, draws and q (bit for bit) in every step, and the same texts. Rows
@@ -635,7 +640,7 @@ def test_a_recorded_step_launches_five_kernels_a_layer(monkeypatch):
         kernels[n_layer] = collections.Counter(recorded[0])
     layer = kernels[2] - kernels[1]
     assert layer == {"rows_times_columns_ln_f32": 2, "rows_times_columns_f32": 2, "attend_f32": 1}, layer
-    assert kernels[1] - layer == {"rows_times_columns_f32": 1, "layer_norm_f32": 1, "distribution": 1, "sample": 1}
+    assert kernels[1] - layer == {"rows_times_columns_f32": 1, "layer_norm_f32": 1, "distribution_rows": 1, "sample": 1}
 
 
 def test_a_recorded_step_calls_into_the_device_a_few_times_whatever_its_layers(monkeypatch):
