@@ -14,16 +14,17 @@ host's than the GPU's. Here the K passes and their draws are one recorded graph:
   n_new[b] + i - 1, and a row that has drafted its k[b] tokens is padding (position -1) after
   the pass that reads its last;
 - so are every row's draws u [K, B] (batching.uniforms: a row's generator gives the same
-  numbers k at a time as one at a time);
+  numbers k at a time as one at a time), and its sampling settings: data the graph reads
+  (cuda_sampling.distribution_rows), so that rows of any settings share one graph;
 - q_i goes into a buffer [K, B, n_vocab] on the device, where the verification reads it.
 
-A speculative step's drafts are then one copy in (the inputs and the draws), one replay, and
-one copy out (the drafted ids). Plain decoding's step is the same loop with K = 1 (`step`):
-the pass and its draw in one replay, where the draw (a dozen calls into CuPy sampled, four
-greedy) would follow it from the host. The passes and kernels are those run a pass at a
-time, so the tokens and q are the same bits (tests/test_cuda_graphs.py). The graph draws
-with one settings for every row and no penalties or n-gram bans (those read the host's
-counts and texts): a batch that has them runs a pass at a time.
+A speculative step's drafts are then one copy in (the inputs, draws and settings), one
+replay, and one copy out (the drafted ids). Plain decoding's step is the same loop with
+K = 1 (`step`): the pass and its draw in one replay, where the draw (a dozen calls into CuPy
+sampled, four greedy) would follow it from the host. The passes and kernels are those run a
+pass at a time, so the tokens and q are the same bits (tests/test_cuda_graphs.py). Penalties
+and n-gram bans read the host's counts and texts: a batch with a row that has them runs a
+pass at a time.
 """
 import numpy as np
 

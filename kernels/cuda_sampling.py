@@ -9,7 +9,8 @@ step (cuda_graphs.py). Here, after the penalties, each is one kernel, a block of
 threads a row:
 
 - `distribution`: after the penalties (CuPy's operations: they read the host's counts),
-  temperature, top-k, top-p and min-p as sampling.py applies them, and the softmax.
+  temperature, top-k, top-p and min-p as sampling.py applies them, and the softmax
+  (`distribution_rows`: each row under settings of its own, read from the device).
   top-k and top-p need no sort. Both ask for the smallest value w such that the weight of
   the values up to w exceeds a target (top-k: a count, the (n - k)-th value ascending;
   top-p: probability mass, transformers' cumulative sum from the least likely crossing
