@@ -367,13 +367,13 @@ def uniforms(batch, n):
 
 def autoregressive_step(batch, model):
     """Every row gains one token, sampled from the model's next-token distribution."""
-    drawn = cuda_decode_loop.step(model, cache(batch, "target"), token_ids(batch),
-                                  [seq.request.settings for seq in batch.seqs], lambda: uniforms(batch, 1),
-                                  batch.riders.get("target", ()))  # a GPU's kernels: pass and draw one graph
-    if drawn is not None:
+    texts = token_ids(batch)
+    drawn = cuda_decode_loop.step(model, cache(batch, "target"), texts, [seq.request.settings for seq in batch.seqs],
+                                  lambda: uniforms(batch, 1), batch.riders.get("target", ()))
+    if drawn is not None:  # a GPU's kernels: the pass and its draw recorded as one CUDA graph
         tokens, logits = drawn  # [B], [B, n_vocab]
     else:
-        logits = kv_cache.next_logits(model, cache(batch, "target"), token_ids(batch),
+        logits = kv_cache.next_logits(model, cache(batch, "target"), texts,
                                       riders=batch.riders.pop("target", ()))[:, 0]  # [B, n_vocab]
         u = uniforms(batch, 1)[:, 0]  # [B]: drawn even when unused, so a row's generator advances a draw a step
         if all(seq.request.settings.picks_argmax for seq in batch.seqs):
