@@ -9,6 +9,7 @@ through our kernels: its costs, and runs end to end beside plain decoding (the C
 controlled drafter, bench/speculation.py). Every model has random weights of its real shape.
 """
 import argparse
+import contextlib
 import json
 import sys
 
@@ -86,7 +87,8 @@ def decode_rows(name, model, ours, dtype, first, args, bandwidth):
         row = {"batch": B}
         for way, m in (("eager_", eager), ("", ours)):  # CuPy's operations; our kernels, graphed
             if m is not None:
-                stats = decoded_stats(lambda: greedy(prompts, m, args.n_tokens), args.reps)
+                with sampling_on_device() if m is ours else contextlib.nullcontext():  # ours: the draw in the graph
+                    stats = decoded_stats(lambda: greedy(prompts, m, args.n_tokens), args.reps)
                 row.update({f"{way}end_to_end_tok_s": stats(lambda r: r.tokens_per_s),
                             f"{way}decode_tok_s": stats(lambda r: r.decode_tokens_per_s),
                             f"{way}itl_ms_p50": stats(lambda r: r.itl_ms(50))})
@@ -139,8 +141,9 @@ def decode_table(models, results):
     then the batch-1 anchors."""
     lines = ["", f"End to end ({results['prompt_len']}-token prompt, {results['n_tokens']} new tokens, prefill "
              "included), greedy, against transformers' generate() on the same GPU, shapes and dtype; ours with its own "
-             "kernels, a step replayed as one CUDA graph (each run's cache records its graphs anew: its first two "
-             "steps eager, the recording in its second), and eagerly through CuPy's operations (in the first dtype; "
+             "kernels, a step and its draw replayed as one CUDA graph (each run's cache records its graphs anew: its "
+             "first two steps eager, the recording in its second), and eagerly through CuPy's operations (in the first "
+             "dtype; "
              "a model named with its dtype is in another); sampled: ours with "
              f"main.py's default settings (temperature {SAMPLED.temperature}, top-p {SAMPLED.top_p}), sampled by "
              "our kernels on the device (as GPT2_GPU_KERNELS=1 chooses):",
