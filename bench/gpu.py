@@ -143,8 +143,7 @@ def decode_table(models, results):
              "included), greedy, against transformers' generate() on the same GPU, shapes and dtype; ours with its own "
              "kernels, a step and its draw replayed as one CUDA graph (each run's cache records its graphs anew: its "
              "first two steps eager, the recording in its second), and eagerly through CuPy's operations (in the first "
-             "dtype; "
-             "a model named with its dtype is in another); sampled: ours with "
+             "dtype; a model named with its dtype is in another); sampled: ours with "
              f"main.py's default settings (temperature {SAMPLED.temperature}, top-p {SAMPLED.top_p}), sampled by "
              "our kernels on the device (as GPT2_GPU_KERNELS=1 chooses):",
              "", "| model | batch | this project tok/s | transformers tok/s | ratio | step ms (p50) | "

@@ -61,9 +61,9 @@ def bench_speculative_costs(draft, target, args):
     """The costs that decide speculative speed, each paired with target steps: verify(K+1)
     for K = 1..K_max and one draft token (as drafting at K runs it: draft_seconds) with the
     full head and with vocabulary subsets, in target steps (and the draft's two-token
-    catch-up pass, in draft passes); the
-    speedups they predict, and the acceptance rate at which each K breaks even. Each
-    pass is the best of 3 (a single pass strays by 10-20% here, enough to rank K wrong)."""
+    catch-up pass over a one-token pass); the speedups they predict, and the acceptance
+    rate at which each K breaks even. Each pass is the best of 3 (a single pass strays by
+    10-20% here, enough to rank K wrong)."""
     L = args.prompt_len
 
     def step():

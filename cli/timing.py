@@ -8,11 +8,8 @@ import numpy as np
 
 import cost_model
 import kv_cache
-import sampling
 import speculative
 from kernels import cuda_decode_loop, cuda_graphs, rowwise
-
-GREEDY = sampling.SamplingSettings(temperature=0.0)
 
 
 def pass_seconds(model, context, T=1, reps=3, n_logits=None):
@@ -52,7 +49,8 @@ def draft_seconds(model, context, K=4, reps=3):
     for _ in range(reps + 2):  # two warm-ups: the second records the graph the rest replay
         cache["lengths"][:] = context
         start = time.perf_counter()
-        if cuda_decode_loop.draft(model, cache, [text], [K], [GREEDY], lambda: np.ones((1, K))) is None:
+        greedy = [cuda_decode_loop.GREEDY]
+        if cuda_decode_loop.draft(model, cache, [text], [K], greedy, lambda: np.ones((1, K))) is None:
             return pass_seconds(model, context, reps=reps)
         times.append(time.perf_counter() - start)  # (the drafted ids came back to the host: the GPU is done)
     return min(times[2:]) / K

@@ -1,9 +1,9 @@
 """Decoding's passes and their draws as one CUDA graph: each token drawn on the device and
 read by the next pass there, without the host in between.
 
-speculative.draft_with_model drafts a pass at a time: the draft model's pass (on a GPU a
-recorded step, cuda_graphs.py), the distribution q_i, a draw from it, and the drawn ids back
-to the host, which makes the next pass's input from them. So in every speculative step the
+Without this module, speculative.draft_with_model drafts a pass at a time: the draft model's
+pass (on a GPU a recorded step, cuda_graphs.py), the distribution q_i, a draw from it, and the
+drawn ids back to the host, which makes the next pass's input from them. So in every speculative step the
 host waits for the GPU K times, and the GPU waits K times for the host's Python. For a draft
 10x smaller than its target, a draft token's cost (c in cost_model.py) is then more the
 host's than the GPU's. Here the K passes and their draws are one recorded graph:
@@ -62,14 +62,18 @@ def run_loop(model, cache, texts, k, settings, draws, riders):
     and the graph's buffers q [K, B', n_vocab] and the last pass's logits [B', n_vocab]),
     the cache advanced as K passes a pass at a time would; or None where it cannot be
     recorded: a row's settings reading its counts or text (penalties, an n-gram ban), riders,
-    a model or cache without static steps, no drafts, or a pass 0 too long for a static step.
-    settings: each row's; draws(): each row's k[b] uniforms [B, K], called only when the loop
-    runs."""
+    a model or cache without static steps, no drafts, drafts past this model's window (a
+    draft whose n_ctx is the target's or larger never has them), or a pass 0 too long for a
+    static step. settings: each row's; draws(): each row's k[b] uniforms [B, K], called only
+    when the loop runs."""
     params, hparams = model
     B, K = len(texts), max(k)
-    on_device = isinstance(params["wpe"], np.ndarray) or cuda_sampling.takes(params["wpe"])  # (the stand-in: NumPy)
-    if not (K and on_device and not any(s.uses_counts or s.no_repeat_ngram_size for s in settings)
-            and cuda_graphs.fits(model, cache, np.zeros((B, 1)), riders)):
+    # the draws on the device: our sampling kernels chosen, or NumPy (the stand-in; the CPU's
+    # layout is refused by fits)
+    draws_here = isinstance(params["wpe"], np.ndarray) or cuda_sampling.takes(params["wpe"])
+    if not (K and draws_here and not any(s.uses_counts or s.no_repeat_ngram_size for s in settings)
+            and all(kb <= kv_cache.room(len(text), hparams["n_ctx"]) for kb, text in zip(k, texts))
+            and cuda_graphs.fits(model, cache, np.zeros((B, 1)), riders)):  # (a step of B rows, one token each)
         return None
     kv_cache.prefill_alone(model, cache, texts, 1)  # as the first pass a pass at a time does
     inputs, n_new = kv_cache.pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
@@ -81,8 +85,8 @@ def run_loop(model, cache, texts, k, settings, draws, riders):
     loop["settings"] = list(settings) + [GREEDY] * (Bp - B)  # [B']
     u = np.ones((K, Bp))  # [K, B']
     u[:, :B] = draws().T
-    rows = [cuda_sampling.kernel_settings(s, hparams["n_vocab"]) for s in loop["settings"]]
-    cuda_graphs.copy_in(loop["inputs"], flat_inputs(cache["lengths"], inputs, n_new, k, u, np.array(rows, np.float64)))
+    numbers = np.array([cuda_sampling.kernel_settings(s, hparams["n_vocab"]) for s in loop["settings"]])  # [B', 5]
+    cuda_graphs.copy_in(loop["inputs"], flat_inputs(cache["lengths"], inputs, n_new, k, u, numbers))
     logits = cuda_graphs.run(loop)  # [B', n_vocab]
     tokens = loop["tokens"]  # [K, B']
     drafted = (tokens if isinstance(tokens, np.ndarray) else tokens.get())[:, :B].T  # [B, K]: the one copy out
@@ -135,8 +139,8 @@ def static_loop(model, cache, Bp, T, K):
 
         def forward():
             for i in range(K):
-                if i == 0:  # the head at every token, as a pass at a time has it (a product's rows: its bits
-                    # on our kernels whatever their number, not on the stand-in's BLAS), then each row's last
+                if i == 0:  # logits at every token, then each row's last: a pass at a time computes all T,
+                    # and the stand-in's BLAS gives other bits for fewer rows (our kernels do not)
                     logits = cuda_graphs.pass_over(model, loop["layers"], ids, positions, every_token)  # [B', T, V]
                     logits = (logits[rows, at] if T > 1 else logits)[:, 0]  # [B', n_vocab]
                 else:

@@ -342,14 +342,15 @@ def distribution(logits, s):
     greedy, temperature, top_k, thr, min_p = kernel_settings(s, n)
     if rows.shape[0]:
         cuda.function(SOURCE, "distribution")((rows.shape[0],), (THREADS,), (
-            rows, p, np.int32(n), np.int32(greedy), np.float32(temperature), np.int32(top_k), thr, np.float32(min_p)))
+            rows, p, np.int32(n), np.int32(greedy), np.float32(temperature), np.int32(top_k), np.float32(thr),
+            np.float32(min_p)))
     return p.reshape(logits.shape)  # [..., n_vocab]
 
 
 def distribution_rows(logits, settings, out):
-    """`distribution` of logits [R, n_vocab], row r under its own
-    settings[r] (kernel_settings, a float64 device array [R, 5]), into out [R, n_vocab]: one
-    launch, nothing the host waits for (a recorded graph's: cuda_decode_loop.py)."""
+    """`distribution` of logits [R, n_vocab], row r under its own settings[r] (kernel_settings,
+    a float64 device array [R, 5]), into out [R, n_vocab]: one launch, nothing the host waits
+    for (a recorded graph's: cuda_decode_loop.py)."""
     import cupy
     R, n = logits.shape
     logits = cupy.ascontiguousarray(logits, dtype=np.float32)  # (a float16 model's: converted)
@@ -362,7 +363,7 @@ def kernel_settings(s, n):
     top_k (0: off), thr = float32(1 - top_p) (0: off; as NumPy compares: float32), min_p)."""
     top_k = int(s.top_k) if 0 < s.top_k < n else 0
     thr = np.float32(1.0 - s.top_p) if s.top_p < 1.0 else np.float32(0.0)
-    return int(s.greedy), float(np.float32(s.temperature)), top_k, thr, float(np.float32(s.min_p))
+    return int(s.greedy), float(np.float32(s.temperature)), top_k, float(thr), float(np.float32(s.min_p))
 
 
 def sample(probs, u):

@@ -149,15 +149,16 @@ def test_the_sampling_kernel_gives_sampling_pys_distribution(cupy, case):
 def test_each_row_under_its_own_settings_is_that_row_alone_under_them(cupy):
     """distribution_rows (a recorded loop's: each row's settings its data) gives every row what
     `distribution` gives it alone under its settings, bit for bit: every case of the test above,
-    their rows side by side in one launch."""
-    cases = [(logits, s) for logits, s in sampling_cases() if logits.shape[1] == 50257]
-    rows = np.concatenate([logits[:1] for logits, _ in cases])  # [R, n_vocab]
-    settings = np.array([cuda_sampling.kernel_settings(s, rows.shape[1]) for _, s in cases])  # [R, 5]
-    out = cupy.zeros(rows.shape, np.float32)
-    cuda_sampling.distribution_rows(cupy.asarray(rows), cupy.asarray(settings), out)
-    for r, (logits, s) in enumerate(cases):
-        alone = cupy.asnumpy(cuda_sampling.distribution(cupy.asarray(logits[:1]), s))[0]
-        assert np.array_equal(cupy.asnumpy(out)[r], alone), s
+    the rows of those of one vocabulary side by side in one launch."""
+    for n_vocab in (50257, 1000):
+        cases = [(logits[:1], s) for logits, s in sampling_cases() if logits.shape[1] == n_vocab]
+        rows = np.concatenate([logits for logits, _ in cases])  # [R, n_vocab]
+        settings = np.array([cuda_sampling.kernel_settings(s, n_vocab) for _, s in cases])  # [R, 5]
+        out = cupy.zeros(rows.shape, np.float32)
+        cuda_sampling.distribution_rows(cupy.asarray(rows), cupy.asarray(settings), out)
+        for r, (logits, s) in enumerate(cases):
+            alone = cupy.asnumpy(cuda_sampling.distribution(cupy.asarray(logits), s))[0]
+            assert np.array_equal(cupy.asnumpy(out)[r], alone), s
 
 
 def test_the_sampling_kernel_draws_sampling_pys_token(cupy):
