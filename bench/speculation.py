@@ -74,7 +74,8 @@ def bench_speculative_costs(draft, target, args):
     drafts, catch_up = {}, {}
     for N in [0] + args.draft_vocabs:
         subset = speculative.vocab_subset(draft, [prompt_ids(L)], N)
-        drafts[N] = paired(lambda: draft_seconds(subset, L, args.K, reps=3), step, args.reps)
+        drafts[N] = paired(lambda: draft_seconds(subset, L, args.K, reps=3) or pass_seconds(subset, L, reps=3), step,
+                           args.reps)
         catch_up[N] = paired(lambda: pass_seconds(subset, L, 2, reps=3, n_logits=1),
                              lambda: pass_seconds(subset, L, reps=3), args.reps)
     step_s = float(np.median([step() for _ in range(args.reps)]))
@@ -150,13 +151,14 @@ def typical_pass(model, L, T=1, n_logits=None, reps=3):
 
 def costs_beside(draft, target, L, K):
     """(target step seconds, Costs) timed right before or after a run, so that the run and
-    its prediction see the same machine: c (draft_seconds), verify(K+1) (the only entry of
-    the verify table that is filled in, at index K) and the draft's catch-up pass, each
-    the median of three."""
+    its prediction see the same machine: c, verify(K+1) (the only entry of the verify table
+    that is filled in, at index K) and the draft's catch-up pass, typical passes each (c where
+    the draft's K passes are one recorded graph: the best of three, draft_seconds)."""
     step = typical_pass(target, L)
-    draft_step = float(np.median([draft_seconds(draft, L, K, reps=1) for _ in range(3)]))
+    draft_pass = typical_pass(draft, L)
+    draft_step = draft_seconds(draft, L, K) or draft_pass
     verify = typical_pass(target, L, K + 1) / step
-    catch_up = typical_pass(draft, L, 2, n_logits=1) / typical_pass(draft, L)
+    catch_up = typical_pass(draft, L, 2, n_logits=1) / draft_pass
     return step, cost_model.Costs(draft_step / step, (1.0,) + (float("nan"),) * (K - 1) + (verify,), catch_up)
 
 

@@ -17,12 +17,7 @@ def pass_seconds(model, context, T=1, reps=3, n_logits=None):
     best of reps), with logits at the last n_logits of them (default: all T): T = 1 is
     a decode step, T = K+1 a verification. Values do not change the time, so the text is
     0, 1, 2, ... and the cached keys and values ones."""
-    params, hparams = model
-    text = [i % hparams["n_vocab"] for i in range(context + T)]
-    cache = kv_cache.init_cache(hparams, 1, context + T, like=params["wpe"])
-    for layer in cache["layers"]:  # written once: memory never written reads as one shared page of zeros, too fast
-        layer["k"][...] = 1
-        layer["v"][...] = 1
+    text, cache = timed_text(model, context, T)
     # the first pass is a warm-up; on a GPU's static step the second too: it records the graph the rest replay
     warm = 2 if cuda_graphs.fits(model, cache, np.empty((1, T))) else 1
     times = []
@@ -36,24 +31,29 @@ def pass_seconds(model, context, T=1, reps=3, n_logits=None):
 
 
 def draft_seconds(model, context, K=4, reps=3):
-    """Seconds of one draft token (the best of reps): where a draft's K passes and draws are
-    one recorded graph (a GPU's kernels, cuda_decode_loop.py), a K-token draft's over K; else
-    a pass's (pass_seconds), as drafting runs there."""
-    params, hparams = model
-    text = [i % hparams["n_vocab"] for i in range(context + 1)]
-    cache = kv_cache.init_cache(hparams, 1, context + K, like=params["wpe"])
-    for layer in cache["layers"]:
-        layer["k"][...] = 1
-        layer["v"][...] = 1
-    times = []
+    """Seconds of one draft token (the best of reps) where a draft's K passes and draws are one
+    recorded graph (a GPU's kernels, cuda_decode_loop.py): a K-token draft's over K. None
+    elsewhere: there a draft token is a pass (pass_seconds)."""
+    text, cache = timed_text(model, context, K)
+    text, greedy, times = text[:context + 1], [cuda_decode_loop.GREEDY], []
     for _ in range(reps + 2):  # two warm-ups: the second records the graph the rest replay
         cache["lengths"][:] = context
         start = time.perf_counter()
-        greedy = [cuda_decode_loop.GREEDY]
         if cuda_decode_loop.draft(model, cache, [text], [K], greedy, lambda: np.ones((1, K))) is None:
-            return pass_seconds(model, context, reps=reps)
+            return None
         times.append(time.perf_counter() - start)  # (the drafted ids came back to the host: the GPU is done)
     return min(times[2:]) / K
+
+
+def timed_text(model, context, n):
+    """A text of context + n tokens (0, 1, 2, ...: values do not change the time) and a one-row
+    cache with room for it, its keys and values ones."""
+    params, hparams = model
+    cache = kv_cache.init_cache(hparams, 1, context + n, like=params["wpe"])
+    for layer in cache["layers"]:  # written once: memory never written reads as one shared page of zeros, too fast
+        layer["k"][...] = 1
+        layer["v"][...] = 1
+    return [i % hparams["n_vocab"] for i in range(context + n)], cache
 
 
 CONTEXT = 32  # cached tokens before each timed pass of the advice
@@ -69,9 +69,9 @@ def measure_costs(target, draft, K_max, draft_vocab=0, context=CONTEXT, K=4):
     if draft is None:
         return cost_model.Costs(0.0, verify)
     draft = speculative.vocab_subset(draft, [list(range(context))], draft_vocab)
-    draft_step = draft_seconds(draft, context, K, reps=REPS)
-    catch_up = pass_seconds(draft, context, 2, reps=REPS, n_logits=1) / pass_seconds(draft, context, reps=REPS)
-    return cost_model.Costs(draft_step / step, verify, catch_up)
+    draft_pass = pass_seconds(draft, context, reps=REPS)
+    catch_up = pass_seconds(draft, context, 2, reps=REPS, n_logits=1) / draft_pass
+    return cost_model.Costs((draft_seconds(draft, context, K, reps=REPS) or draft_pass) / step, verify, catch_up)
 
 
 def advise_K(stats, target, drafter, config, self_draft=False):
