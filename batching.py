@@ -231,8 +231,9 @@ def join(batch, request, index):
 
 def emit(batch, b, tokens, n_accepted=0, logits=None):
     """Append tokens to row b's text (the first n_accepted of them were accepted drafts),
-    stopping exactly at max_new_tokens or at EOS. logits [len(tokens), n_vocab]: the
-    target's logits that each token was drawn after, for the callback (a server's logprobs)."""
+    stopping exactly at max_new_tokens or at EOS. logits [B, len(tokens), n_vocab]: the batch's
+    logits, row b's that each token was drawn after, for the callback (a server's logprobs);
+    read only for one (on a GPU a row's view is a call into CuPy)."""
     seq = batch.seqs[b]
     r = seq.request
     tokens = tokens[:r.max_new_tokens - seq.n_generated]
@@ -244,7 +245,7 @@ def emit(batch, b, tokens, n_accepted=0, logits=None):
         seq.times.append(now)
         batch.counts[b, token] += 1
         if batch.callback:
-            batch.callback(seq, token, j < n_accepted, None if logits is None else logits[j])
+            batch.callback(seq, token, j < n_accepted, None if logits is None else logits[b, j])
     batch.stats.n_tokens += len(tokens)
     seq.finished = seq.n_generated == r.max_new_tokens or tokens[-1] == r.eos_id
 
@@ -380,8 +381,9 @@ def autoregressive_step(batch, model):
             tokens = np.argmax(logits, axis=-1).tolist()  # [B]: one launch on a GPU, and only the ids leave it
         else:
             tokens = sampling.sample(distributions(batch, logits), u).tolist()  # [B]: only these leave a GPU
+    logits = logits[:, None]  # [B, 1, n_vocab]
     for b, token in enumerate(tokens):
-        emit(batch, b, [token], logits=logits[b:b + 1])  # [1, n_vocab]
+        emit(batch, b, [token], logits=logits)
     batch.stats.step_done()
 
 

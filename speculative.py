@@ -83,15 +83,13 @@ def speculative_step(batch, target, drafter, config):
     drafts, q = drafter.propose(batch, allowed, config.draft_vocab)  # 1. d_1..d_k, sampled from q_1..q_k
     k = np.array([len(d) for d in drafts])  # [B]
     t1 = time.perf_counter()
-    logits, p = score_with_target(batch, target, drafts)  # 2. p_1..p_{k+1}, from ONE target pass
     d = kv_cache.pad_right(drafts)[0][:, :q.shape[1]]  # [B, K]: the drafts, right-padded
     u = batching.uniforms(batch, k)[:, :q.shape[1]]  # [B, K]: one draw per draft, to accept or reject it
     v = batching.uniforms(batch, 1)[:, 0]  # [B]: one draw for the token from p_{n+1} or the residual
-    n, token = verify(p, q, d, k, u, v)  # 3-4. accept n drafts, then 1 token
-    n, token = n.tolist(), token.tolist()  # only these leave a GPU
+    logits, n, token = verify_with_target(batch, target, drafts, q, d, k, u, v)  # 2-4.
     t2 = time.perf_counter()
     for b, seq in enumerate(batch.seqs):  # 5. emit; each row remembers how its drafts fared
-        batching.emit(batch, b, drafts[b][:n[b]] + [token[b]], n[b], logits[b])
+        batching.emit(batch, b, drafts[b][:n[b]] + [token[b]], n[b], logits)
         seq.accepted, seq.rejected = seq.accepted + n[b], seq.rejected + (n[b] < k[b])
         batch.stats.rejected += n[b] < k[b]
     for name in batch.caches:  # 6. every cache forgets the rejected drafts (and the last token: the next pass's input)
@@ -248,6 +246,21 @@ def prompt_lookup_draft(text, K, max_ngram=3):
 
 
 PROMPT_LOOKUP = Drafter(lambda batch, k, vocab: draft_deterministic(batch, prompt_lookup_draft, k))
+
+
+def verify_with_target(batch, model, drafts, q, d, k, u, v):
+    """Steps 2-4: the target's logits [B, K+1, n_vocab] after each prefix of every row's
+    drafts, from ONE pass, its p_1..p_{k+1}, and `verify`'s n and token (lists: only these
+    leave a GPU). On a GPU's kernels the pass, p and the verification are one CUDA graph
+    (cuda_decode_loop.verify; None elsewhere)."""
+    looped = cuda_decode_loop.verify(model, batching.cache(batch, "target"), batching.token_ids(batch, drafts), q, d,
+                                     k, u, v, [seq.request.settings for seq in batch.seqs], verify,
+                                     batch.riders.get("target", ()))
+    if looped is not None:
+        return looped
+    logits, p = score_with_target(batch, model, drafts)
+    n, token = verify(p, q, d, k, u, v)
+    return logits, n.tolist(), token.tolist()
 
 
 def score_with_target(batch, model, drafts):

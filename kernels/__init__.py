@@ -22,5 +22,7 @@ memory; cuda_ops.py's layer norm, attention and transformer block, which a step'
 brings; kv_cache.next_logits, which hands cuda_graphs.py the passes that fit its static
 step, recorded once as a CUDA graph and replayed; and sampling.py, whose distribution and
 draw on device arrays are cuda_sampling.py's two kernels (speculative.verify's too, and two
-more). cuda.py compiles their CUDA C (NVRTC).
+more). cuda_decode_loop.py records a pass with its draws as one graph (a plain step, a
+draft's K passes, a verification), which batching.py and speculative.py ask first. cuda.py
+compiles their CUDA C (NVRTC).
 """

@@ -19,12 +19,15 @@ host's than the GPU's. Here the K passes and their draws are one recorded graph:
 - q_i goes into a buffer [K, B, n_vocab] on the device, where the verification reads it.
 
 A speculative step's drafts are then one copy in (the inputs, draws and settings), one
-replay, and one copy out (the drafted ids). Plain decoding's step is the same loop with
-K = 1 (`step`): the pass and its draw in one replay, where the draw (a dozen calls into CuPy
-sampled, four greedy) would follow it from the host. The passes and kernels are those run a
-pass at a time, so the tokens and q are the same bits (tests/test_cuda_graphs.py). Penalties
-and n-gram bans read the host's counts and texts: a batch with a row that has them runs a
-pass at a time.
+replay, and one copy out (the drafted ids). Its verification is a graph too (`verify`): the
+target's pass over the drafts, p under each row's settings, and speculative.verify's tests
+and draw (cuda_sampling.accept), with q copied in on the device and only n and the token
+copied out, where after the pass they would be a dozen calls more. Plain decoding's step is
+the same loop with K = 1 (`step`): the pass and its draw in one replay, where the draw (a
+dozen calls into CuPy sampled, four greedy) would follow it from the host. The passes and
+kernels are those run a pass at a time, so the tokens, q, p and n are the same bits
+(tests/test_cuda_graphs.py). Penalties and n-gram bans read the host's counts and texts: a
+batch with a row that has them runs a pass at a time.
 """
 import numpy as np
 
@@ -57,6 +60,44 @@ def step(model, cache, texts, settings, draws, riders=()):
     return drafted[:, 0].tolist(), logits[:len(texts)].copy()
 
 
+def verify(model, cache, texts, q, drafts, k, u, v, settings, accept, riders=()):
+    """speculative.verify_with_target's steps from one replay: the target's pass over texts
+    (row b ending in its k[b] drafts, drafts [B, K], drawn from the draft's q [B, K, n_vocab]),
+    its distributions p [B, K+1, n_vocab] under each row's settings, and the tests and the
+    draw of `accept` (speculative.verify) at u [B, K] and v [B]: on the device its kernels,
+    cuda_sampling.accept; the stand-in runs `accept` itself. Returns (logits [B, K+1, n_vocab]
+    (a copy), n [B], token [B] as lists), the cache advanced over the texts as
+    kv_cache.next_logits advances it; or None where the graph cannot be recorded (as for
+    run_loop, and a q of another shape: then the verification runs as on the CPU)."""
+    params, hparams = model
+    (B, K), n_vocab = drafts.shape, hparams["n_vocab"]
+    if not (K and q.shape == (B, K, n_vocab) and recordable(model, cache, settings, riders)):
+        return None
+    inputs, n_new = static_inputs(model, cache, texts, np.asarray(k) + 1)  # [B, T]
+    if inputs is None:
+        return None
+    T, Bp = inputs.shape[1], cuda_graphs.bucket(B)
+    g = static_verification(model, cache, Bp, T, K)
+    g["layers"], g["settings"], g["accept"] = cache["layers"], list(settings) + [GREEDY] * (Bp - B), accept
+    numbers = np.array([cuda_sampling.kernel_settings(s, n_vocab) for s in g["settings"]])  # [B', 5]
+    padded = [np.concatenate([a, np.full((Bp - B, *a.shape[1:]), fill, a.dtype)])  # [B', ...]: k = 0, u = v = 1
+              for a, fill in ((drafts, 0), (np.asarray(k), 0), (u, 1.0), (v, 1.0))]
+    at = cuda_graphs.logits_at(n_new, np.asarray(k) + 1, K + 1)  # [B, K+1]
+    cuda_graphs.copy_in(g["inputs"], np.concatenate([
+        np.concatenate([inputs, np.zeros((Bp - B, T), np.int64)]).ravel(),
+        pass_positions(cache["lengths"], inputs, n_new, Bp).ravel(),
+        np.concatenate([at, np.zeros((Bp - B, K + 1), np.int64)]).ravel(),
+        cuda_sampling.verify_draws(*padded).ravel().view(np.int64),
+        np.repeat(numbers[:, None], K + 1, axis=1).ravel().view(np.int64)]))
+    cuda_graphs.copy_in(g["q"][:B], q)
+    logits = cuda_graphs.run(g)[:B]  # [B, K+1, n_vocab]
+    out = g["out"]
+    n, token = (out if isinstance(out, np.ndarray) else out.get())[:, :B]  # [B] each: the one copy out
+    cuda_sampling.checked(token)
+    cache["lengths"] += n_new  # (the pass stored its keys and values)
+    return logits.copy(), n.tolist(), token.tolist()
+
+
 def run_loop(model, cache, texts, k, settings, draws, riders):
     """The loop over texts drafting k[b] tokens for row b: (the drafted ids [B, K] on the host,
     and the graph's buffers q [K, B', n_vocab] and the last pass's logits [B', n_vocab]),
@@ -68,17 +109,12 @@ def run_loop(model, cache, texts, k, settings, draws, riders):
     when the loop runs."""
     params, hparams = model
     B, K = len(texts), max(k)
-    # the draws on the device: our sampling kernels chosen, or NumPy (the stand-in; the CPU's
-    # layout is refused by fits)
-    draws_here = isinstance(params["wpe"], np.ndarray) or cuda_sampling.takes(params["wpe"])
-    if not (K and draws_here and not any(s.uses_counts or s.no_repeat_ngram_size for s in settings)
-            and all(kb <= kv_cache.room(len(text), hparams["n_ctx"]) for kb, text in zip(k, texts))
-            and cuda_graphs.fits(model, cache, np.zeros((B, 1)), riders)):  # (a step of B rows, one token each)
+    if not (K and recordable(model, cache, settings, riders)
+            and all(kb <= kv_cache.room(len(text), hparams["n_ctx"]) for kb, text in zip(k, texts))):
         return None
-    kv_cache.prefill_alone(model, cache, texts, 1)  # as the first pass a pass at a time does
-    inputs, n_new = kv_cache.pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
-    if not cuda_graphs.fits(model, cache, inputs):
-        return None  # too many tokens for a static step (a restarted window): a pass at a time
+    inputs, n_new = static_inputs(model, cache, texts, 1)  # [B, T]
+    if inputs is None:
+        return None
     k, T, Bp = np.asarray(k), inputs.shape[1], cuda_graphs.bucket(B)
     loop = static_loop(model, cache, Bp, T, K)
     loop["layers"] = cache["layers"]  # (the rows of this step: cuda_graphs.step says why a view serves)
@@ -95,6 +131,35 @@ def run_loop(model, cache, texts, k, settings, draws, riders):
     return drafted, loop["q"], logits
 
 
+def recordable(model, cache, settings, riders):
+    """Whether a pass of these rows and its draws may be recorded: static steps for this model
+    and cache (cuda_graphs.fits, for B rows of one token), the draws on the device (our
+    sampling kernels chosen, or NumPy: the stand-in; the CPU's layout is refused by fits), no
+    riders, and no row's settings reading its counts or text (penalties, an n-gram ban)."""
+    wpe = model[0]["wpe"]
+    return ((isinstance(wpe, np.ndarray) or cuda_sampling.takes(wpe))
+            and not any(s.uses_counts or s.no_repeat_ngram_size for s in settings)
+            and cuda_graphs.fits(model, cache, np.zeros((len(settings), 1)), riders))
+
+
+def static_inputs(model, cache, texts, n_logits):
+    """The pass's inputs [B, T] and n_new [B] (kv_cache.next_logits's, after the same prefill
+    of long runs), or (None, None) where they are too many for a static step (a restarted
+    window): then the caller runs as on the CPU."""
+    kv_cache.prefill_alone(model, cache, texts, n_logits)
+    inputs, n_new = kv_cache.pending_inputs(cache, texts, model[1]["n_ctx"])  # [B, T]
+    return (inputs, n_new) if cuda_graphs.fits(model, cache, inputs) else (None, None)
+
+
+def pass_positions(lengths, inputs, n_new, Bp):
+    """Each token's position in a static step of B' rows over inputs [B, T] (row b: n_new[b]
+    real tokens from slot lengths[b] on): [B', T], -1 for padding."""
+    B, T = inputs.shape
+    positions = np.full((Bp, T), -1)  # [B', T]
+    positions[:B] = np.where(np.arange(T) < n_new[:, None], lengths[:, None] + np.arange(T), -1)
+    return positions
+
+
 def flat_inputs(lengths, inputs, n_new, k, u, settings):
     """The loop's inputs as one int64 buffer (`static_loop` views it): pass 0's ids and
     positions [B', T] and the token it needs logits at [B'], each later pass's positions
@@ -102,9 +167,9 @@ def flat_inputs(lengths, inputs, n_new, k, u, settings):
     then the draws u [K, B'] and each row's settings [B', 5] (cuda_sampling.kernel_settings),
     float64 both, as their bits."""
     (B, T), (K, Bp) = inputs.shape, u.shape
-    ids, positions = np.zeros((Bp, T), np.int64), np.full((Bp, T), -1)  # [B', T] each
+    ids = np.zeros((Bp, T), np.int64)  # [B', T]
     ids[:B] = inputs
-    positions[:B] = np.where(np.arange(T) < n_new[:, None], lengths[:, None] + np.arange(T), -1)
+    positions = pass_positions(lengths, inputs, n_new, Bp)  # [B', T]
     at = np.zeros(Bp, np.int64)  # [B']: each row's last real token of pass 0
     at[:B] = np.maximum(n_new - 1, 0)
     i = np.arange(1, K)  # [K - 1]: pass i reads draft i
@@ -152,17 +217,63 @@ def static_loop(model, cache, Bp, T, K):
     return cache["graphs"][key]
 
 
+def static_verification(model, cache, Bp, T, K):
+    """The verification of K drafts for B' rows, T tokens a row in the target's pass, made at
+    first use (cuda_graphs.run records and replays it): {"inputs" (`verify` fills it: ids and
+    positions [B', T], the tokens to take logits at [B', K+1], cuda_sampling.verify_draws [B',
+    2K+2] and each row's settings [B', K+1, 5], float64 both, as their bits), "q" [B', K,
+    n_vocab], "out" [2, B'] (n, token), "forward" (returns the logits [B', K+1, n_vocab]), ...}."""
+    params, hparams = model
+    key = ("verification", id(params), cuda_graphs.pointer(cache["layers"][0]["k"]), Bp, T, K)
+    if key not in cache["graphs"]:
+        wpe, P, n_vocab = params["wpe"], K + 1, hparams["n_vocab"]
+        sizes = np.cumsum([0, Bp * T, Bp * T, Bp * P, Bp * (2 * K + 2), Bp * P * 5])
+        buffer = np.zeros(sizes[-1], np.int64, like=wpe)
+        ids, positions, at = (buffer[sizes[i]:sizes[i + 1]].reshape(Bp, -1) for i in range(3))  # [B', T|T|K+1]
+        draws = buffer[sizes[3]:sizes[4]].view(np.float64).reshape(Bp, 2 * K + 2)  # [B', 2K+2]
+        settings = buffer[sizes[4]:].view(np.float64).reshape(Bp, P, 5)  # [B', K+1, 5]
+        every_token, rows = np.broadcast_to(np.arange(T, like=wpe), (Bp, T)), np.arange(Bp, like=wpe)[:, None]
+        p = np.zeros((Bp, P, n_vocab), np.float32, like=wpe)  # [B', K+1, n_vocab]
+        g = cache["graphs"][key] = {"inputs": buffer, "q": np.zeros((Bp, K, n_vocab), np.float32, like=wpe),
+                                    "out": np.zeros((2, Bp), np.int64, like=wpe), "layers": cache["layers"],
+                                    "settings": None, "accept": None, "uses": 0, "replay": None, "output": None,
+                                    "graph": None, "params": params}
+
+        def forward():
+            # logits at every token, then the K+1 wanted: as a pass at a time (cuda_graphs.step)
+            logits = cuda_graphs.pass_over(model, g["layers"], ids, positions, every_token)  # [B', T, n_vocab]
+            logits = logits[rows, at]  # [B', K+1, n_vocab]
+            distributions(logits, settings, g["settings"], p)
+            if isinstance(logits, np.ndarray):  # the stand-in: speculative.verify on its arrays
+                drafts, u, k, v = draws[:, :K].astype(np.int64), draws[:, K:2 * K], draws[:, 2 * K], draws[:, -1]
+                g["out"][...] = g["accept"](p, g["q"], drafts, k.astype(np.int64), u, v)
+            else:
+                cuda_sampling.accept(p, g["q"], draws, g["out"])
+            return logits
+        g["forward"] = forward
+    return cache["graphs"][key]
+
+
 def draw(logits, settings, row_settings, u, q, tokens):
-    """q = the distribution of logits [B, n_vocab], row b under its settings (on the device:
-    `settings` [B, 5], cuda_sampling.kernel_settings), and tokens [B] = a draw from it at u,
-    without the host: our kernels into the buffers given. The stand-in: sampling.py under
-    row_settings [B] (SamplingSettings), the rows that share settings in one call, as
-    batching.distributions groups them."""
+    """q = the distribution of logits [B, n_vocab], row b under its settings, and tokens [B] =
+    a draw from it at u, without the host: our kernels into the buffers given. The stand-in:
+    sampling.sample."""
+    distributions(logits, settings, row_settings, q)
+    if isinstance(logits, np.ndarray):
+        tokens[...] = sampling.sample(q, u)
+    else:
+        cuda_sampling.draw(q, u, tokens)
+
+
+def distributions(logits, settings, row_settings, out):
+    """out = the distribution of logits [B, ..., n_vocab], row b under its settings: on the
+    device one launch reading `settings` [B, ..., 5] (cuda_sampling.kernel_settings); the
+    stand-in: sampling.py under row_settings [B] (SamplingSettings), the rows that share
+    settings in one call, as batching.distributions groups them."""
     if isinstance(logits, np.ndarray):
         for s in dict.fromkeys(row_settings):
             rows = [b for b, x in enumerate(row_settings) if x == s]
-            q[rows] = sampling.probabilities(logits[rows], None, s)
-        tokens[...] = sampling.sample(q, u)
+            out[rows] = sampling.probabilities(logits[rows], None, s)
     else:
-        cuda_sampling.distribution_rows(logits, settings, q)
-        cuda_sampling.draw(q, u, tokens)
+        n_vocab = logits.shape[-1]
+        cuda_sampling.distribution_rows(logits.reshape(-1, n_vocab), settings.reshape(-1, 5), out.reshape(-1, n_vocab))

@@ -85,14 +85,20 @@ def step(model, cache, inputs, n_new, n_logits):
     static["layers"] = cache["layers"]
     copy_in(static["ids_positions"], ids_positions)
     logits = run(static)[:B]  # [B, T, n_vocab]: the batch's rows (a view of the graph's own output)
-    n_logits = np.broadcast_to(n_logits, (B,))  # [B]: which tokens' logits, as kv_cache.begin_pass picks them
-    at = n_new[:, None] - n_logits[:, None] + np.arange(n_logits.max())  # [B, n]
-    at = np.clip(at, 0, (n_new - 1).clip(0)[:, None])
+    n_logits = np.broadcast_to(n_logits, (B,))  # [B]
+    at = logits_at(n_new, n_logits, n_logits.max())  # [B, n]
     n = at.shape[1]
     first = at[0, 0] if n else 0
     if (at == first + np.arange(n)).all():  # every row the same tokens' (a step, a verification, a catch-up)
         return (logits if n == T else logits[:, first:first + n]).copy()  # [B, n, n_vocab]: a replay writes over
     return logits[np.asarray(np.arange(B)[:, None], like=logits), np.asarray(at, like=logits)]  # [B, n, n_vocab]
+
+
+def logits_at(n_new, n_logits, n):
+    """Which tokens' logits a pass gives, as kv_cache.begin_pass picks them: row b's last
+    n_logits[b] of its n_new[b] real tokens, then its last repeated up to n. [B, n]."""
+    at = n_new[:, None] - n_logits[:, None] + np.arange(n)  # [B, n]
+    return np.clip(at, 0, (n_new - 1).clip(0)[:, None])
 
 
 def run(static):
@@ -142,8 +148,9 @@ def pass_over(model, layers, ids, positions, logits_at):
 
 
 def copy_in(buffer, values):
-    """The host's values into a device buffer a graph reads: one copy (the stand-in: NumPy's)."""
-    if isinstance(buffer, np.ndarray):
+    """values (the host's, or the device's) into a device buffer a graph reads: one copy (the
+    stand-in: NumPy's)."""
+    if isinstance(buffer, np.ndarray) or not isinstance(values, np.ndarray):
         buffer[...] = values
     else:
         buffer.set(values)

@@ -387,23 +387,39 @@ def draw(probs, u, tokens):
 
 def verify(p, q, drafts, k, u, v):
     """speculative.verify on the device (its arguments, read there): the accepted n [B] and the
-    token [B], both on the host, in two launches (the tests and the residual, then `sample`'s
-    draw) and one copy each way, where NumPy's operations take ~25 calls into CuPy."""
+    token [B], both on the host, in two launches (`accept`) and one copy each way, where
+    NumPy's operations take ~25 calls into CuPy."""
     import cupy
     B, K = drafts.shape
-    P, n_vocab = p.shape[1:]
-    if q.shape != (B, K, n_vocab) or P <= K:
-        raise ValueError(f"verify: p {p.shape} and q {q.shape} do not fit {K} drafts a row")
-    draws = cupy.asarray(np.concatenate([drafts, u, np.reshape(k, (B, 1)), np.reshape(v, (B, 1))], axis=1,
-                                        dtype=np.float64))  # [B, 2K+2]
-    p, q = on_device(p, np.float32), on_device(q, np.float32)  # (q: a deterministic drafter's, on the host)
-    out, last, draw = cupy.empty((2, B), np.int64), cupy.empty((B, n_vocab), np.float32), cupy.empty(B, np.float64)
-    if B:
-        cuda.function(SOURCE, "residual")((B,), (THREADS,), (p, q, draws, out[0], last, draw, np.int32(P),
-                                                             np.int32(K), np.int32(n_vocab)))
-        cuda.function(SOURCE, "sample")((B,), (THREADS,), (last, draw, out[1], np.int32(n_vocab)))
+    out = cupy.empty((2, B), np.int64)  # [2, B]: n, token
+    accept(on_device(p, np.float32), on_device(q, np.float32),  # (q: a deterministic drafter's, on the host)
+           cupy.asarray(verify_draws(drafts, k, u, v)), out)
     accepted, tokens = out.get()  # [B] each
     return accepted, checked(tokens)
+
+
+def verify_draws(drafts, k, u, v):
+    """What `accept` reads of a verification besides p and q, as one float64 array [B, 2K+2]:
+    each row's drafts [B, K] (token ids, exact), its draws u [B, K], its k [B] and v [B]."""
+    B = len(drafts)
+    return np.concatenate([drafts, u, np.reshape(k, (B, 1)), np.reshape(v, (B, 1))], axis=1, dtype=np.float64)
+
+
+def accept(p, q, draws, out):
+    """speculative.verify's n and token into out [2, B] (int64; token -1 for a row that is not
+    a distribution), from p [B, K+1, n_vocab] and q [B, K, n_vocab] (float32) and draws
+    (verify_draws), all contiguous device arrays: two launches (the tests and the residual,
+    then `sample`'s draw), nothing the host waits for (a recorded graph's: cuda_decode_loop.py)."""
+    import cupy
+    B, P, n_vocab = p.shape
+    K = q.shape[1]
+    if q.shape != (B, K, n_vocab) or P <= K or draws.shape != (B, 2 * K + 2):
+        raise ValueError(f"verify: p {p.shape}, q {q.shape} and draws {draws.shape} do not fit {K} drafts a row")
+    last, v = cupy.empty((B, n_vocab), np.float32), cupy.empty(B, np.float64)  # the row drawn from, its draw
+    if B:
+        cuda.function(SOURCE, "residual")((B,), (THREADS,), (p, q, draws, out[0], last, v, np.int32(P),
+                                                             np.int32(K), np.int32(n_vocab)))
+        cuda.function(SOURCE, "sample")((B,), (THREADS,), (last, v, out[1], np.int32(n_vocab)))
 
 
 def on_device(a, dtype):

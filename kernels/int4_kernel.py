@@ -79,8 +79,8 @@ def _splat(builder, value, vector_type):
     """value (an integer argument) in every lane of vector_type."""
     value = builder.trunc(value, vector_type.element)
     lanes = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.IntType(32)(0))
-    return builder.shuffle_vector(lanes, ir.Constant(vector_type, ir.Undefined),
-                                  ir.Constant(ir.VectorType(ir.IntType(32), vector_type.count), [0] * vector_type.count))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), vector_type.count), [0] * vector_type.count)  # every lane: lane 0
+    return builder.shuffle_vector(lanes, ir.Constant(vector_type, ir.Undefined), zeros)
 
 
 def _nibbles(builder, address, mask, shift=None):
