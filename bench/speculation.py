@@ -19,7 +19,7 @@ import cost_model
 import speculative
 import utils
 from bench.common import GREEDY, ROOT, TOKENIZER_DIR, greedy, in_format, prompt_ids
-from cli.timing import draft_seconds, pass_seconds
+from cli.timing import draft_seconds, pass_seconds, step_seconds, verify_seconds
 
 
 def break_even_alpha(costs, K):
@@ -58,8 +58,9 @@ def settle(step, tries=20, within=0.05):
 
 
 def bench_speculative_costs(draft, target, args):
-    """The costs that decide speculative speed, each paired with target steps: verify(K+1)
-    for K = 1..K_max and one draft token (as drafting at K runs it: draft_seconds) with the
+    """The costs that decide speculative speed, each paired with target steps (as decoding
+    runs them: step_seconds): verify(K+1) for K = 1..K_max (as speculative decoding runs it:
+    verify_seconds) and one draft token (as drafting at K runs it: draft_seconds) with the
     full head and with vocabulary subsets, in target steps (and the draft's two-token
     catch-up pass over a one-token pass); the speedups they predict, and the acceptance
     rate at which each K breaks even. Each pass is the best of 3 (a single pass strays by
@@ -67,10 +68,11 @@ def bench_speculative_costs(draft, target, args):
     L = args.prompt_len
 
     def step():
-        return pass_seconds(target, L, reps=3)
+        return step_seconds(target, L, reps=3)
     settle(step)
-    verify = (1.0,) + tuple(paired(lambda: pass_seconds(target, L, K + 1, reps=3), step, args.reps)
-                            for K in range(1, args.K_max + 1))
+    def verification(K):
+        return verify_seconds(target, L, K, reps=3) or pass_seconds(target, L, K + 1, reps=3)
+    verify = (1.0,) + tuple(paired(lambda: verification(K), step, args.reps) for K in range(1, args.K_max + 1))
     drafts, catch_up = {}, {}
     for N in [0] + args.draft_vocabs:
         subset = speculative.vocab_subset(draft, [prompt_ids(L)], N)
@@ -152,12 +154,13 @@ def typical_pass(model, L, T=1, n_logits=None, reps=3):
 def costs_beside(draft, target, L, K):
     """(target step seconds, Costs) timed right before or after a run, so that the run and
     its prediction see the same machine: c, verify(K+1) (the only entry of the verify table
-    that is filled in, at index K) and the draft's catch-up pass, typical passes each (c where
-    the draft's K passes are one recorded graph: the best of three, draft_seconds)."""
-    step = typical_pass(target, L)
+    that is filled in, at index K) and the draft's catch-up pass, typical passes each (where
+    a step, a draft's K passes and a verification are recorded graphs, the best of three of
+    each as it runs: draft_seconds, verify_seconds)."""
+    step = draft_seconds(target, L, 1) or typical_pass(target, L)
     draft_pass = typical_pass(draft, L)
     draft_step = draft_seconds(draft, L, K) or draft_pass
-    verify = typical_pass(target, L, K + 1) / step
+    verify = (verify_seconds(target, L, K) or typical_pass(target, L, K + 1)) / step
     catch_up = typical_pass(draft, L, 2, n_logits=1) / draft_pass
     return step, cost_model.Costs(draft_step / step, (1.0,) + (float("nan"),) * (K - 1) + (verify,), catch_up)
 

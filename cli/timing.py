@@ -45,6 +45,32 @@ def draft_seconds(model, context, K=4, reps=3):
     return min(times[2:]) / K
 
 
+def step_seconds(model, context, reps=3):
+    """Seconds of one decode step as decoding runs it (the best of reps): where a pass and its
+    draw are one recorded graph (a GPU's kernels, cuda_decode_loop.step), its replay and the
+    ids out; elsewhere a pass (pass_seconds), the draw the host's."""
+    return draft_seconds(model, context, 1, reps) or pass_seconds(model, context, reps=reps)
+
+
+def verify_seconds(model, context, K=4, reps=3):
+    """Seconds of one verification of K drafts (the best of reps) where the target's pass, p
+    and the tests are one recorded graph (a GPU's kernels, cuda_decode_loop.verify): its
+    replay and n and the token out. None elsewhere: there it is a pass over K + 1 tokens
+    (pass_seconds), the tests the host's."""
+    params, hparams = model
+    text, cache = timed_text(model, context, K + 1)
+    drafts, greedy, times = np.array([text[context + 1:]]), [cuda_decode_loop.GREEDY], []  # [1, K]
+    q = np.full((1, K, hparams["n_vocab"]), 1 / hparams["n_vocab"], np.float32, like=params["wpe"])  # [1, K, n_vocab]
+    for _ in range(reps + 2):  # two warm-ups: the second records the graph the rest replay
+        cache["lengths"][:] = context
+        start = time.perf_counter()
+        if cuda_decode_loop.verify(model, cache, [text], q, drafts, [K], np.ones((1, K)), np.ones(1), greedy,
+                                   speculative.verify) is None:
+            return None
+        times.append(time.perf_counter() - start)  # (n and the token came back to the host: the GPU is done)
+    return min(times[2:])
+
+
 def timed_text(model, context, n):
     """A text of context + n tokens (0, 1, 2, ...: values do not change the time) and a one-row
     cache with room for it, its keys and values ones."""
@@ -64,8 +90,9 @@ def measure_costs(target, draft, K_max, draft_vocab=0, context=CONTEXT, K=4):
     """Costs measured on this machine: a draft token (drafting K at a time) and verify(K+1)
     for K = 0..K_max, in target decode steps. A few passes of each model; used to advise,
     never to decide (a decision on the clock would change the text from run to run)."""
-    step = pass_seconds(target, context, reps=REPS)
-    verify = (1.0,) + tuple(pass_seconds(target, context, K + 1, reps=REPS) / step for K in range(1, K_max + 1))
+    step = step_seconds(target, context, reps=REPS)
+    verify = (1.0,) + tuple((verify_seconds(target, context, K, REPS)
+                             or pass_seconds(target, context, K + 1, reps=REPS)) / step for K in range(1, K_max + 1))
     if draft is None:
         return cost_model.Costs(0.0, verify)
     draft = speculative.vocab_subset(draft, [list(range(context))], draft_vocab)

@@ -186,6 +186,24 @@ def test_a_timed_draft_token_is_a_replay_of_the_draft_loop_over_K(both, monkeypa
     assert timing.draft_seconds((params, hparams), 16, K=3, reps=2) is None and not ran
 
 
+def test_a_timed_step_and_verification_are_replays_of_their_graphs(both, monkeypatch):
+    """The benchmark's and main.py's decode step and verify(K+1) on a GPU: the replay of a step
+    with its draw, and of a verification of K drafts with its pass (the two runs before each
+    warm up and record). On the CPU, a pass, and no verification graph (None)."""
+    from cli import timing
+    hparams, params, dev = both
+    ran, run = [], cuda_graphs.run
+    monkeypatch.setattr(cuda_graphs, "run", lambda static: ran.append((sorted({"q", "accept"} & set(static)),
+                                                                       static["replay"] is not None)) or run(static))
+    assert timing.step_seconds((dev, hparams), 16, reps=2) > 0
+    assert timing.verify_seconds((dev, hparams), 16, K=3, reps=2) > 0
+    assert ran == [(["q"], False)] * 2 + [(["q"], True)] * 2 + [(["accept", "q"], False)] * 2 + [
+        (["accept", "q"], True)] * 2
+    ran.clear()
+    assert timing.step_seconds((params, hparams), 16, reps=2) > 0 and not ran
+    assert timing.verify_seconds((params, hparams), 16, K=3, reps=2) is None and not ran
+
+
 def test_the_decode_loop_leaves_what_it_cannot_record_and_records_a_graph_whatever_the_settings(both):
     """A row's penalties or n-gram ban, riders, no drafts: None, nothing drawn, nothing cached
     (a pass at a time does it all). Each row's settings are its own and the graph's data, not
