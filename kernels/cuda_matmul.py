@@ -46,8 +46,8 @@ UNROLL = 2
 KERNELS = "".join(f"#define {name} {value}\n" for name, value in
                   (("ROWS", ROWS), ("ROWS_BLOCK", ROWS_BLOCK), ("COLS_WIDE", COLS_WIDE), ("WARPS", WARPS))) + r"""
 // y[r, j] = tail(sum_k x[r, k] w[j, k]) for r < R: w [n_out, n_in], x [R, n_in], y [R, n_out].
-// The tail is what gpt2.py does next to a product, done as it is stored: + b[j], then gelu (if
-// gelu), then + res[r, j] (if has_res): one launch instead of two to eleven. With LN, x is
+// The tail is what gpt2.py does next to a product, done as it is stored: + b[j] (if has_bias),
+// then gelu (if gelu), then + res[r, j] (if has_res): one launch instead of two to eleven. With LN, x is
 // layer-normed on the way in (gamma ln_g, beta ln_b), as gpt2.py does before the block's
 // products: each block first takes its rows' mean and 1 / deviation, a warp a row (the same sums
 // whatever the block's other rows), then normalizes each input as it loads it. LN is a
@@ -56,7 +56,7 @@ KERNELS = "".join(f"#define {name} {value}\n" for name, value in
 // rows ROWS_BLOCK * (i / out_blocks) on.
 template <typename T, int COLS, bool LN>
 __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict__ x, const T* __restrict__ b,
-                                   const T* res, T* y, int R, int n_in, int n_out, int gelu, int has_res,
+                                   const T* res, T* y, int R, int n_in, int n_out, int has_bias, int gelu, int has_res,
                                    const T* __restrict__ ln_g, const T* __restrict__ ln_b, float eps) {
     __shared__ float mean[ROWS_BLOCK], rsd[ROWS_BLOCK];  // the layer norm's statistics of the block's rows
     int warps = blockDim.x / 32, out_blocks = (n_out + warps * COLS - 1) / (warps * COLS);
@@ -134,7 +134,7 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
                 float s = warp_sum(acc[r][c]);
                 if (lane == 0 && c < m) {
                     size_t at = (size_t)(r0 + r) * n_out + j0 + c;
-                    s += load(b + j0 + c);
+                    if (has_bias) s += load(b + j0 + c);
                     if (gelu) s = 0.5f * s * (1.0f + tanhf(0.7978845608028654f * (s + 0.044715f * s * s * s)));
                     if (has_res) s = load(res + at) + s;
                     store(y + at, s);
@@ -144,9 +144,9 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
     }
 }
 #define ROWS_TIMES_COLUMNS(T, COLS, LN, BOUNDS, NAME) extern "C" __global__ void BOUNDS NAME(const T* w,  \
-    const T* x, const T* b, const T* res, T* y, int R, int n_in, int n_out, int gelu, int has_res,         \
-    const T* ln_g, const T* ln_b, float eps) {                                                             \
-    rows_times_columns<T, COLS, LN>(w, x, b, res, y, R, n_in, n_out, gelu, has_res, ln_g, ln_b, eps); }
+    const T* x, const T* b, const T* res, T* y, int R, int n_in, int n_out, int has_bias, int gelu,        \
+    int has_res, const T* ln_g, const T* ln_b, float eps) {                                                \
+    rows_times_columns<T, COLS, LN>(w, x, b, res, y, R, n_in, n_out, has_bias, gelu, has_res, ln_g, ln_b, eps); }
 #define ROWS_TIMES_COLUMNS_ALL(COLS, BOUNDS, NAME)                            \
     ROWS_TIMES_COLUMNS(float, COLS, false, BOUNDS, NAME##_f32)                \
     ROWS_TIMES_COLUMNS(unsigned short, COLS, false, BOUNDS, NAME##_f16)       \
@@ -203,7 +203,7 @@ def launch(rows, w, b, gelu=False, res=None, norm=None, code=SOURCE):
     rows = cupy.ascontiguousarray(rows, dtype=w.dtype)
     out = cupy.empty((n, w.shape[0]), w.dtype)  # [n, n_out]
     res = out if res is None else cupy.ascontiguousarray(res, dtype=w.dtype)  # (not read without has_res)
-    b = cupy.zeros(w.shape[0], w.dtype) if b is None else b  # [n_out]: a plain product adds 0, exactly
+    has_bias, b = b is not None, w if b is None else b  # [n_out] (w: never read by the kernel without has_bias)
     ln = (w, w) if norm is None else (norm["g"], norm["b"])  # (w: never read by the kernel without _ln)
     if any(a.dtype != w.dtype for a in (b, *ln)):  # the kernel reads every array as the weights' dtype
         raise TypeError(f"the bias and layer norm must be of the weights' dtype, {w.dtype}, not "
@@ -214,7 +214,8 @@ def launch(rows, w, b, gelu=False, res=None, norm=None, code=SOURCE):
     blocks = -(-w.shape[0] // (WARPS * cols)) * -(-n // ROWS_BLOCK)  # cols outputs a warp, ROWS_BLOCK rows a block
     if blocks:  # (none: no rows; CuPy would still launch a block)
         kernel((blocks,), (32 * WARPS,), (w, rows, b, res, out, np.int32(n), np.int32(n_in), np.int32(w.shape[0]),
-                                          np.int32(gelu), np.int32(res is not out), *ln, np.float32(1e-5)))  # its eps
+                                          np.int32(has_bias), np.int32(gelu), np.int32(res is not out), *ln,
+                                          np.float32(1e-5)))  # gpt2.layer_norm's eps
     return out
 
 
