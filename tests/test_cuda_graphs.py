@@ -352,6 +352,17 @@ def test_the_recorded_verification_accepts_what_a_verification_after_its_pass_ac
     assert len({len(logits[0]) for logits, _, _ in runs[0][1]}) > (2 if adaptive else 1)  # steps of several K
 
 
+def test_prompt_lookup_verifies_its_drafts_through_the_recorded_verification(both, monkeypatch):
+    """A drafter without a model (q one-hot on the host, copied into the graph's q): the text
+    is the CPU's greedy text, and the steps with drafts were verified by the recorded graph."""
+    hparams, params, dev = both
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5 + [9]]
+    seen, graphs = watch_verification(monkeypatch, True)
+    got, stats = speculative.speculative_generate(batching.requests(prompts, 30, GREEDY), (dev, hparams),
+                                                  speculative.PROMPT_LOOKUP)
+    assert got == generate(params, hparams, 30, prompts=prompts) and stats.drafted and graphs
+
+
 def test_a_draft_with_a_smaller_window_drafts_a_pass_at_a_time_where_it_would_restart(both, monkeypatch):
     """A draft of n_ctx 32 for the target's 64: where a row's drafts would pass the draft's
     window, the loop leaves them to a pass at a time (which restarts the window between
@@ -565,6 +576,17 @@ def test_the_recorded_verification_on_the_device_accepts_what_one_after_its_pass
     assert runs[0] == runs[1]
     if settings is GREEDY:
         assert runs[0][0] == generate(params, hparams, 40, prompts=SMALL_PROMPTS)
+
+
+def test_prompt_lookup_on_the_device_verifies_through_the_recorded_verification(cupy, small, monkeypatch):
+    """q one-hot on the host, copied into the recorded verification's q: the CPU's greedy text."""
+    monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
+    hparams, params = small
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5 + [9]]
+    seen, graphs = watch_verification(monkeypatch, True)
+    got, stats = speculative.speculative_generate(batching.requests(prompts, 20, GREEDY), on_device(cupy, small),
+                                                  speculative.PROMPT_LOOKUP)
+    assert got == generate(params, hparams, 20, prompts=prompts) and stats.drafted and graphs
 
 
 def test_rows_of_their_own_settings_moving_under_one_recorded_graph_keep_their_texts(cupy, small, monkeypatch):
