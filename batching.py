@@ -369,10 +369,11 @@ def uniforms(batch, n):
 def autoregressive_step(batch, model):
     """Every row gains one token, sampled from the model's next-token distribution."""
     texts = token_ids(batch)
-    drawn = cuda_decode_loop.step(model, cache(batch, "target"), texts, [seq.request.settings for seq in batch.seqs],
-                                  lambda: uniforms(batch, 1), batch.riders.get("target", ()))
+    settings = [seq.request.settings for seq in batch.seqs]
+    drawn = cuda_decode_loop.step(model, cache(batch, "target"), texts, settings, lambda: uniforms(batch, 1),
+                                  batch.riders.get("target", ()), want_logits=batch.callback is not None)
     if drawn is not None:  # a GPU's kernels: the pass and its draw recorded as one CUDA graph
-        tokens, logits = drawn  # [B], [B, n_vocab]
+        tokens, logits = drawn  # [B], [B, n_vocab] (None: no callback to read them)
     else:
         logits = kv_cache.next_logits(model, cache(batch, "target"), texts,
                                       riders=batch.riders.pop("target", ()))[:, 0]  # [B, n_vocab]
@@ -381,7 +382,7 @@ def autoregressive_step(batch, model):
             tokens = np.argmax(logits, axis=-1).tolist()  # [B]: one launch on a GPU, and only the ids leave it
         else:
             tokens = sampling.sample(distributions(batch, logits), u).tolist()  # [B]: only these leave a GPU
-    logits = logits[:, None]  # [B, 1, n_vocab]
+    logits = None if logits is None else logits[:, None]  # [B, 1, n_vocab]
     for b, token in enumerate(tokens):
         emit(batch, b, [token], logits=logits)
     batch.stats.step_done()

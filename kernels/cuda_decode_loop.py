@@ -49,24 +49,25 @@ def draft(model, cache, texts, k, settings, draws, riders=()):
     return [drafted[b, :kb].tolist() for b, kb in enumerate(k)], q.transpose(1, 0, 2)[:len(texts)]
 
 
-def step(model, cache, texts, settings, draws, riders=()):
+def step(model, cache, texts, settings, draws, riders=(), want_logits=True):
     """batching.autoregressive_step's next token of each text, and the logits [B, n_vocab] it
-    was drawn from (a copy), from one replay of the loop with K = 1: a pass and its draw;
+    was drawn from (a copy; None unless want_logits: on a GPU the copy is two calls into
+    CuPy, for a callback only), from one replay of the loop with K = 1: a pass and its draw;
     None where the loop cannot be recorded (then the step runs as on the CPU)."""
     ran = run_loop(model, cache, texts, [1] * len(texts), settings, draws, riders)
     if ran is None:
         return None
     drafted, _, logits = ran
-    return drafted[:, 0].tolist(), logits[:len(texts)].copy()
+    return drafted[:, 0].tolist(), logits[:len(texts)].copy() if want_logits else None
 
 
-def verify(model, cache, texts, q, drafts, k, u, v, settings, accept, riders=()):
+def verify(model, cache, texts, q, drafts, k, u, v, settings, accept, riders=(), want_logits=True):
     """speculative.verify_with_target's steps from one replay: the target's pass over texts
     (row b ending in its k[b] drafts, drafts [B, K], drawn from the draft's q [B, K, n_vocab]),
     its distributions p [B, K+1, n_vocab] under each row's settings, and the tests and the
     draw of `accept` (speculative.verify) at u [B, K] and v [B]: on the device its kernels,
     cuda_sampling.accept; the stand-in runs `accept` itself. Returns (logits [B, K+1, n_vocab]
-    (a copy), n [B], token [B] as lists), the cache advanced over the texts as
+    (a copy; None unless want_logits), n [B], token [B] as lists), the cache advanced over the texts as
     kv_cache.next_logits advances it; or None where the graph cannot be recorded (as for
     run_loop, and a q of another shape: then the verification runs as on the CPU)."""
     params, hparams = model
@@ -90,12 +91,12 @@ def verify(model, cache, texts, q, drafts, k, u, v, settings, accept, riders=())
         cuda_sampling.verify_draws(*padded).ravel().view(np.int64),
         np.repeat(numbers[:, None], K + 1, axis=1).ravel().view(np.int64)]))
     cuda_graphs.copy_in(g["q"][:B], q)
-    logits = cuda_graphs.run(g)[:B]  # [B, K+1, n_vocab]
+    logits = cuda_graphs.run(g)  # [B', K+1, n_vocab]
     out = g["out"]
     n, token = (out if isinstance(out, np.ndarray) else out.get())[:, :B]  # [B] each: the one copy out
     cuda_sampling.checked(token)
     cache["lengths"] += n_new  # (the pass stored its keys and values)
-    return logits.copy(), n.tolist(), token.tolist()
+    return logits[:B].copy() if want_logits else None, n.tolist(), token.tolist()
 
 
 def run_loop(model, cache, texts, k, settings, draws, riders):
