@@ -148,12 +148,12 @@ def pass_over(model, layers, ids, positions, logits_at):
 
 
 def copy_in(buffer, values):
-    """values (the host's, or the device's) into a device buffer a graph reads: one copy (the
-    stand-in: NumPy's)."""
+    """values (the host's, or the device's) into a device buffer a graph reads, as its dtype:
+    one copy (the stand-in: NumPy's)."""
     if isinstance(buffer, np.ndarray) or not isinstance(values, np.ndarray):
         buffer[...] = values
     else:
-        buffer.set(values)
+        buffer.set(np.ascontiguousarray(values, dtype=buffer.dtype))  # (set takes its own dtype only)
 
 
 def pointer(a):

@@ -232,6 +232,36 @@ def test_the_decode_loop_leaves_what_it_cannot_record_and_records_a_graph_whatev
     assert [key[3:] for key in cache["graphs"] if key[0] == "decode loop"] == [(2, 4, 3), (2, 1, 3)]  # (B', T, K)
 
 
+def verification_args(model, drafts, q_dtype=np.float32):
+    """cuda_decode_loop.verify's arguments after the texts (q uniform on the host)."""
+    (B, K), n_vocab = drafts.shape, model[1]["n_vocab"]
+    return (np.full((B, K, n_vocab), 1 / n_vocab, q_dtype), drafts, [K] * B, np.full((B, K), 0.5), np.full(B, 0.5))
+
+
+def test_the_verification_leaves_what_it_cannot_record(both):
+    """A row's penalties or n-gram ban, riders, no drafts, a q that is not [B, K, n_vocab]:
+    None, nothing cached (the verification after its pass does it all); then a verification
+    of two drafts a row caches the texts and accepts up to 2."""
+    hparams, _, dev = both
+    model = (dict(dev, blocks=dev["blocks"][:1]), dict(hparams, n_layer=1))
+    cache = kv_cache.init_cache(model[1], 2, hparams["n_ctx"], like=dev["wpe"])
+    drafts = np.array([[5, 6], [7, 8]])
+    texts = [list(PROMPTS[0]) + [5, 6], list(PROMPTS[2]) + [7, 8]]
+    q, _, k, u, v = verification_args(model, drafts)
+    banning = sampling.SamplingSettings(temperature=0.8, no_repeat_ngram_size=2)
+    riders = [(kv_cache.rows(cache, 1, 2), texts[1], 1)]
+    for args, settings, riders in (((q, drafts), [SAMPLED] * 2, ()), ((q, drafts), [GREEDY, banning], ()),
+                                   ((q, drafts), [GREEDY] * 2, riders), ((q[:, :0], drafts[:, :0]), [GREEDY] * 2, ()),
+                                   ((q[:, :, :-1], drafts), [GREEDY] * 2, ()), ((q[:1], drafts), [GREEDY] * 2, ())):
+        assert cuda_decode_loop.verify(model, cache, texts, *args, k, u, v, settings, speculative.verify,
+                                       riders) is None
+        assert not cache["lengths"].any()
+    logits, n, token = cuda_decode_loop.verify(model, cache, texts, q, drafts, k, u, v, [GREEDY] * 2,
+                                               speculative.verify)
+    assert logits.shape == (2, 3, hparams["n_vocab"]) and all(0 <= nb <= 2 for nb in n) and len(token) == 2
+    assert list(cache["lengths"]) == [len(text) for text in texts]
+
+
 @pytest.mark.parametrize("settings", [GREEDY, SAMPLED, UNPENALIZED], ids=["greedy", "penalized", "sampled"])
 def test_text_through_recorded_steps_equals_the_cpu_path(both, settings):
     """60 tokens on the tiny model (n_ctx 64): every row's window restarts on the way."""
@@ -549,8 +579,9 @@ def test_the_recorded_draft_loop_on_the_device_drafts_what_a_pass_at_a_time_draf
         assert runs[0][0] == generate(params, hparams, 40, prompts=SMALL_PROMPTS)
 
 
-@pytest.mark.parametrize("settings, dtype", [(GREEDY, "float32"), (UNPENALIZED, "float32"), (UNPENALIZED, "float16")],
-                         ids=["greedy", "sampled", "sampled-float16"])
+@pytest.mark.parametrize("settings, dtype", [(GREEDY, "float32"), (UNPENALIZED, "float32"), (UNPENALIZED, "float16"),
+                                             ([UNPENALIZED, GREEDY, MIN_P], "float32")],
+                         ids=["greedy", "sampled", "sampled-float16", "each row its settings"])
 def test_the_recorded_verification_on_the_device_accepts_what_one_after_its_pass_accepts(cupy, small, monkeypatch,
                                                                                         settings, dtype):
     """Our kernels verifying a 1-layer draft's drafts with adaptive K: the target's pass, p and
@@ -568,10 +599,11 @@ def test_the_recorded_verification_on_the_device_accepts_what_one_after_its_pass
     for looped in (True, False):
         with monkeypatch.context() as m:
             seen, graphs = watch_verification(m, looped)
-            texts, stats = speculative.speculative_generate(batching.requests(SMALL_PROMPTS, 40, settings, 5), model,
-                                                            draft, config)
+            each = settings if isinstance(settings, list) else [settings] * len(SMALL_PROMPTS)
+            reqs = [batching.Request(tuple(p), 40, s, seed=5 + b) for b, (p, s) in enumerate(zip(SMALL_PROMPTS, each))]
+            texts, stats = speculative.speculative_generate(reqs, model, draft, config)
             runs.append((texts, seen))
-        assert (len(graphs) == len(seen)) if looped else not graphs
+        assert any(replayed) == looped and 0 < stats.acceptance_rate < 1, (looped, any(replayed), stats.acceptance_rate, len(graphs), len(seen))
         assert any(replayed) == looped and 0 < stats.acceptance_rate < 1
         replayed.clear()
     assert runs[0] == runs[1]
@@ -580,14 +612,33 @@ def test_the_recorded_verification_on_the_device_accepts_what_one_after_its_pass
 
 
 def test_prompt_lookup_on_the_device_verifies_through_the_recorded_verification(cupy, small, monkeypatch):
-    """q one-hot on the host, copied into the recorded verification's q: the CPU's greedy text."""
+    """q one-hot on the host, copied into the recorded verification's q: the CPU's greedy text,
+    the verification replayed."""
     monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
     hparams, params = small
     prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5 + [9]]
     seen, graphs = watch_verification(monkeypatch, True)
+    replayed, run = [], cuda_graphs.run
+    monkeypatch.setattr(cuda_graphs, "run", lambda static: replayed.append(
+        "accept" in static and static["replay"] is not None) or run(static))
     got, stats = speculative.speculative_generate(batching.requests(prompts, 20, GREEDY), on_device(cupy, small),
                                                   speculative.PROMPT_LOOKUP)
-    assert got == generate(params, hparams, 20, prompts=prompts) and stats.drafted and graphs
+    assert got == generate(params, hparams, 20, prompts=prompts) and stats.drafted and graphs and any(replayed)
+
+
+def test_a_host_q_of_another_dtype_is_verified_as_float32_on_the_device(cupy, small, monkeypatch):
+    """A drafter of one's own may hand q in float64: the recorded verification takes it as the
+    float32 it keeps (as the verification after its pass converts it), the same n and token."""
+    monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
+    hparams, _ = small
+    model = on_device(cupy, small)
+    drafts, texts, got = np.array([[5, 6], [7, 8]]), [SMALL_PROMPTS[0] + [5, 6], SMALL_PROMPTS[2] + [7, 8]], []
+    for dtype in (np.float32, np.float64):
+        cache = kv_cache.init_cache(hparams, 2, hparams["n_ctx"], like=model[0]["wpe"])
+        q, _, k, u, v = verification_args(model, drafts, dtype)
+        got.append(cuda_decode_loop.verify(model, cache, texts, q, drafts, k, u, v, [GREEDY] * 2, speculative.verify,
+                                           want_logits=False))
+    assert got[0] == got[1] and got[0][0] is None
 
 
 def test_rows_of_their_own_settings_moving_under_one_recorded_graph_keep_their_texts(cupy, small, monkeypatch):
