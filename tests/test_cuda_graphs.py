@@ -377,7 +377,8 @@ def test_the_recorded_verification_accepts_what_a_verification_after_its_pass_ac
             seen, graphs = watch_verification(m, looped)
             texts, stats = spec(dev, hparams, 60, 4, settings, seed=5, adaptive=adaptive)
             runs.append((texts, seen))
-        assert len(graphs) == len(seen) if looped else not graphs
+        drafted = sum(len(logits[0]) > 1 for logits, _, _ in seen)  # (a step without drafts has no graph)
+        assert (len(graphs) == drafted > len(seen) // 2) if looped else not graphs
         assert 0 < stats.acceptance_rate < 1
     assert runs[0] == runs[1]
     assert len({len(logits[0]) for logits, _, _ in runs[0][1]}) > (2 if adaptive else 1)  # steps of several K
@@ -603,7 +604,8 @@ def test_the_recorded_verification_on_the_device_accepts_what_one_after_its_pass
             reqs = [batching.Request(tuple(p), 40, s, seed=5 + b) for b, (p, s) in enumerate(zip(SMALL_PROMPTS, each))]
             texts, stats = speculative.speculative_generate(reqs, model, draft, config)
             runs.append((texts, seen))
-        assert any(replayed) == looped and 0 < stats.acceptance_rate < 1, (looped, any(replayed), stats.acceptance_rate, len(graphs), len(seen))
+        drafted = sum(len(logits[0]) > 1 for logits, _, _ in seen)  # (a step without drafts has no graph)
+        assert (len(graphs) == drafted > len(seen) // 2) if looped else not graphs
         assert any(replayed) == looped and 0 < stats.acceptance_rate < 1
         replayed.clear()
     assert runs[0] == runs[1]
