@@ -552,6 +552,20 @@ def test_greedy_text_on_the_device_equals_the_cpus(cupy, small, K, monkeypatch):
     assert replayed
 
 
+def device_speculation(cupy, small, monkeypatch, dtype, field):
+    """(hparams, params, the model on the device in dtype, its first layer as the draft, K = 4
+    adaptive, [whether each run of a static step with `field` (the draft loop's "q", the
+    verification's "accept") was a replay]), our kernels chosen."""
+    monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
+    hparams, params = small
+    model = on_device(cupy, small, dtype)
+    draft = speculative.model_drafter((dict(model[0], blocks=model[0]["blocks"][:1]), dict(hparams, n_layer=1)))
+    replayed, run = [], cuda_graphs.run
+    monkeypatch.setattr(cuda_graphs, "run", lambda static: replayed.append(
+        field in static and static["replay"] is not None) or run(static))
+    return hparams, params, model, draft, speculative.SpeculativeConfig(K=4, adaptive=True, costs=CHEAP), replayed
+
+
 @pytest.mark.parametrize("settings, dtype", [(GREEDY, "float32"), (UNPENALIZED, "float32"), (UNPENALIZED, "float16")],
                          ids=["greedy", "sampled", "sampled-float16"])
 def test_the_recorded_draft_loop_on_the_device_drafts_what_a_pass_at_a_time_drafts(cupy, small, monkeypatch,
@@ -559,14 +573,8 @@ def test_the_recorded_draft_loop_on_the_device_drafts_what_a_pass_at_a_time_draf
     """Our kernels drafting with a 1-layer draft and adaptive K: the K passes and draws recorded
     and replayed as one graph give the drafts, draws and q (bit for bit) of a pass at a time,
     and greedy gives the CPU's greedy text."""
-    monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
-    hparams, params = small
-    model = on_device(cupy, small, dtype)
-    draft = speculative.model_drafter((dict(model[0], blocks=model[0]["blocks"][:1]), dict(hparams, n_layer=1)))
-    config = speculative.SpeculativeConfig(K=4, adaptive=True, costs=CHEAP)
-    runs, replayed, run = [], [], cuda_graphs.run
-    monkeypatch.setattr(cuda_graphs, "run", lambda static: replayed.append(
-        "q" in static and static["replay"] is not None) or run(static))
+    hparams, params, model, draft, config, replayed = device_speculation(cupy, small, monkeypatch, dtype, "q")
+    runs = []
     for looped in (True, False):
         with monkeypatch.context() as m:
             seen, loops = watch_verify(m, looped)
@@ -589,14 +597,8 @@ def test_the_recorded_verification_on_the_device_accepts_what_one_after_its_pass
     the verification (cuda_sampling.accept) recorded and replayed as one graph give the
     logits, accepted n and tokens of the verification after its pass (bit for bit), and
     greedy gives the CPU's greedy text."""
-    monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
-    hparams, params = small
-    model = on_device(cupy, small, dtype)
-    draft = speculative.model_drafter((dict(model[0], blocks=model[0]["blocks"][:1]), dict(hparams, n_layer=1)))
-    config = speculative.SpeculativeConfig(K=4, adaptive=True, costs=CHEAP)
-    runs, replayed, run = [], [], cuda_graphs.run
-    monkeypatch.setattr(cuda_graphs, "run", lambda static: replayed.append(
-        "accept" in static and static["replay"] is not None) or run(static))
+    hparams, params, model, draft, config, replayed = device_speculation(cupy, small, monkeypatch, dtype, "accept")
+    runs = []
     for looped in (True, False):
         with monkeypatch.context() as m:
             seen, graphs = watch_verification(m, looped)
