@@ -23,8 +23,9 @@ threads a row:
 - `sample`: sampling.sample's inversion of the CDF at u (float64 running sums, a prefix
   sum across the block), and -1 for a row that is not a distribution.
 - `verify`: speculative.verify, the drafts' acceptance tests and the residual max(0, p - q)
-  in one launch, then `sample`'s draw from it: two launches, one copy each way, where
-  speculative.py's NumPy operations on device arrays would be ~25 calls into CuPy.
+  in one launch, then `sample`'s draw from it: two launches (`accept`, which a recorded
+  verification holds), one copy each way, where speculative.py's NumPy operations on device
+  arrays would be ~25 calls into CuPy.
 
 The distribution's bits can differ from NumPy's in the last place (exp, and sums added in
 another order), so a token whose cumulative mass falls within rounding of top_p's cut
