@@ -86,7 +86,7 @@ def speculative_step(batch, target, drafter, config):
     d = kv_cache.pad_right(drafts)[0][:, :q.shape[1]]  # [B, K]: the drafts, right-padded
     u = batching.uniforms(batch, k)[:, :q.shape[1]]  # [B, K]: one draw per draft, to accept or reject it
     v = batching.uniforms(batch, 1)[:, 0]  # [B]: one draw for the token from p_{n+1} or the residual
-    logits, n, token = verify_with_target(batch, target, drafts, q, d, k, u, v)  # 2-4.
+    logits, n, token = verify_with_target(batch, target, drafts, q, d, k, u, v)  # 2-4. p from ONE pass; n, 1 token
     t2 = time.perf_counter()
     for b, seq in enumerate(batch.seqs):  # 5. emit; each row remembers how its drafts fared
         batching.emit(batch, b, drafts[b][:n[b]] + [token[b]], n[b], logits)
