@@ -60,7 +60,8 @@ def verify_seconds(model, context, K=4, reps=3):
     params, hparams = model
     text, cache = timed_text(model, context, K + 1)
     drafts, greedy, times = np.array([text[context + 1:]]), [cuda_decode_loop.GREEDY], []  # [1, K]
-    q = np.full((1, K, hparams["n_vocab"]), 1 / hparams["n_vocab"], np.float32, like=params["wpe"])  # [1, K, n_vocab]
+    q = np.zeros((1, K, hparams["n_vocab"]), np.float32, like=params["wpe"])  # [1, K, n_vocab]
+    q.fill(1 / hparams["n_vocab"])  # (not np.full(like=): kv_cache.init_cache says why)
     for _ in range(reps + 2):  # two warm-ups: the second records the graph the rest replay
         cache["lengths"][:] = context
         start = time.perf_counter()

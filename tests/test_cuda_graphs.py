@@ -645,6 +645,17 @@ def test_a_host_q_of_another_dtype_is_verified_as_float32_on_the_device(cupy, sm
     assert got[0] == got[1] and got[0][0] is None
 
 
+def test_the_costs_on_the_device_are_timed_as_decoding_runs_them(cupy, small, monkeypatch):
+    """main.py's advice and the benchmark time a step, a draft token and a verification on the
+    device as replays of their recorded graphs (test_a_timed_step_and_verification_...)."""
+    from cli import timing
+    monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
+    model = on_device(cupy, small)
+    count = replays(monkeypatch)
+    assert timing.step_seconds(model, 8, reps=1) > 0 and timing.draft_seconds(model, 8, K=2, reps=1) > 0
+    assert timing.verify_seconds(model, 8, K=2, reps=1) > 0 and len(count) == 3
+
+
 def test_rows_of_their_own_settings_moving_under_one_recorded_graph_keep_their_texts(cupy, small, monkeypatch):
     """Four requests, each with settings of its own, decoded in the bucket of 4: as they
     finish, the last row moves into the freed one (batching.remove) and the same graph replays
