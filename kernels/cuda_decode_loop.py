@@ -67,9 +67,9 @@ def verify(model, cache, texts, q, drafts, k, u, v, settings, accept, riders=(),
     its distributions p [B, K+1, n_vocab] under each row's settings, and the tests and the
     draw of `accept` (speculative.verify) at u [B, K] and v [B]: on the device its kernels,
     cuda_sampling.accept; the stand-in runs `accept` itself. Returns (logits [B, K+1, n_vocab]
-    (a copy; None unless want_logits), n [B], token [B] as lists), the cache advanced over the texts as
-    kv_cache.next_logits advances it; or None where the graph cannot be recorded (as for
-    run_loop, and a q of another shape: then the verification runs as on the CPU)."""
+    (a copy; None unless want_logits), n [B], token [B] as lists), the cache advanced over
+    the texts as kv_cache.next_logits advances it; or None where the graph cannot be recorded
+    (as for run_loop, and a q of another shape: then the verification runs as on the CPU)."""
     params, hparams = model
     (B, K), n_vocab = drafts.shape, hparams["n_vocab"]
     if not (K and q.shape == (B, K, n_vocab) and recordable(model, cache, settings, riders)):
@@ -246,8 +246,8 @@ def static_verification(model, cache, Bp, T, K):
             logits = logits[rows, at]  # [B', K+1, n_vocab]
             distributions(logits, settings, g["settings"], p)
             if isinstance(logits, np.ndarray):  # the stand-in: speculative.verify on its arrays
-                drafts, u, k, v = draws[:, :K].astype(np.int64), draws[:, K:2 * K], draws[:, 2 * K], draws[:, -1]
-                g["out"][...] = g["accept"](p, g["q"], drafts, k.astype(np.int64), u, v)
+                drafts, k = draws[:, :K].astype(np.int64), draws[:, 2 * K].astype(np.int64)  # [B', K], [B']
+                g["out"][...] = g["accept"](p, g["q"], drafts, k, draws[:, K:2 * K], draws[:, -1])  # u, v
             else:
                 cuda_sampling.accept(p, g["q"], draws, g["out"])
             return logits
