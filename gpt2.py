@@ -104,9 +104,9 @@ def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, state=None):
     """Logits of a batch of token ids inputs [B, T]: [B, T, n_vocab] at every position, as
     picoGPT (state None: gpt2(np.array([ids]), **params, n_head=hparams["n_head"])); with
     state, [B, n, n_vocab] at only the n positions of each row in state.logits_at [B, n]
-    (the 50257-wide head is the largest product of a step). state, a kv_cache.Pass (section
-    3), also holds each token's position, each layer's attend, and the layer norm and
-    transformer_block the pass runs."""
+    (the 50257-wide head is the largest product of a step; None: at all T). state, a
+    kv_cache.Pass (section 3), also holds each token's position, each layer's attend, and
+    the layer norm and transformer_block the pass runs."""
     if state is None:  # picoGPT: the whole text, no cache
         positions, attends = np.arange(inputs.shape[1]), [None] * len(blocks)  # [T]
         norm, run_block = layer_norm, transformer_block
@@ -116,6 +116,6 @@ def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, state=None):
     x = wte[inputs] + wpe[positions]  # [B, T, n_embd]
     for block, attend in zip(blocks, attends):
         x = run_block(x, **block, n_head=n_head, attend=attend, norm=norm)  # [B, T, n_embd]
-    if state is not None:
+    if state is not None and state.logits_at is not None:
         x = x[np.arange(x.shape[0], like=x)[:, None], state.logits_at]  # [B, n, n_embd]: only where logits are needed
     return norm(x, **ln_f) @ wte.T  # [B, T or n, n_vocab]: the head is the token embedding again

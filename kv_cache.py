@@ -124,7 +124,7 @@ class Pass:
     positions: np.ndarray  # [B, T] ([1, N] packed): each token's position, which is also its slot in the cache
     mask: np.ndarray  # [B, 1, T, S]: 0 where a query may see a key, -inf where it may not (None with loops)
     groups: list  # [(S, rows)]: the rows whose texts are S tokens long attend over S keys
-    logits_at: np.ndarray  # [B, n]: which of each row's T tokens need logits (packed: which of the N)
+    logits_at: np.ndarray  # [B, n]: which of each row's T tokens need logits (packed: which of the N; None: all)
     n_new: np.ndarray  # [B]: each row's real tokens (the rest of its T is padding)
     cache: dict = None  # where the keys and values go and come from (None: no cache)
     where: object = None  # where each real token's keys and values go (write_slots)

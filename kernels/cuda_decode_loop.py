@@ -83,11 +83,12 @@ def verify(model, cache, texts, q, drafts, k, u, v, settings, accept, riders=(),
     numbers = np.array([cuda_sampling.kernel_settings(s, n_vocab) for s in g["settings"]])  # [B', 5]
     padded = [np.concatenate([a, np.full((Bp - B, *a.shape[1:]), fill, a.dtype)])  # [B', ...]: k = 0, u = v = 1
               for a, fill in ((drafts, 0), (np.asarray(k), 0), (u, 1.0), (v, 1.0))]
-    at = cuda_graphs.logits_at(n_new, np.asarray(k) + 1, K + 1)  # [B, K+1]
+    at = np.zeros((Bp, K + 1), np.int64)  # [B', K+1]: the tokens to take logits at in each row
+    at[:B] = cuda_graphs.logits_at(n_new, np.asarray(k) + 1, K + 1)
     cuda_graphs.copy_in(g["inputs"], np.concatenate([
         np.concatenate([inputs, np.zeros((Bp - B, T), np.int64)]).ravel(),
         pass_positions(cache["lengths"], inputs, n_new, Bp).ravel(),
-        np.concatenate([at, np.zeros((Bp - B, K + 1), np.int64)]).ravel(),
+        (at + T * np.arange(Bp)[:, None]).ravel(),  # counted along the B' x T tokens
         cuda_sampling.verify_draws(*padded).ravel().view(np.int64),
         np.repeat(numbers[:, None], K + 1, axis=1).ravel().view(np.int64)]))
     cuda_graphs.copy_in(g["q"][:B], q)
@@ -163,16 +164,16 @@ def pass_positions(lengths, inputs, n_new, Bp):
 
 def flat_inputs(lengths, inputs, n_new, k, u, settings):
     """The loop's inputs as one int64 buffer (`static_loop` views it): pass 0's ids and
-    positions [B', T] and the token it needs logits at [B'], each later pass's positions
-    [K - 1, B'] (rows past B, tokens past n_new[b] and passes past a row's last draft: -1),
-    then the draws u [K, B'] and each row's settings [B', 5] (cuda_sampling.kernel_settings),
-    float64 both, as their bits."""
+    positions [B', T] and the token it needs logits at [B'] (counted along its B' x T tokens),
+    each later pass's positions [K - 1, B'] (rows past B, tokens past n_new[b] and passes past
+    a row's last draft: -1), then the draws u [K, B'] and each row's settings [B', 5]
+    (cuda_sampling.kernel_settings), float64 both, as their bits."""
     (B, T), (K, Bp) = inputs.shape, u.shape
     ids = np.zeros((Bp, T), np.int64)  # [B', T]
     ids[:B] = inputs
     positions = pass_positions(lengths, inputs, n_new, Bp)  # [B', T]
-    at = np.zeros(Bp, np.int64)  # [B']: each row's last real token of pass 0
-    at[:B] = np.maximum(n_new - 1, 0)
+    at = np.arange(Bp) * T  # [B']: each row's last real token of pass 0, counted along the B' x T tokens
+    at[:B] += np.maximum(n_new - 1, 0)
     i = np.arange(1, K)  # [K - 1]: pass i reads draft i
     later = np.full((K - 1, Bp), -1)  # [K - 1, B']
     later[:, :B] = np.where(i[:, None] <= k, lengths + n_new + i[:, None] - 1, -1)
@@ -195,8 +196,6 @@ def static_loop(model, cache, Bp, T, K):
         later = buffer[2 * Bp * T + Bp:2 * Bp * T + Bp * K].reshape(K - 1, Bp, 1)  # [K - 1, B', 1]
         u = buffer[2 * Bp * T + Bp * K:2 * Bp * T + 2 * Bp * K].view(np.float64).reshape(K, Bp)  # [K, B']
         settings = buffer[2 * Bp * T + 2 * Bp * K:].view(np.float64).reshape(Bp, 5)  # [B', 5]
-        first = np.zeros((Bp, 1), np.int64, like=wpe)  # [B', 1]: a later pass's one token
-        every_token, rows = np.broadcast_to(np.arange(T, like=wpe), (Bp, T)), np.arange(Bp, like=wpe)[:, None]
         q = np.zeros((K, Bp, hparams["n_vocab"]), np.float32, like=wpe)  # [K, B', n_vocab]
         tokens = np.zeros((K, Bp), np.int64, like=wpe)  # [K, B']: draft i + 1 of each row in row i
         loop = cache["graphs"][key] = {"inputs": buffer, "q": q, "tokens": tokens, "layers": cache["layers"],
@@ -207,11 +206,11 @@ def static_loop(model, cache, Bp, T, K):
             for i in range(K):
                 if i == 0:  # logits at every token, then each row's last: a pass at a time computes all T,
                     # and the stand-in's BLAS gives other bits for fewer rows (our kernels do not)
-                    logits = cuda_graphs.pass_over(model, loop["layers"], ids, positions, every_token)  # [B', T, V]
-                    logits = (logits[rows, at] if T > 1 else logits)[:, 0]  # [B', n_vocab]
+                    logits = cuda_graphs.pass_over(model, loop["layers"], ids, positions, None)  # [B', T, V]
+                    logits = (logits.reshape(Bp * T, -1)[at] if T > 1 else logits)[:, 0]  # [B', n_vocab]: one take
                 else:
                     logits = cuda_graphs.pass_over(model, loop["layers"], tokens[i - 1][:, None], later[i - 1],
-                                                   first)[:, 0]  # [B', n_vocab]
+                                                   None)[:, 0]  # [B', n_vocab]
                 draw(logits, settings, loop["settings"], u[i], q[i], tokens[i])
             return logits
         loop["forward"] = forward
@@ -221,9 +220,10 @@ def static_loop(model, cache, Bp, T, K):
 def static_verification(model, cache, Bp, T, K):
     """The verification of K drafts for B' rows, T tokens a row in the target's pass, made at
     first use (cuda_graphs.run records and replays it): {"inputs" (`verify` fills it: ids and
-    positions [B', T], the tokens to take logits at [B', K+1], cuda_sampling.verify_draws [B',
-    2K+2] and each row's settings [B', K+1, 5], float64 both, as their bits), "q" [B', K,
-    n_vocab], "out" [2, B'] (n, token), "forward" (returns the logits [B', K+1, n_vocab]), ...}."""
+    positions [B', T], the tokens to take logits at [B', K+1] (counted along the B' x T),
+    cuda_sampling.verify_draws [B', 2K+2] and each row's settings [B', K+1, 5], float64 both,
+    as their bits), "q" [B', K, n_vocab], "out" [2, B'] (n, token), "forward" (returns the
+    logits [B', K+1, n_vocab]), ...}."""
     params, hparams = model
     key = ("verification", id(params), cuda_graphs.pointer(cache["layers"][0]["k"]), Bp, T, K)
     if key not in cache["graphs"]:
@@ -233,7 +233,6 @@ def static_verification(model, cache, Bp, T, K):
         ids, positions, at = (buffer[sizes[i]:sizes[i + 1]].reshape(Bp, -1) for i in range(3))  # [B', T|T|K+1]
         draws = buffer[sizes[3]:sizes[4]].view(np.float64).reshape(Bp, 2 * K + 2)  # [B', 2K+2]
         settings = buffer[sizes[4]:].view(np.float64).reshape(Bp, P, 5)  # [B', K+1, 5]
-        every_token, rows = np.broadcast_to(np.arange(T, like=wpe), (Bp, T)), np.arange(Bp, like=wpe)[:, None]
         p = np.zeros((Bp, P, n_vocab), np.float32, like=wpe)  # [B', K+1, n_vocab]
         g = cache["graphs"][key] = {"inputs": buffer, "q": np.zeros((Bp, K, n_vocab), np.float32, like=wpe),
                                     "out": np.zeros((2, Bp), np.int64, like=wpe), "layers": cache["layers"],
@@ -242,8 +241,8 @@ def static_verification(model, cache, Bp, T, K):
 
         def forward():
             # logits at every token, then the K+1 wanted: as a pass at a time (cuda_graphs.step)
-            logits = cuda_graphs.pass_over(model, g["layers"], ids, positions, every_token)  # [B', T, n_vocab]
-            logits = logits[rows, at]  # [B', K+1, n_vocab]
+            logits = cuda_graphs.pass_over(model, g["layers"], ids, positions, None)  # [B', T, n_vocab]
+            logits = logits.reshape(Bp * T, n_vocab)[at]  # [B', K+1, n_vocab]: one take
             distributions(logits, settings, g["settings"], p)
             if isinstance(logits, np.ndarray):  # the stand-in: speculative.verify on its arrays
                 drafts, k = draws[:, :K].astype(np.int64), draws[:, 2 * K].astype(np.int64)  # [B', K], [B']

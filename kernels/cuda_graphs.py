@@ -125,21 +125,20 @@ def static_step(model, cache, B, T):
     if key not in cache["graphs"]:
         wpe = params["wpe"]
         ids_positions = np.zeros((2, B, T), np.int64, like=wpe)  # [2, B, T]
-        every_token = np.broadcast_to(np.arange(T, like=wpe), (B, T))  # [B, T]: made here, not a launch a replay
         static = cache["graphs"][key] = {"ids_positions": ids_positions, "layers": cache["layers"], "uses": 0,
                                          "replay": None, "output": None, "graph": None,
                                          "params": params}  # kept: id(params) stays theirs
 
         def forward():
-            return pass_over(model, static["layers"], ids_positions[0], ids_positions[1],
-                             every_token)  # [B, T, n_vocab]
+            return pass_over(model, static["layers"], ids_positions[0], ids_positions[1], None)  # [B, T, n_vocab]
         static["forward"] = forward
     return cache["graphs"][key]
 
 
 def pass_over(model, layers, ids, positions, logits_at):
     """gpt2.gpt2 over ids [B, T] at positions [B, T] (device arrays; -1: padding), storing and
-    attending over the cache's layers: logits [B, n, n_vocab] at the tokens logits_at [B, n]."""
+    attending over the cache's layers: logits [B, n, n_vocab] at the tokens logits_at [B, n]
+    (None: [B, T, n_vocab], every token's: no gather, which CuPy makes in five launches)."""
     params, hparams = model
     state = types.SimpleNamespace(  # what gpt2.gpt2 reads of a pass (kv_cache.Pass)
         positions=positions, layer_norm=cuda_ops.layer_norm, transformer_block=cuda_ops.transformer_block,

@@ -839,17 +839,40 @@ def emulated_with_our_kernels(monkeypatch):
     return (cupy, *common.random_params("tiny", n_vocab=V, n_ctx=64))
 
 
+def launches(recording):
+    """The GPU launches in an emulated recording: our kernels by name, and "operation" for each
+    launch of CuPy's operations that write memory (a view, which shares its input's, launches
+    none; indexing by k > 1 arrays, k + 2: CuPy's _prepare_multiple_array_indexing fills an
+    index, adds each array's share to it, then takes)."""
+    for node in recording:
+        if node.func is cuda_on_cpu.run:
+            yield node.args[0]
+            continue
+        _, args, kwargs, result = node.args  # (cuda_on_cpu.run_again's)
+        inputs = [a.a for a in cuda_on_cpu.leaves((args, kwargs)) if isinstance(a, cuda_on_cpu.Device)]
+        outputs = [r.a for r in cuda_on_cpu.leaves(result) if isinstance(r, cuda_on_cpu.Device)]
+        if not (outputs and all(any(np.shares_memory(o, a) for a in inputs) for o in outputs)):
+            index = args[1] if len(args) == 2 and isinstance(args[1], tuple) else ()
+            arrays = sum(isinstance(i, cuda_on_cpu.Device) for i in index)
+            yield from ["operation"] * (arrays + 2 if arrays > 1 else 1)
+
+
+
 def test_a_recorded_step_launches_five_kernels_a_layer(monkeypatch):
     """A graph's launches cost the GPU microseconds each, whatever they do: a layer of a
     recorded step is 5 (c_attn with the layer norm before it, attention storing the step's keys
     and values, attn c_proj with the residual add, c_fc with its layer norm and GELU, mlp
     c_proj with its residual add), counted in the recording itself with 1 and with 2 layers;
-    then the final layer norm, the head, and the draw (its distribution, then the token)."""
+    then the embeddings (CuPy's two gathers and their sum), the final layer norm, the head, and
+    the draw (its distribution, then the token): no gather of the tokens that need logits,
+    which are all (CuPy's would be five launches). A speculative step's graphs, the draft
+    loop's K passes and the verification, add one take at most (the logits at the tokens
+    wanted, when a pass has more)."""
     cupy, params, hparams = emulated_with_our_kernels(monkeypatch)
     recorded, end_capture = [], cupy.cuda.Stream.end_capture
 
     def kept(stream):
-        recorded.append([node.args[0] for node in cuda_on_cpu.recording if node.func is cuda_on_cpu.run])
+        recorded.append(collections.Counter(launches(cuda_on_cpu.recording)))
         return end_capture(stream)
     monkeypatch.setattr(cupy.cuda.Stream, "end_capture", kept)
     kernels = {}
@@ -858,10 +881,19 @@ def test_a_recorded_step_launches_five_kernels_a_layer(monkeypatch):
                  dict(hparams, n_layer=n_layer))
         recorded.clear()
         batching.generate(batching.requests([[1, 2, 3]], 4, GREEDY), model)
-        kernels[n_layer] = collections.Counter(recorded[0])
+        kernels[n_layer] = recorded[0]
     layer = kernels[2] - kernels[1]
     assert layer == {"rows_times_columns_ln_f32": 2, "rows_times_columns_f32": 2, "attend_f32": 1}, layer
-    assert kernels[1] - layer == {"rows_times_columns_f32": 1, "layer_norm_f32": 1, "distribution_rows": 1, "sample": 1}
+    assert kernels[1] - layer == {"operation": 3, "rows_times_columns_f32": 1, "layer_norm_f32": 1,
+                                  "distribution_rows": 1, "sample": 1}, kernels[1] - layer
+    recorded.clear()
+    speculative.speculative_generate(batching.requests([[1, 2, 3]], 24, GREEDY), model,
+                                     speculative.model_drafter(model), speculative.SpeculativeConfig(K=4))
+    assert any(graph["residual"] for graph in recorded), recorded  # a verification (cuda_sampling.accept's kernel)
+    assert all(graph["layer_norm_f32"] > 1 for graph in recorded if not graph["residual"]), recorded  # loops
+    for graph in recorded:
+        passes = graph["layer_norm_f32"]  # the final layer norm: one a pass
+        assert graph["operation"] - 3 * passes in (0, 1), graph
 
 
 def test_a_recorded_step_calls_into_the_device_a_few_times_whatever_its_layers(monkeypatch):
