@@ -1,13 +1,13 @@
 """A decode step on a GPU as one CUDA graph: recorded once, replayed with one call.
 
-Eagerly, a GPT-2 step on a GPU is hundreds of launches, each ~12 us of Python and CuPy
-on the host, while the GPU finishes each kernel in a few: the step takes as long as the
-host takes to ask for it (`python benchmark.py --backend cupy`). A CUDA graph is a
-recording of a stream's launches (kernels, copies) with their arguments, pointers
-included: while a stream is capturing, what is queued on it becomes the graph's nodes
-instead of running. Replaying the graph launches them all from one host call, with none
-of the Python in between. The price: everything a graph does must be the same every time.
-So a step is shaped for it (after vLLM's and gpt-fast's decode graphs):
+Eagerly, a GPT-2 step on a GPU is hundreds of launches, each 12-20 us of Python and CuPy
+on the host (an H100's run, an H200's), while the GPU finishes each kernel in a few: the
+step takes as long as the host takes to ask for it (`python benchmark.py --backend cupy`).
+A CUDA graph is a recording of a stream's launches (kernels, copies) with their arguments,
+pointers included: while a stream is capturing, what is queued on it becomes the graph's
+nodes instead of running. Replaying the graph launches them all from one host call, with
+none of the Python in between. The price: everything a graph does must be the same every
+time. So a step is shaped for it (after vLLM's and gpt-fast's decode graphs):
 
 - The same buffers: the step's token ids and positions are copied into device arrays the
   graph reads ([2, B, T], one copy per step); the keys and values go to the cache's own
