@@ -122,13 +122,14 @@ class Stats:
     proposed_at: list = field(default_factory=list)  # [i]: drafts proposed at draft position i (i < K_max)
     accepted_at: list = field(default_factory=list)
 
-    def step_done(self):
-        """A step of the decoder ended: its tokens are counted; when is kept for the latencies."""
+    def step_done(self, n=1):
+        """A step of the decoder ended, n tokens a row long (plain decoding's on a GPU: several):
+        its tokens are counted; when is kept for the latencies, the time between tokens."""
         now = time.perf_counter()
         if self.n_steps == 0:
             self.first_step_at, self.first_step_tokens = now, self.n_tokens
         else:
-            self.step_gaps_s.append(now - self.last_step_at)
+            self.step_gaps_s.extend([(now - self.last_step_at) / n] * n)
         self.last_step_at = now
         self.n_steps += 1
 
@@ -367,25 +368,28 @@ def uniforms(batch, n):
 # --- plain decoding: a batch of requests, one pass of gpt2 per new token ---
 
 def autoregressive_step(batch, model):
-    """Every row gains one token, sampled from the model's next-token distribution."""
+    """Every row gains one token, sampled from the model's next-token distribution (on a GPU
+    where no callback reads each token, up to cuda_decode_loop.STEPS tokens: the same tokens)."""
     texts = token_ids(batch)
     settings = [seq.request.settings for seq in batch.seqs]
-    drawn = cuda_decode_loop.step(model, cache(batch, "target"), texts, settings, lambda: uniforms(batch, 1),
-                                  batch.riders.get("target", ()), want_logits=batch.callback is not None)
-    if drawn is not None:  # a GPU's kernels: the pass and its draw recorded as one CUDA graph
-        tokens, logits = drawn  # [B], [B, n_vocab] (None: no callback to read them)
+    most = [seq.request.max_new_tokens - seq.n_generated if seq.n_generated else 1  # a first token comes alone
+            for seq in batch.seqs]
+    drawn = cuda_decode_loop.step(model, cache(batch, "target"), texts, settings, lambda k: uniforms(batch, k),
+                                  batch.riders.get("target", ()), want_logits=batch.callback is not None, most=most)
+    if drawn is not None:  # a GPU's kernels: passes and their draws recorded as one CUDA graph
+        tokens, logits = drawn  # [B] lists of tokens, [B, n_vocab] (None: no callback to read them)
     else:
         logits = kv_cache.next_logits(model, cache(batch, "target"), texts,
                                       riders=batch.riders.pop("target", ()))[:, 0]  # [B, n_vocab]
         u = uniforms(batch, 1)[:, 0]  # [B]: drawn even when unused, so a row's generator advances a draw a step
         if all(seq.request.settings.picks_argmax for seq in batch.seqs):
-            tokens = np.argmax(logits, axis=-1).tolist()  # [B]: one launch on a GPU, and only the ids leave it
+            tokens = np.argmax(logits, axis=-1)[:, None].tolist()  # [B, 1]: one launch on a GPU; only ids leave
         else:
-            tokens = sampling.sample(distributions(batch, logits), u).tolist()  # [B]: only these leave a GPU
+            tokens = sampling.sample(distributions(batch, logits), u)[:, None].tolist()  # [B, 1]: only ids leave a GPU
     logits = None if logits is None else logits[:, None]  # [B, 1, n_vocab]
-    for b, token in enumerate(tokens):
-        emit(batch, b, [token], logits=logits)
-    batch.stats.step_done()
+    for b, row in enumerate(tokens):
+        emit(batch, b, row, logits=logits)
+    batch.stats.step_done(max(len(row) for row in tokens))
 
 
 def generate(requests, model, use_cache=True, callback=None):

@@ -22,7 +22,7 @@ import batching
 import sampling
 from bench import report
 from bench.transformers_peer import VARIANTS, transformers_apart
-from kernels import layout
+from kernels import cuda_decode_loop, layout
 
 ANCHOR_TIMEOUT_S = 150  # an anchor (transformers another way) that takes longer is its line: "timed out"
 SAMPLED = sampling.SamplingSettings(temperature=0.8, top_p=0.9)  # main.py's defaults
@@ -141,8 +141,9 @@ def decode_table(models, results):
     then the batch-1 anchors."""
     lines = ["", f"End to end ({results['prompt_len']}-token prompt, {results['n_tokens']} new tokens, prefill "
              "included), greedy, against transformers' generate() on the same GPU, shapes and dtype; ours with its own "
-             "kernels, a step and its draw replayed as one CUDA graph (each run's cache records its graphs anew: its "
-             "first two steps eager, the recording in its second), and eagerly through CuPy's operations (in the first "
+             f"kernels, {cuda_decode_loop.STEPS} steps and their draws replayed as one CUDA graph (a step's ms: a "
+             "replay's over its tokens; each run's cache records its graphs anew: a shape's first two uses eager, the "
+             "recording in its second), and eagerly through CuPy's operations (in the first "
              "dtype; a model named with its dtype is in another); sampled: ours with "
              f"main.py's default settings (temperature {SAMPLED.temperature}, top-p {SAMPLED.top_p}), sampled by "
              "our kernels on the device (as GPT2_GPU_KERNELS=1 chooses):",

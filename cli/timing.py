@@ -46,10 +46,11 @@ def draft_seconds(model, context, K=4, reps=3):
 
 
 def step_seconds(model, context, reps=3):
-    """Seconds of one decode step as decoding runs it (the best of reps): where a pass and its
-    draw are one recorded graph (a GPU's kernels, cuda_decode_loop.step), its replay and the
-    ids out; elsewhere a pass (pass_seconds), the draw the host's."""
-    return draft_seconds(model, context, 1, reps) or pass_seconds(model, context, reps=reps)
+    """Seconds of one decode step (a token a row) as plain decoding runs it (the best of reps):
+    where passes and their draws are one recorded graph (a GPU's kernels, cuda_decode_loop.step),
+    a replay of STEPS tokens and the ids out, over STEPS; elsewhere a pass (pass_seconds), the
+    draw the host's."""
+    return draft_seconds(model, context, cuda_decode_loop.STEPS, reps) or pass_seconds(model, context, reps=reps)
 
 
 def verify_seconds(model, context, K=4, reps=3):

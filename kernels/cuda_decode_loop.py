@@ -23,8 +23,9 @@ replay, and one copy out (the drafted ids). Its verification is a graph too (`ve
 target's pass over the drafts, p under each row's settings, and speculative.verify's tests
 and draw (cuda_sampling.accept), with q copied in on the device and only n and the token
 copied out, where after the pass they would be a dozen calls more. Plain decoding's step is
-the same loop with K = 1 (`step`): the pass and its draw in one replay, where the draw (a
-dozen calls into CuPy sampled, four greedy) would follow it from the host. The passes and
+the same loop (`step`): STEPS passes and draws in one replay, the tokens of STEPS plain steps,
+where the draw (a dozen calls into CuPy sampled, four greedy) would follow each pass from the
+host, and the host's Python each draw. The passes and
 kernels are those run a pass at a time, so the tokens, q, p and n are the same bits
 (tests/test_cuda_graphs.py). Penalties and n-gram bans read the host's counts and texts: a
 batch with a row that has them runs a pass at a time.
@@ -36,6 +37,10 @@ import sampling
 from kernels import cuda_graphs, cuda_sampling
 
 GREEDY = sampling.SamplingSettings(temperature=0.0)  # the padding rows': the cheapest to draw
+# tokens a row a plain step makes in one replay where no callback reads each: the host's share
+# of a token (its Python, and 3 calls into CuPy) falls to 1 / STEPS; a row that ends early (EOS)
+# wastes at most STEPS - 1 passes, and a request waiting to join waits up to STEPS passes
+STEPS = 4
 
 
 def draft(model, cache, texts, k, settings, draws, riders=()):
@@ -49,16 +54,26 @@ def draft(model, cache, texts, k, settings, draws, riders=()):
     return [drafted[b, :kb].tolist() for b, kb in enumerate(k)], q.transpose(1, 0, 2)[:len(texts)]
 
 
-def step(model, cache, texts, settings, draws, riders=(), want_logits=True):
-    """batching.autoregressive_step's next token of each text, and the logits [B, n_vocab] it
-    was drawn from (a copy; None unless want_logits: on a GPU the copy is two calls into
-    CuPy, for a callback only), from one replay of the loop with K = 1: a pass and its draw;
-    None where the loop cannot be recorded (then the step runs as on the CPU)."""
-    ran = run_loop(model, cache, texts, [1] * len(texts), settings, draws, riders)
+def step(model, cache, texts, settings, draws, riders=(), want_logits=True, most=None):
+    """batching.autoregressive_step's next tokens of each text from one replay of the loop: a
+    pass and its draw, k[b] times for row b. k[b] is 1 where a callback reads each token's
+    logits (want_logits: the loop keeps only its last pass's); else STEPS, or fewer where the
+    row may make fewer tokens (most[b]; default 1) or its window has fewer free slots.
+    Returns (each row's k[b] tokens, the logits [B, n_vocab] its last was drawn from: a copy,
+    None unless want_logits; on a GPU the copy is two calls into CuPy), or None where the
+    loop cannot be recorded (then the step runs as on the CPU). draws(k): each row's k[b]
+    uniforms [B, max k]."""
+    n_ctx = model[1]["n_ctx"]
+    k = [1 if want_logits or most is None else max(1, min(STEPS, m, kv_cache.room(len(text), n_ctx)))
+         for text, m in zip(texts, most or [1] * len(texts))]
+    ran = run_loop(model, cache, texts, k, settings, lambda: draws(k), riders)
     if ran is None:
         return None
     drafted, _, logits = ran
-    return drafted[:, 0].tolist(), logits[:len(texts)].copy() if want_logits else None
+    # a row of fewer than K tokens had its last read (cached) by the loop's next pass, as a draft
+    # wants; plain decoding's next step reads it, as after a step of one token
+    kv_cache.rollback(cache, [len(text) + kb - 1 for text, kb in zip(texts, k)])
+    return [drafted[b, :kb].tolist() for b, kb in enumerate(k)], logits[:len(texts)].copy() if want_logits else None
 
 
 def verify(model, cache, texts, q, drafts, k, u, v, settings, accept, riders=(), want_logits=True):

@@ -291,6 +291,33 @@ def test_a_step_drawn_inside_its_graph_gives_the_tokens_and_logits_of_a_step_dra
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("settings", [GREEDY, UNPENALIZED, sampling.SamplingSettings(temperature=1.5)],
+                         ids=["greedy", "sampled", "flat"])  # flat: the tiny model's text depends on every draw
+def test_a_plain_step_of_several_tokens_gives_the_tokens_of_one_a_step(both, monkeypatch, settings):
+    """Where no callback reads each token, a plain step on the recorded loop makes up to
+    cuda_decode_loop.STEPS tokens a row: the tokens of one a step (a callback asks for those),
+    bit for bit, with rows of several lengths (max_new_tokens no multiple of STEPS), one row
+    ending at EOS inside a step, and windows restarting on the way; and most steps make STEPS."""
+    hparams, _, dev = both
+    lengths, made = [61, 58, 70], []  # (row 0's window fills in a step where row 2 makes STEPS tokens)
+    one_a_step = [batching.generate([r], (dev, hparams), callback=lambda *_: None)[0][0]
+                  for r in batching.requests(PROMPTS, 70, settings, 3)]  # each row alone
+    eos = next(t for i, t in enumerate(one_a_step[1]) if i % cuda_decode_loop.STEPS == 2 and t not in one_a_step[1][:i])
+    step = cuda_decode_loop.step
+
+    def counted(*args, **kwargs):
+        made.append(step(*args, **kwargs))
+        return made[-1]
+    monkeypatch.setattr(cuda_decode_loop, "step", counted)
+    reqs = [batching.Request(tuple(p), n, settings, 3 + b, eos if b == 1 else None)
+            for b, (p, n) in enumerate(zip(PROMPTS, lengths))]
+    got = batching.generate(reqs, (dev, hparams))[0]
+    assert got == [one_a_step[0][:61], one_a_step[1][:one_a_step[1].index(eos) + 1], one_a_step[2]]
+    assert (len(got[1]) - 1) % cuda_decode_loop.STEPS  # inside a step (a first token comes alone, then STEPS)
+    sizes = [max(map(len, m[0])) for m in made if m is not None]
+    assert sizes.count(cuda_decode_loop.STEPS) > 0.6 * len(made) and set(sizes) > {1, cuda_decode_loop.STEPS}
+
+
 @pytest.mark.parametrize("K", [1, 4, 7])
 def test_speculative_greedy_equals_plain_greedy_through_recorded_steps(both, K):
     """Verification passes of K + 1 tokens, rows padded where they accepted fewer drafts."""
@@ -657,9 +684,9 @@ def test_the_costs_on_the_device_are_timed_as_decoding_runs_them(cupy, small, mo
 
 
 def test_rows_of_their_own_settings_moving_under_one_recorded_graph_keep_their_texts(cupy, small, monkeypatch):
-    """Four requests, each with settings of its own, decoded in the bucket of 4: as they
-    finish, the last row moves into the freed one (batching.remove) and the same graph replays
-    with other settings in a row. Each text is the CPU's text alone."""
+    """Four requests, each with settings of its own, decoded in the bucket of 4 a token a step
+    (a callback's): as they finish, the last row moves into the freed one (batching.remove)
+    and the same graph replays with other settings in a row. Each text is the CPU's text alone."""
     monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
     hparams, params = small
     model, replayed, run = on_device(cupy, small), [], cuda_graphs.run
@@ -668,7 +695,7 @@ def test_rows_of_their_own_settings_moving_under_one_recorded_graph_keep_their_t
     each = [GREEDY, UNPENALIZED, MIN_P, sampling.SamplingSettings(temperature=0.7, top_k=5)]
     reqs = [batching.Request(tuple(p), n, s, seed=b) for b, (p, n, s) in
             enumerate(zip(SMALL_PROMPTS + [[7, 8]], [12, 4, 7, 9], each))]
-    got = batching.generate(reqs, model)[0]
+    got = batching.generate(reqs, model, callback=lambda *_: None)[0]
     assert got == [batching.generate([r], (params, hparams))[0][0] for r in reqs] and sum(replayed) > 4
 
 
@@ -880,7 +907,7 @@ def test_a_recorded_step_launches_five_kernels_a_layer(monkeypatch):
         model = (layout.device_layout(layout.plain_layout(dict(params, blocks=params["blocks"][:n_layer])), cupy),
                  dict(hparams, n_layer=n_layer))
         recorded.clear()
-        batching.generate(batching.requests([[1, 2, 3]], 4, GREEDY), model)
+        batching.generate(batching.requests([[1, 2, 3]], 4, GREEDY), model, callback=lambda *_: None)  # a token a step
         kernels[n_layer] = recorded[0]
     layer = kernels[2] - kernels[1]
     assert layer == {"rows_times_columns_ln_f32": 2, "rows_times_columns_f32": 2, "attend_f32": 1}, layer
@@ -900,7 +927,7 @@ def test_a_recorded_step_calls_into_the_device_a_few_times_whatever_its_layers(m
     """On a GPU a step is bound by the host: each call into CuPy (an operation, a view, a
     copy, a launch) costs microseconds. Counted on the CPU's emulation, outside the replays,
     once every shape is recorded: a step of plain decoding, greedy or sampled (the ids and
-    draws in, the replay of the pass and its draw, the ids out) and a step of speculative
+    draws in, the replay of STEPS passes and draws, the ids out) and a step of speculative
     decoding (the model drafting for itself: four drafts in one replay, q copied to the
     verification, then the target's pass, its distributions and the verification in another
     replay) make the same few calls with 2 layers as with 1, none a layer, and no more than
