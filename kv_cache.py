@@ -258,8 +258,9 @@ def next_logits(model, cache, texts, n_logits=1, riders=()):
     params, hparams = model
     with rowwise.kernel_pass(params):
         if cache is not None:
-            prefill_alone(model, cache, texts, n_logits)
-        inputs, n_new = pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]
+            inputs, n_new = prefill_alone(model, cache, texts, n_logits)  # [B, T]
+        else:
+            inputs, n_new = pending_inputs(cache, texts, hparams["n_ctx"])  # [B, T]: the whole window
         # GPU only (--backend cupy, GPT2_GPU_KERNELS=1): a static step, replayed as a CUDA graph
         if cuda_graphs.fits(model, cache, inputs, riders):
             logits = cuda_graphs.step(model, cache, inputs, n_new, n_logits)  # [B, n, n_vocab]
@@ -278,11 +279,14 @@ def prefill_alone(model, cache, texts, n_logits):
     """Cache each row's tokens that need no logits in a pass of the row's own, where
     there are more than ALONE_ABOVE of them; the batch's pass then runs only the rest. With
     the kernels' loops a token's keys and values come out the same bits whichever pass
-    computes them (what serving/prefix_cache.py relies on)."""
+    computes them (what serving/prefix_cache.py relies on). Returns what is left pending:
+    pending_inputs's inputs [B, T] and n_new [B]."""
     inputs, n_new = pending_inputs(cache, texts, model[1]["n_ctx"])  # [B, T]
     m = n_new - np.broadcast_to(n_logits, n_new.shape)  # [B]: tokens before the first that needs logits
-    for b in np.nonzero(m > ALONE_ABOVE)[0]:
+    alone = np.nonzero(m > ALONE_ABOVE)[0]
+    for b in alone:
         cache_tokens(model, rows(cache, b, b + 1), texts[b], int(m[b]))
+    return pending_inputs(cache, texts, model[1]["n_ctx"]) if len(alone) else (inputs, n_new)
 
 
 def uncached(cache, text, n_ctx):

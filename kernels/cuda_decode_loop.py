@@ -163,8 +163,7 @@ def static_inputs(model, cache, texts, n_logits):
     """The pass's inputs [B, T] and n_new [B] (kv_cache.next_logits's, after the same prefill
     of long runs), or (None, None) where they are too many for a static step (a restarted
     window): then the caller runs as on the CPU."""
-    kv_cache.prefill_alone(model, cache, texts, n_logits)
-    inputs, n_new = kv_cache.pending_inputs(cache, texts, model[1]["n_ctx"])  # [B, T]
+    inputs, n_new = kv_cache.prefill_alone(model, cache, texts, n_logits)  # [B, T]
     return (inputs, n_new) if cuda_graphs.fits(model, cache, inputs) else (None, None)
 
 
