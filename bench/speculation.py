@@ -20,6 +20,7 @@ import speculative
 import utils
 from bench.common import GREEDY, ROOT, TOKENIZER_DIR, greedy, in_format, prompt_ids
 from cli.timing import draft_seconds, pass_seconds, step_seconds, verify_seconds
+from kernels import cuda_decode_loop
 
 
 def break_even_alpha(costs, K):
@@ -157,7 +158,7 @@ def costs_beside(draft, target, L, K):
     that is filled in, at index K) and the draft's catch-up pass, typical passes each (where
     a step, a draft's K passes and a verification are recorded graphs, the best of three of
     each as it runs: draft_seconds, verify_seconds)."""
-    step = draft_seconds(target, L, 1) or typical_pass(target, L)
+    step = draft_seconds(target, L, cuda_decode_loop.STEPS) or typical_pass(target, L)  # as plain decoding runs
     draft_pass = typical_pass(draft, L)
     draft_step = draft_seconds(draft, L, K) or draft_pass
     verify = (verify_seconds(target, L, K) or typical_pass(target, L, K + 1)) / step
