@@ -25,9 +25,8 @@ and draw (cuda_sampling.accept), with q copied in on the device and only n and t
 copied out, where after the pass they would be a dozen calls more. Plain decoding's step is
 the same loop (`step`): STEPS passes and draws in one replay, the tokens of STEPS plain steps,
 where the draw (a dozen calls into CuPy sampled, four greedy) would follow each pass from the
-host, and the host's Python each draw. The passes and
-kernels are those run a pass at a time, so the tokens, q, p and n are the same bits
-(tests/test_cuda_graphs.py). Penalties and n-gram bans read the host's counts and texts: a
+host, and the host's Python each draw. The passes and kernels are those run a pass at a
+time, so the tokens, q, p and n are the same bits (tests/test_cuda_graphs.py). Penalties and n-gram bans read the host's counts and texts: a
 batch with a row that has them runs a pass at a time.
 """
 import numpy as np
@@ -37,9 +36,10 @@ import sampling
 from kernels import cuda_graphs, cuda_sampling
 
 GREEDY = sampling.SamplingSettings(temperature=0.0)  # the padding rows': the cheapest to draw
-# tokens a row a plain step makes in one replay where no callback reads each: the host's share
-# of a token (its Python, and 3 calls into CuPy) falls to 1 / STEPS; a row that ends early (EOS)
-# wastes at most STEPS - 1 passes, and a request waiting to join waits up to STEPS passes
+# tokens a row a plain step makes in one replay where no callback reads each (a server's rows,
+# which stream, stay a token a step, and requests join between steps): the host's share of a
+# token (its Python, and 3 calls into CuPy) falls to 1 / STEPS; a row that ends early (EOS)
+# wastes at most STEPS - 1 passes
 STEPS = 4
 
 
