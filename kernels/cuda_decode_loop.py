@@ -26,8 +26,9 @@ copied out, where after the pass they would be a dozen calls more. Plain decodin
 the same loop (`step`): STEPS passes and draws in one replay, the tokens of STEPS plain steps,
 where the draw (a dozen calls into CuPy sampled, four greedy) would follow each pass from the
 host, and the host's Python each draw. The passes and kernels are those run a pass at a
-time, so the tokens, q, p and n are the same bits (tests/test_cuda_graphs.py). Penalties and n-gram bans read the host's counts and texts: a
-batch with a row that has them runs a pass at a time.
+time, so the tokens, q, p and n are the same bits (tests/test_cuda_graphs.py). Penalties
+and n-gram bans read the host's counts and texts: a batch with a row that has them runs a
+pass at a time.
 """
 import numpy as np
 
@@ -63,6 +64,8 @@ def step(model, cache, texts, settings, draws, riders=(), want_logits=True, most
     None unless want_logits; on a GPU the copy is two calls into CuPy), or None where the
     loop cannot be recorded (then the step runs as on the CPU). draws(k): each row's k[b]
     uniforms [B, max k]."""
+    if not recordable(model, cache, settings, riders):  # (the CPU's every step: before each row's window is read)
+        return None
     n_ctx = model[1]["n_ctx"]
     k = [1 if want_logits or most is None else max(1, min(STEPS, m, kv_cache.room(len(text), n_ctx)))
          for text, m in zip(texts, most or [1] * len(texts))]

@@ -32,8 +32,9 @@ are a device array and whose attends (cuda_ops.attend), layer norm and transform
 A pass that does not fit (a prompt: more than TOKENS_MAX tokens; riders; a draft's
 vocabulary subset) runs eagerly through kv_cache.begin_pass as on the CPU, on the same
 kernels (cuda_ops.pass_ops), so a token comes out the same bits either way. Decoding's draws
-join the recording too: plain decoding's steps and draws, a draft's K steps and draws, or a verification's
-pass, distributions and tests, are one graph (cuda_decode_loop.py, on this module's passes).
+join the recording too: plain decoding's steps and draws, a draft's K steps and draws, or a
+verification's pass, distributions and tests, are one graph (cuda_decode_loop.py, on this
+module's passes).
 
 This path is chosen with --backend cupy and GPT2_GPU_KERNELS=1 (layout.to_backend). A CPU
 checks it two ways: the *stand-in*, the same code on NumPy arrays (`layout.device_layout(
