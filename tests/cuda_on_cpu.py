@@ -28,6 +28,7 @@ import numpy as np
 HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_on_cpu.h")
 BUILD = os.path.join(tempfile.gettempdir(), "gpt2-cuda-on-cpu")
 TIMEOUT_S = 300  # a launch here takes up to seconds
+L2_BYTES = 64 << 10  # the "GPU's" L2 cache: small, so that the tiny model's matrices are several times it
 
 
 def unavailable():
@@ -262,7 +263,8 @@ def cupy():
         Stream=Stream, MemoryPool=lambda: types.SimpleNamespace(malloc=None), Event=Event,
         get_elapsed_time=get_elapsed_time,
         using_allocator=lambda malloc: contextlib.nullcontext(),
-        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=lambda i: {
+            "name": b"our kernels on the CPU", "l2CacheSize": L2_BYTES}),
         memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
     module.__dict__.update(
         RawModule=RawModule, ndarray=Device, cuda=cuda, asnumpy=lambda a: a.get() if isinstance(a, Device) else a,

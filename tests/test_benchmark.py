@@ -1,4 +1,5 @@
 """benchmark.py --quick runs end to end in seconds, so the benchmark cannot rot."""
+import collections
 import json
 import os
 import sys
@@ -15,7 +16,7 @@ import speculative
 from bench import common, gpu, gpu_kernels, llamacpp, report, rows, speculation
 from cli import timing
 from conftest import fixture_path
-from kernels import layout, rowwise
+from kernels import cuda_graphs, cuda_matmul, layout, rowwise
 
 
 def test_quick_benchmark_writes_every_measurement(tmp_path, capsys):
@@ -226,7 +227,8 @@ def numpy_as_cupy():
     fake.__dict__.update({name: getattr(np, name) for name in ("ones", "asarray", "ndarray", "float32")})
     fake.__version__, fake.asnumpy = "NumPy stand-in", np.asarray
     fake.cuda = types.SimpleNamespace(
-        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=lambda i: {"name": b"no GPU"}),
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=lambda i: {"name": b"no GPU",
+                                                                                     "l2CacheSize": 1 << 20}),
         memory=types.SimpleNamespace(OutOfMemoryError=MemoryError), Event=cuda_on_cpu.Event,
         get_elapsed_time=cuda_on_cpu.get_elapsed_time)
     return fake
@@ -280,12 +282,34 @@ def test_a_gpu_run_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
         "results.json", "results.md"]
 
 
-def test_each_gpu_kernel_is_timed_in_a_recorded_graph(cupy):
+def test_each_gpu_kernel_is_timed_in_a_recorded_graph(cupy, monkeypatch):
     """The kernel table's code through our kernels (on a GPU, or the CPU's emulation of one):
-    every kernel recorded and replayed, the step replayed."""
+    every kernel recorded and replayed, the step replayed; a decode product's launches take
+    turns over copies of its weights, L2_TIMES the L2 cache in all, so that each reads them
+    from memory."""
     params, hparams = common.random_params("tiny", n_vocab=512, n_ctx=160)
     model = (layout.device_layout(layout.plain_layout(params), cupy), hparams)
+    timings = []  # [{(n_out, n_in): the weights' addresses}]: what each timing's launches of a few rows read
+    launch, device_us = cuda_matmul.launch, gpu_kernels.device_us
+
+    def watched(rows, w, *args, **kwargs):
+        if rows.shape[0] <= cuda_matmul.ROWS:
+            timings[-1].setdefault(w.shape, set()).add(cuda_graphs.pointer(w))
+        return launch(rows, w, *args, **kwargs)
+
+    def timing(*args, **kwargs):
+        timings.append({})
+        return device_us(*args, **kwargs)
+    monkeypatch.setattr(cuda_matmul, "launch", watched)
+    monkeypatch.setattr(gpu_kernels, "device_us", timing)
     rows = gpu_kernels.kernel_rows(cupy, model, reps=1, launches=2, prompt=130)
+    l2, itemsize = gpu_kernels.l2_bytes(cupy), np.dtype(np.float32).itemsize
+    products = timings[:6 * 2 * (1 + len(gpu_kernels.UNROLLS))]  # each product at 1 and 8 rows, as is and unrolled
+    assert all(len(t) == 1 for t in products)
+    for (shape, read), r in zip((next(iter(t.items())) for t in products), [r for r in rows[:12]
+                                                                           for _ in range(1 + len(gpu_kernels.UNROLLS))]):
+        assert len(read) == r["copies"] == -(-gpu_kernels.L2_TIMES * l2 // (shape[0] * shape[1] * itemsize)), r
+    assert rows[0]["copies"] > 1  # (the emulation's L2: 64 KiB)
     assert [r["kernel"] for r in rows] == ["c_attn"] * 2 + ["attn c_proj"] * 2 + ["c_fc"] * 2 + ["mlp c_proj"] * 2 + [
         "head"] * 2 + ["c_attn, its layer norm apart"] * 2 + [
         "c_fc, 4 outputs a warp", "c_fc in 3 launches, an output a warp", "c_fc by cuBLAS (its product alone), eagerly",
