@@ -22,6 +22,13 @@ row's inputs once for each of its outputs, so there a warp takes COLS_WIDE outpu
 each summed in the same order as alone: a quarter of the reads of inputs, and a quarter of
 the warps, of which a product of more than ROWS_BLOCK rows has plenty.
 
+Memory answers a load after about half a microsecond, so reading at its bandwidth (~4.8 TB/s
+on an H200) needs megabytes of loads in flight: a lane issues the loads of several k-steps'
+weights before it uses any (UNROLL). A row alone, a decode step's at batch 1 and every draft's,
+has a kernel of its own: one sum a lane instead of ROWS leaves the registers to load 8 steps
+at once (the compiled code issues all 8 before its first multiply; with ROWS sums, 2). Which
+kernel a row meets changes no bit: each sums its outputs in the same order.
+
 `linear` also does, as each output is stored, what gpt2.py does right after a product (its
 *tail*): the bias, the GELU of the MLP's first layer, the residual add of a block; and, as
 each input is read, the layer norm gpt2.py does before a block's attention and MLP (each
@@ -38,9 +45,13 @@ ROWS = 8  # rows a warp carries at once: 8 float32 sums a lane
 ROWS_BLOCK = 64  # rows a block takes: a product of more rows has more blocks
 WARPS = 8  # a block's warps (256 threads)
 COLS_WIDE = 4  # outputs a warp computes in a product of more than ROWS_BLOCK rows (a prompt's)
-# k-steps a warp's loads are issued together: more keep more bytes in flight, at the price of
-# registers. Unrolling moves only the loads (NVRTC does not reassociate float sums without
-# --use_fast_math), so any value gives the same bits (bench/gpu_kernels.py times 1, 4 and 8)
+# k-steps a lane loads the weights of before it uses any: more keep more bytes in flight, which
+# a product of few outputs needs (124M's c_proj: 96 blocks for 132 SMs), at the price of
+# registers. One row (a decode step of one sequence, a draft's) has them to spare: its kernel
+# loads 8 steps' weights together; ROWS rows hold ROWS sums and inputs a lane, and load 2. The
+# loads move, the sums do not (NVRTC does not reassociate float sums without --use_fast_math), so
+# any value gives the same bits (bench/gpu_kernels.py times others)
+UNROLL_ONE_ROW = 8
 UNROLL = 2
 
 KERNELS = "".join(f"#define {name} {value}\n" for name, value in
@@ -52,9 +63,10 @@ KERNELS = "".join(f"#define {name} {value}\n" for name, value in
 // products: each block first takes its rows' mean and 1 / deviation, a warp a row (the same sums
 // whatever the block's other rows), then normalizes each input as it loads it. LN is a
 // template parameter, not a flag: its code would cost every product registers, and so warps
-// in flight. A warp takes COLS outputs from j0 on; block i takes the outputs i % out_blocks of
-// rows ROWS_BLOCK * (i / out_blocks) on.
-template <typename T, int COLS, bool LN>
+// in flight. A warp takes COLS outputs from j0 on, RT rows at a time (RT sums an output a lane:
+// a kernel for one row has the registers to load more at once); block i takes the outputs
+// i % out_blocks of rows ROWS_BLOCK * (i / out_blocks) on. U: k-steps whose weights are loaded together.
+template <typename T, int COLS, bool LN, int U, int RT>
 __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict__ x, const T* __restrict__ b,
                                    const T* res, T* y, int R, int n_in, int n_out, int has_bias, int gelu, int has_res,
                                    const T* __restrict__ ln_g, const T* __restrict__ ln_b, float eps) {
@@ -81,34 +93,43 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
     auto normed = [&](float xk, int r, float g, float beta) {
         return LN ? g * ((xk - mean[r]) * rsd[r]) + beta : xk;
     };
-    for (int r0 = r_first; r0 < r_end; r0 += ROWS) {
-        int n = min(ROWS, r_end - r0);
+    for (int r0 = r_first; r0 < r_end; r0 += RT) {
+        int n = min(RT, r_end - r0);
         const T* xr = x + (size_t)r0 * n_in;
-        float acc[ROWS][COLS];
+        float acc[RT][COLS];
         #pragma unroll
-        for (int r = 0; r < ROWS; r++)
+        for (int r = 0; r < RT; r++)
             #pragma unroll
             for (int c = 0; c < COLS; c++) acc[r][c] = 0.0f;
         int n4 = n_in % 4 ? 0 : n_in;  // four inputs a load where rows stay aligned to them (every GPT-2)
-        #pragma unroll UNROLL
-        for (int k = 4 * lane; k < n4; k += 128) {  // a warp reads 512 bytes of float32 weights an output a step
-            float wk[COLS][4], xk[4], gk[4] = {1.0f, 1.0f, 1.0f, 1.0f}, bk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        // U k-steps at a time (a warp reads 512 bytes of float32 weights an output a step): their
+        // weights loaded first, all U in flight together, then each multiplied in k's order
+        for (int k0 = 4 * lane; k0 < n4; k0 += 128 * U) {
+            float wk[U][COLS][4];
             #pragma unroll
-            for (int c = 0; c < COLS; c++) {
-                if (c < m) load4(wj + (size_t)c * n_in + k, wk[c]);
-                else wk[c][0] = wk[c][1] = wk[c][2] = wk[c][3] = 0.0f;
-            }
-            if (LN) { load4(ln_g + k, gk); load4(ln_b + k, bk); }
+            for (int u = 0; u < U; u++)
+                #pragma unroll
+                for (int c = 0; c < COLS; c++) {
+                    if (c < m && k0 + 128 * u < n4) load4(wj + (size_t)c * n_in + k0 + 128 * u, wk[u][c]);
+                    else wk[u][c][0] = wk[u][c][1] = wk[u][c][2] = wk[u][c][3] = 0.0f;
+                }
             #pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                if (r < n) {
-                    load4(xr + (size_t)r * n_in + k, xk);
-                    #pragma unroll
-                    for (int i = 0; i < 4; i++) xk[i] = normed(xk[i], r0 - r_first + r, gk[i], bk[i]);
-                    #pragma unroll
-                    for (int c = 0; c < COLS; c++)
+            for (int u = 0; u < U; u++) {
+                int k = k0 + 128 * u;
+                if (k >= n4) break;  // (a lane's last steps: no shuffle until the loop ends)
+                float xk[4], gk[4] = {1.0f, 1.0f, 1.0f, 1.0f}, bk[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                if (LN) { load4(ln_g + k, gk); load4(ln_b + k, bk); }
+                #pragma unroll
+                for (int r = 0; r < RT; r++) {
+                    if (r < n) {
+                        load4(xr + (size_t)r * n_in + k, xk);
                         #pragma unroll
-                        for (int i = 0; i < 4; i++) acc[r][c] = fmaf(wk[c][i], xk[i], acc[r][c]);
+                        for (int i = 0; i < 4; i++) xk[i] = normed(xk[i], r0 - r_first + r, gk[i], bk[i]);
+                        #pragma unroll
+                        for (int c = 0; c < COLS; c++)
+                            #pragma unroll
+                            for (int i = 0; i < 4; i++) acc[r][c] = fmaf(wk[u][c][i], xk[i], acc[r][c]);
+                    }
                 }
             }
         }
@@ -117,7 +138,7 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
             #pragma unroll
             for (int c = 0; c < COLS; c++) wk[c] = c < m ? load(wj + (size_t)c * n_in + k) : 0.0f;
             #pragma unroll
-            for (int r = 0; r < ROWS; r++) {
+            for (int r = 0; r < RT; r++) {
                 if (r < n) {
                     float xk = load(xr + (size_t)r * n_in + k);
                     if (LN) xk = normed(xk, r0 - r_first + r, load(ln_g + k), load(ln_b + k));
@@ -127,7 +148,7 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
             }
         }
         #pragma unroll
-        for (int r = 0; r < ROWS; r++) {
+        for (int r = 0; r < RT; r++) {
             if (r >= n) break;  // the same for the whole warp
             #pragma unroll
             for (int c = 0; c < COLS; c++) {
@@ -143,27 +164,30 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
         }
     }
 }
-#define ROWS_TIMES_COLUMNS(T, COLS, LN, BOUNDS, NAME) extern "C" __global__ void BOUNDS NAME(const T* w,  \
+#define ROWS_TIMES_COLUMNS(T, COLS, LN, U, RT, BOUNDS, NAME) extern "C" __global__ void BOUNDS NAME(const T* w,  \
     const T* x, const T* b, const T* res, T* y, int R, int n_in, int n_out, int has_bias, int gelu,        \
     int has_res, const T* ln_g, const T* ln_b, float eps) {                                                \
-    rows_times_columns<T, COLS, LN>(w, x, b, res, y, R, n_in, n_out, has_bias, gelu, has_res, ln_g, ln_b, eps); }
-#define ROWS_TIMES_COLUMNS_ALL(COLS, BOUNDS, NAME)                            \
-    ROWS_TIMES_COLUMNS(float, COLS, false, BOUNDS, NAME##_f32)                \
-    ROWS_TIMES_COLUMNS(unsigned short, COLS, false, BOUNDS, NAME##_f16)       \
-    ROWS_TIMES_COLUMNS(float, COLS, true, BOUNDS, NAME##_ln_f32)              \
-    ROWS_TIMES_COLUMNS(unsigned short, COLS, true, BOUNDS, NAME##_ln_f16)
+    rows_times_columns<T, COLS, LN, U, RT>(w, x, b, res, y, R, n_in, n_out, has_bias, gelu, has_res, ln_g, ln_b, eps); }
+#define ROWS_TIMES_COLUMNS_ALL(COLS, U, RT, BOUNDS, NAME)                         \
+    ROWS_TIMES_COLUMNS(float, COLS, false, U, RT, BOUNDS, NAME##_f32)             \
+    ROWS_TIMES_COLUMNS(unsigned short, COLS, false, U, RT, BOUNDS, NAME##_f16)    \
+    ROWS_TIMES_COLUMNS(float, COLS, true, U, RT, BOUNDS, NAME##_ln_f32)           \
+    ROWS_TIMES_COLUMNS(unsigned short, COLS, true, U, RT, BOUNDS, NAME##_ln_f16)
 // A decode step's products keep 3 blocks an SM (at most 85 registers a thread; sm_90 builds
-// take 64-80 and spill none): c_attn and c_fc of 124M are 288 and 384 blocks, one wave on an
+// take 56-72 and spill none): c_attn and c_fc of 124M are 288 and 384 blocks, one wave on an
 // H200's 132 SMs, where the layer norm's code would otherwise cost a second. A prompt's (wide)
 // kernel is left unbounded: bounded, it spills.
-ROWS_TIMES_COLUMNS_ALL(1, __launch_bounds__(32 * WARPS, 3), rows_times_columns)
-ROWS_TIMES_COLUMNS_ALL(COLS_WIDE, , rows_times_wide_columns)
+ROWS_TIMES_COLUMNS_ALL(1, UNROLL, ROWS, __launch_bounds__(32 * WARPS, 3), rows_times_columns)
+ROWS_TIMES_COLUMNS_ALL(1, UNROLL_ONE_ROW, 1, __launch_bounds__(32 * WARPS, 3), row_times_columns)
+ROWS_TIMES_COLUMNS_ALL(COLS_WIDE, UNROLL, ROWS, , rows_times_wide_columns)
 """
 
 
-def source(unroll=UNROLL):
-    """The kernels' CUDA C with the k-loop unrolled `unroll` times (SOURCE: UNROLL)."""
-    return f"#define UNROLL {unroll}\n" + KERNELS
+def source(unroll=None):
+    """The kernels' CUDA C, each loading the weights of `unroll` k-steps together (None: their
+    own, UNROLL_ONE_ROW and UNROLL)."""
+    return (f"#define UNROLL_ONE_ROW {unroll or UNROLL_ONE_ROW}\n#define UNROLL {unroll or UNROLL}\n"
+            + KERNELS)
 
 
 SOURCE = source()
@@ -208,8 +232,9 @@ def launch(rows, w, b, gelu=False, res=None, norm=None, code=SOURCE):
     if any(a.dtype != w.dtype for a in (b, *ln)):  # the kernel reads every array as the weights' dtype
         raise TypeError(f"the bias and layer norm must be of the weights' dtype, {w.dtype}, not "
                         f"{[str(a.dtype) for a in (b, *ln)]}: give all one dtype (layout.device_layout does)")
-    cols = COLS_WIDE if n > ROWS_BLOCK else 1  # (each output summed in the same order either way)
-    name = ("rows_times_wide_columns" if cols > 1 else "rows_times_columns") + ("" if norm is None else "_ln")
+    cols = COLS_WIDE if n > ROWS_BLOCK else 1  # (each output summed in the same order whichever kernel)
+    name = ("rows_times_wide_columns" if cols > 1 else "row_times_columns" if n == 1 else "rows_times_columns") + (
+        "" if norm is None else "_ln")
     kernel = cuda.function(code, name, w.dtype)
     blocks = -(-w.shape[0] // (WARPS * cols)) * -(-n // ROWS_BLOCK)  # cols outputs a warp, ROWS_BLOCK rows a block
     if blocks:  # (none: no rows; CuPy would still launch a block)

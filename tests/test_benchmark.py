@@ -306,8 +306,8 @@ def test_each_gpu_kernel_is_timed_in_a_recorded_graph(cupy, monkeypatch):
     l2, itemsize = gpu_kernels.l2_bytes(cupy), np.dtype(np.float32).itemsize
     products = timings[:6 * 2 * (1 + len(gpu_kernels.UNROLLS))]  # each product at 1 and 8 rows, as is and unrolled
     assert all(len(t) == 1 for t in products)
-    for (shape, read), r in zip((next(iter(t.items())) for t in products), [r for r in rows[:12]
-                                                                           for _ in range(1 + len(gpu_kernels.UNROLLS))]):
+    timed_rows = [r for r in rows[:12] for _ in range(1 + len(gpu_kernels.UNROLLS))]  # its own loads, then UNROLLS
+    for (shape, read), r in zip((next(iter(t.items())) for t in products), timed_rows):
         assert len(read) == r["copies"] == -(-gpu_kernels.L2_TIMES * l2 // (shape[0] * shape[1] * itemsize)), r
     assert rows[0]["copies"] > 1  # (the emulation's L2: 64 KiB)
     assert [r["kernel"] for r in rows] == ["c_attn"] * 2 + ["attn c_proj"] * 2 + ["c_fc"] * 2 + ["mlp c_proj"] * 2 + [
