@@ -5,12 +5,12 @@ weights' bandwidth depends on each. Here a kernel runs LAUNCHES times back to ba
 graph (as a step's replay runs it: no host between launches), timed by CUDA events: its
 device time a launch and, for a product, the bytes of weights it reads over that time (from
 memory, as in a step: the launches take turns over copies too many for the L2 cache), and its
-time with the weights of more or fewer k-steps loaded together (cuda_matmul.UNROLL_ONE_ROW and
-UNROLL: to be chosen here); c_attn with the layer norm before it in its launch (as a step runs
-it) and without, beside the layer norm's own launch (whether the fold pays). Then the whole
-decode step of one row, replayed, beside the sum of its kernels' times: what a graph's launches
-cost beyond their kernels, and where a step's time goes. And a long prompt's product, where
-cuBLAS's tiles would beat ours: ours two ways beside it, in FLOP/s.
+time with the weights of fewer k-steps loaded together (cuda_matmul.UNROLL: to be chosen
+here); c_attn with the layer norm before it in its launch (as a step runs it) and without,
+beside the layer norm's own launch (whether the fold pays). Then the whole decode step of one
+row, replayed, beside the sum of its kernels' times: what a graph's launches cost beyond their
+kernels, and where a step's time goes. And a long prompt's product, where cuBLAS's tiles would
+beat ours: ours two ways beside it, in FLOP/s.
 Random weights of the real shapes.
 """
 import contextlib
@@ -26,7 +26,7 @@ from kernels import cuda_graphs, cuda_matmul, cuda_ops, layout
 LAUNCHES = 20  # a kernel's launches in one recorded graph
 SLOTS = (128, 1024)  # attention's keys: a short text, and a full window of 124M-1558M
 PROMPT_ROWS = 512  # a prompt's product: the rows of a long prompt's pass
-UNROLLS = (1, 4, 8)  # k-steps a product loads the weights of together, beside its own
+UNROLLS = (1, 2, 4)  # k-steps a product loads the weights of together, beside cuda_matmul.UNROLL
 # A layer's matrices (a few MB to 41 MB) fit in an H100's or H200's L2 cache (50 MB), but a step
 # reads each once, from memory: a kernel's launches take turns over copies of what it reads,
 # at least L2_TIMES the L2's size in all, so that each launch finds its weights gone from it
@@ -203,8 +203,7 @@ def table(kernels):
     lines = ["", f"Each kernel alone, device time a launch ({LAUNCHES} launches in one CUDA graph, the best of the "
              f"reps); GB/s: the weights it reads over that time, from memory (its launches take turns over copies of "
              f"them, {L2_TIMES}x the L2 cache in all); a product's us loading the weights of "
-             f"{'/'.join(map(str, UNROLLS))} k-steps together, not {cuda_matmul.UNROLL_ONE_ROW} (one row) or "
-             f"{cuda_matmul.UNROLL} (more); a prompt's product of "
+             f"{'/'.join(map(str, UNROLLS))} k-steps together, not {cuda_matmul.UNROLL}; a prompt's product of "
              f"{PROMPT_ROWS} rows three ways, in TFLOP/s; the last row of a size: its kernels' sum for a "
              "decode step of one row beside the step replayed (host time included, median):", "",
              "| model | kernel | shape | rows | us | GB/s |", "|---|---|---|---|---|---|"]

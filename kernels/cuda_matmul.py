@@ -23,11 +23,11 @@ each summed in the same order as alone: a quarter of the reads of inputs, and a 
 the warps, of which a product of more than ROWS_BLOCK rows has plenty.
 
 Memory answers a load after about half a microsecond, so reading at its bandwidth (~4.8 TB/s
-on an H200) needs megabytes of loads in flight: a lane issues the loads of several k-steps'
-weights before it uses any (UNROLL). A row alone, a decode step's at batch 1 and every draft's,
-has a kernel of its own: one sum a lane instead of ROWS leaves the registers to load 8 steps
-at once (the compiled code issues all 8 before its first multiply; with ROWS sums, 2). Which
-kernel a row meets changes no bit: each sums its outputs in the same order.
+on an H200) needs megabytes of loads in flight: a lane issues the loads of UNROLL k-steps'
+weights before it uses any (in the compiled code, all 8 before its first multiply). A row
+alone, a decode step's at batch 1 and every draft's, has a kernel of its own: one sum a lane
+instead of ROWS leaves registers for 3 blocks an SM instead of 2. Which kernel a row meets
+changes no bit: each sums its outputs in the same order.
 
 `linear` also does, as each output is stored, what gpt2.py does right after a product (its
 *tail*): the bias, the GELU of the MLP's first layer, the residual add of a block; and, as
@@ -46,16 +46,16 @@ ROWS_BLOCK = 64  # rows a block takes: a product of more rows has more blocks
 WARPS = 8  # a block's warps (256 threads)
 COLS_WIDE = 4  # outputs a warp computes in a product of more than ROWS_BLOCK rows (a prompt's)
 # k-steps a lane loads the weights of before it uses any: more keep more bytes in flight, which
-# a product of few outputs needs (124M's c_proj: 96 blocks for 132 SMs), at the price of
-# registers. One row (a decode step of one sequence, a draft's) has them to spare: its kernel
-# loads 8 steps' weights together; ROWS rows hold ROWS sums and inputs a lane, and load 2. The
-# loads move, the sums do not (NVRTC does not reassociate float sums without --use_fast_math), so
-# any value gives the same bits (bench/gpu_kernels.py times others)
-UNROLL_ONE_ROW = 8
-UNROLL = 2
+# a product of few outputs needs (124M's c_proj: 96 blocks for 132 SMs), and float16 twice, at
+# the price of registers. The loads move, the sums do not (NVRTC does not reassociate float sums
+# without --use_fast_math), so any value gives the same bits (bench/gpu_kernels.py times others).
+# A prompt's kernel (wide), whose warps are many and whose registers hold COLS_WIDE outputs, 2
+UNROLL = 8
+UNROLL_WIDE = 2
 
 KERNELS = "".join(f"#define {name} {value}\n" for name, value in
-                  (("ROWS", ROWS), ("ROWS_BLOCK", ROWS_BLOCK), ("COLS_WIDE", COLS_WIDE), ("WARPS", WARPS))) + r"""
+                  (("ROWS", ROWS), ("ROWS_BLOCK", ROWS_BLOCK), ("COLS_WIDE", COLS_WIDE), ("WARPS", WARPS),
+                   ("UNROLL_WIDE", UNROLL_WIDE))) + r"""
 // y[r, j] = tail(sum_k x[r, k] w[j, k]) for r < R: w [n_out, n_in], x [R, n_in], y [R, n_out].
 // The tail is what gpt2.py does next to a product, done as it is stored: + b[j] (if has_bias),
 // then gelu (if gelu), then + res[r, j] (if has_res): one launch instead of two to eleven. With LN, x is
@@ -173,21 +173,21 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
     ROWS_TIMES_COLUMNS(unsigned short, COLS, false, U, RT, BOUNDS, NAME##_f16)    \
     ROWS_TIMES_COLUMNS(float, COLS, true, U, RT, BOUNDS, NAME##_ln_f32)           \
     ROWS_TIMES_COLUMNS(unsigned short, COLS, true, U, RT, BOUNDS, NAME##_ln_f16)
-// A decode step's products keep 3 blocks an SM (at most 85 registers a thread; sm_90 builds
-// take 56-72 and spill none): c_attn and c_fc of 124M are 288 and 384 blocks, one wave on an
-// H200's 132 SMs, where the layer norm's code would otherwise cost a second. A prompt's (wide)
-// kernel is left unbounded: bounded, it spills.
-ROWS_TIMES_COLUMNS_ALL(1, UNROLL, ROWS, __launch_bounds__(32 * WARPS, 3), rows_times_columns)
-ROWS_TIMES_COLUMNS_ALL(1, UNROLL_ONE_ROW, 1, __launch_bounds__(32 * WARPS, 3), row_times_columns)
-ROWS_TIMES_COLUMNS_ALL(COLS_WIDE, UNROLL, ROWS, , rows_times_wide_columns)
+// A decode step's products: one row's keeps 3 blocks an SM (at most 85 registers a thread;
+// sm_90 builds take 56-72): c_attn and c_fc of 124M are 288 and 384 blocks, one wave on an
+// H200's 132 SMs. ROWS rows' keeps 2 (at most 128; 80-106): its ROWS sums and inputs a lane
+// leave 8 steps' weights no room in 85 (the build issues 2 before its first multiply, then
+// spills), and 2 blocks of 8 steps in flight are more bytes than 3 of 2. None spills. A prompt's
+// (wide) kernel is left unbounded: bounded, it spills.
+ROWS_TIMES_COLUMNS_ALL(1, UNROLL, 1, __launch_bounds__(32 * WARPS, 3), row_times_columns)
+ROWS_TIMES_COLUMNS_ALL(1, UNROLL, ROWS, __launch_bounds__(32 * WARPS, 2), rows_times_columns)
+ROWS_TIMES_COLUMNS_ALL(COLS_WIDE, UNROLL_WIDE, ROWS, , rows_times_wide_columns)
 """
 
 
-def source(unroll=None):
-    """The kernels' CUDA C, each loading the weights of `unroll` k-steps together (None: their
-    own, UNROLL_ONE_ROW and UNROLL)."""
-    return (f"#define UNROLL_ONE_ROW {unroll or UNROLL_ONE_ROW}\n#define UNROLL {unroll or UNROLL}\n"
-            + KERNELS)
+def source(unroll=UNROLL):
+    """The kernels' CUDA C, a few rows' loading the weights of `unroll` k-steps together."""
+    return f"#define UNROLL {unroll}\n" + KERNELS
 
 
 SOURCE = source()

@@ -46,9 +46,9 @@ def test_the_few_row_product_matches_numpy_and_each_row_is_as_if_alone(cupy, dty
 
 @pytest.mark.parametrize("R", [1, 5, 130])
 def test_the_products_weights_loaded_more_steps_together_give_the_same_bits(cupy, R):
-    """cuda_matmul's kernels loading the weights of 1 or 8 k-steps together, not their own
-    UNROLL_ONE_ROW and UNROLL: the loads move, each output's sum does not (one row, ROWS rows,
-    the wide kernel; n_in 1600: the last load of a lane's k-steps part full)."""
+    """cuda_matmul's few-row kernels loading the weights of 1 or 4 k-steps together, not UNROLL:
+    the loads move, each output's sum does not (one row, ROWS rows, the wide kernel beside
+    them; n_in 1600: the last load of a lane's k-steps part full)."""
     rng = np.random.default_rng(R)
     w = cupy.asarray(rng.standard_normal((302, 1600), dtype=np.float32) * 0.02)  # [n_out, n_in]
     x = cupy.asarray(rng.standard_normal((R, 1600), dtype=np.float32))  # [R, n_in]
@@ -56,7 +56,7 @@ def test_the_products_weights_loaded_more_steps_together_give_the_same_bits(cupy
           "b": cupy.asarray(rng.standard_normal(1600, dtype=np.float32) * 0.1)}
     for norm in (None, ln):
         got = [cupy.asnumpy(cuda_matmul.launch(x, w, None, norm=norm, code=code))
-               for code in (cuda_matmul.SOURCE, cuda_matmul.source(1), cuda_matmul.source(8))]
+               for code in (cuda_matmul.SOURCE, cuda_matmul.source(1), cuda_matmul.source(4))]
         assert np.array_equal(got[0], got[1]) and np.array_equal(got[0], got[2])
 
 
