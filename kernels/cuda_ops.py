@@ -30,8 +30,11 @@ import gpt2
 from kernels import cuda, cuda_matmul
 
 THREADS = 256  # a layer norm's block
-ATTEND_THREADS = 256  # an attention block: 8 warps
-ATTEND_KEYS = 8  # the keys a warp reads at once: a block has 64 in flight
+# An attention block: 32 warps. A decode step at batch 1 has a block a head (12 to 25), so a
+# block's loads in flight are all that streams the cache: 256 keys, 64 KiB of float32 at d_head
+# 64 (one GPU memory latency a 256 keys, where 8 warps took four)
+ATTEND_THREADS = 1024
+ATTEND_KEYS = 8  # the keys a warp reads at once
 
 SOURCE = f"#define WARPS {ATTEND_THREADS // 32}\n#define KEYS {ATTEND_KEYS}\n" + r"""
 template <typename T>
@@ -75,7 +78,7 @@ __device__ void attend(const T* q, const T* k_new, const T* v_new, long long sb,
         for (int d = threadIdx.x; d < D; d += blockDim.x) store(o + d, 0.0f);
         return;
     }
-    int p = (int)position;  // (slots in an int: fewer registers than 64-bit ones, S is at most 9,952)
+    int p = (int)position;  // (slots in an int: fewer registers than 64-bit ones, S is at most 3,808)
     size_t at = b * sb + h * sh;  // row b's head h in q, k_new, v_new
     for (int d = threadIdx.x; d < D; d += blockDim.x) qs[d] = load(q + at + t * st + d);
     T* kc = ck + ((size_t)b * H + h) * S * D;
