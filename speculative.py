@@ -53,11 +53,13 @@ def verify(p, q, drafts, k, u, v):
     papers' names: p is the target's, q the draft's (not attention's query), k counts drafts.
 
     p [B, K+1, n_vocab]: target distributions; p[:, i] is for the token after d_1..d_i.
-    q [B, K, n_vocab]: draft distributions the drafts were sampled from.
+    q [B, K, n_vocab]: draft distributions the drafts were sampled from (None: one-hot at the
+      drafts, a deterministic drafter's).
     drafts [B, K], k [B]: row b drafted k[b] <= K real tokens.
     u [B, K], v [B]: uniform draws in (0, 1] for the acceptance tests and the last token.
     Returns (n [B] accepted drafts, token [B] the target's own next token).
     """
+    q = one_hot(drafts, k, p.shape[-1]) if q is None else q
     if cuda_sampling.takes(p):  # a GPU's kernels of our own: the same n and token in two launches
         return cuda_sampling.verify(p, q, drafts, k, u, v)
     B, K = drafts.shape
@@ -83,8 +85,9 @@ def speculative_step(batch, target, drafter, config):
     drafts, q = drafter.propose(batch, allowed, config.draft_vocab)  # 1. d_1..d_k, sampled from q_1..q_k
     k = np.array([len(d) for d in drafts])  # [B]
     t1 = time.perf_counter()
-    d = kv_cache.pad_right(drafts)[0][:, :q.shape[1]]  # [B, K]: the drafts, right-padded
-    u = batching.uniforms(batch, k)[:, :q.shape[1]]  # [B, K]: one draw per draft, to accept or reject it
+    K = int(k.max())  # (q [B, K, n_vocab], or None: one-hot at the drafts)
+    d = kv_cache.pad_right(drafts)[0][:, :K]  # [B, K]: the drafts, right-padded
+    u = batching.uniforms(batch, k)[:, :K]  # [B, K]: one draw per draft, to accept or reject it
     v = batching.uniforms(batch, 1)[:, 0]  # [B]: one draw for the token from p_{n+1} or the residual
     logits, n, token = verify_with_target(batch, target, drafts, q, d, k, u, v)  # 2-4. p from ONE pass; n, 1 token
     t2 = time.perf_counter()
@@ -128,8 +131,9 @@ def n_drafts(seq, config, n_ctx):
 class Drafter:
     """What proposes a step's drafts. propose(batch, k, vocab) -> (drafts, q): up to k[b]
     drafts for row b, and the distributions q [B, max k, n_vocab] they were sampled from
-    (vocab: SpeculativeConfig.draft_vocab). model: the draft model whose KV cache the batch
-    keeps beside the target's (None: a drafter without one, such as prompt lookup)."""
+    (None: one-hot at the drafts, draft_deterministic's; vocab: SpeculativeConfig.draft_vocab).
+    model: the draft model whose KV cache the batch keeps beside the target's (None: a drafter
+    without one, such as prompt lookup)."""
     propose: Callable
     model: tuple = None
 
@@ -224,12 +228,19 @@ class VocabSubsetHead:
 
 def draft_deterministic(batch, propose_fn, k):
     """Drafts from a deterministic drafter such as prompt lookup: q is one-hot at each
-    draft, so d_i is accepted with probability p_i(d_i)."""
-    drafts = [propose_fn(seq.tokens, kb)[:kb] if kb else [] for seq, kb in zip(batch.seqs, k)]
-    q = np.zeros((len(drafts), max(map(len, drafts)), batch.counts.shape[1]), dtype=np.float32)  # [B, K, n_vocab]
-    for b, d in enumerate(drafts):
-        q[b, np.arange(len(d)), d] = 1.0
-    return drafts, q
+    draft, so d_i is accepted with probability p_i(d_i). Its q is None: the verification
+    makes the one-hot where it runs (one_hot; a GPU's recorded one, in its kernel), rather
+    than [B, K, n_vocab] mostly zeros being made here and copied there."""
+    return [propose_fn(seq.tokens, kb)[:kb] if kb else [] for seq, kb in zip(batch.seqs, k)], None
+
+
+def one_hot(drafts, k, n_vocab):
+    """A deterministic drafter's q [B, K, n_vocab]: q_i = 1 at d_i, for row b's first k[b]."""
+    B, K = drafts.shape
+    q = np.zeros((B, K, n_vocab), dtype=np.float32)  # [B, K, n_vocab]
+    b, i = np.nonzero(np.arange(K) < np.reshape(k, (B, 1)))  # each row's drafts
+    q[b, i, drafts[b, i]] = 1.0
+    return q
 
 
 def prompt_lookup_draft(text, K, max_ngram=3):

@@ -81,7 +81,8 @@ def step(model, cache, texts, settings, draws, riders=(), want_logits=True, most
 
 def verify(model, cache, texts, q, drafts, k, u, v, settings, accept, riders=(), want_logits=True):
     """speculative.verify_with_target's steps from one replay: the target's pass over texts
-    (row b ending in its k[b] drafts, drafts [B, K], drawn from the draft's q [B, K, n_vocab]),
+    (row b ending in its k[b] drafts, drafts [B, K], drawn from the draft's q [B, K, n_vocab];
+    None: one-hot at the drafts, which the graph's kernel reads so, and nothing is copied in),
     its distributions p [B, K+1, n_vocab] under each row's settings, and the tests and the
     draw of `accept` (speculative.verify) at u [B, K] and v [B]: on the device its kernels,
     cuda_sampling.accept; the stand-in runs `accept` itself. Returns (logits [B, K+1, n_vocab]
@@ -90,13 +91,13 @@ def verify(model, cache, texts, q, drafts, k, u, v, settings, accept, riders=(),
     (as for run_loop, and a q of another shape: then the verification runs as on the CPU)."""
     params, hparams = model
     (B, K), n_vocab = drafts.shape, hparams["n_vocab"]
-    if not (K and q.shape == (B, K, n_vocab) and recordable(model, cache, settings, riders)):
+    if not (K and (q is None or q.shape == (B, K, n_vocab)) and recordable(model, cache, settings, riders)):
         return None
     inputs, n_new = static_inputs(model, cache, texts, np.asarray(k) + 1)  # [B, T]
     if inputs is None:
         return None
     T, Bp = inputs.shape[1], cuda_graphs.bucket(B)
-    g = static_verification(model, cache, Bp, T, K)
+    g = static_verification(model, cache, Bp, T, K, one_hot=q is None)
     g["layers"], g["settings"], g["accept"] = cache["layers"], list(settings) + [GREEDY] * (Bp - B), accept
     numbers = np.array([cuda_sampling.kernel_settings(s, n_vocab) for s in g["settings"]])  # [B', 5]
     padded = [np.concatenate([a, np.full((Bp - B, *a.shape[1:]), fill, a.dtype)])  # [B', ...]: k = 0, u = v = 1
@@ -109,7 +110,8 @@ def verify(model, cache, texts, q, drafts, k, u, v, settings, accept, riders=(),
         (at + T * np.arange(Bp)[:, None]).ravel(),  # counted along the B' x T tokens
         cuda_sampling.verify_draws(*padded).ravel().view(np.int64),
         np.repeat(numbers[:, None], K + 1, axis=1).ravel().view(np.int64)]))
-    cuda_graphs.copy_in(g["q"][:B], q)
+    if q is not None:
+        cuda_graphs.copy_in(g["q"][:B], q)
     logits = cuda_graphs.run(g)  # [B', K+1, n_vocab]
     out = g["out"]
     n, token = (out if isinstance(out, np.ndarray) else out.get())[:, :B]  # [B] each: the one copy out
@@ -234,15 +236,15 @@ def static_loop(model, cache, Bp, T, K):
     return cache["graphs"][key]
 
 
-def static_verification(model, cache, Bp, T, K):
+def static_verification(model, cache, Bp, T, K, one_hot=False):
     """The verification of K drafts for B' rows, T tokens a row in the target's pass, made at
     first use (cuda_graphs.run records and replays it): {"inputs" (`verify` fills it: ids and
     positions [B', T], the tokens to take logits at [B', K+1] (counted along the B' x T),
     cuda_sampling.verify_draws [B', 2K+2] and each row's settings [B', K+1, 5], float64 both,
-    as their bits), "q" [B', K, n_vocab], "out" [2, B'] (n, token), "forward" (returns the
-    logits [B', K+1, n_vocab]), ...}."""
+    as their bits), "q" [B', K, n_vocab] (unread if one_hot: q one-hot at the drafts), "out"
+    [2, B'] (n, token), "forward" (returns the logits [B', K+1, n_vocab]), ...}."""
     params, hparams = model
-    key = ("verification", id(params), cuda_graphs.pointer(cache["layers"][0]["k"]), Bp, T, K)
+    key = ("verification", id(params), cuda_graphs.pointer(cache["layers"][0]["k"]), Bp, T, K, one_hot)
     if key not in cache["graphs"]:
         wpe, P, n_vocab = params["wpe"], K + 1, hparams["n_vocab"]
         sizes = np.cumsum([0, Bp * T, Bp * T, Bp * P, Bp * (2 * K + 2), Bp * P * 5])
@@ -263,9 +265,10 @@ def static_verification(model, cache, Bp, T, K):
             distributions(logits, settings, g["settings"], p)
             if isinstance(logits, np.ndarray):  # the stand-in: speculative.verify on its arrays
                 drafts, k = draws[:, :K].astype(np.int64), draws[:, 2 * K].astype(np.int64)  # [B', K], [B']
-                g["out"][...] = g["accept"](p, g["q"], drafts, k, draws[:, K:2 * K], draws[:, -1])  # u, v
+                g["out"][...] = g["accept"](p, None if one_hot else g["q"], drafts, k, draws[:, K:2 * K],
+                                            draws[:, -1])  # u, v
             else:
-                cuda_sampling.accept(p, g["q"], draws, g["out"])
+                cuda_sampling.accept(p, g["q"], draws, g["out"], one_hot)
             return logits
         g["forward"] = forward
     return cache["graphs"][key]

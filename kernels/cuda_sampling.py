@@ -285,10 +285,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample(const float* p, con
 // the drafts before the first i with u_i q_i(d_i) >= p_i(d_i) (float64, as NumPy compares) or
 // i = k; out[b] = max(0, p_n - q_n) (q_n = 0 where every draft passed), or p_n where that holds
 // no mass or a NaN (NumPy's sum of it is then not > 0). p [B, P, n], q [B, K, n]; draws [B, 2K+2]:
-// d_1..d_K, u_1..u_K, k, v (float64, token ids exact); v[b] = the draw for the last token.
+// d_1..d_K, u_1..u_K, k, v (float64, token ids exact); v[b] = the draw for the last token. With
+// one_hot, q is not read: q_i is 1 at d_i, 0 elsewhere (a deterministic drafter's).
 extern "C" __global__ void __launch_bounds__(THREADS) residual(const float* p, const float* q, const double* draws,
                                                                long long* accepted, float* out, double* v, int P,
-                                                               int K, int n) {
+                                                               int K, int n, int one_hot) {
     __shared__ int n_s;
     int b = blockIdx.x;
     const double* d = draws + (size_t)b * (2 * K + 2);
@@ -297,7 +298,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) residual(const float* p, c
         int i = 0;
         for (; i < k; i++) {
             size_t token = (size_t)d[i];
-            if (!(d[K + i] * (double)q[((size_t)b * K + i) * n + token] < (double)p[((size_t)b * P + i) * n + token]))
+            double q_d = one_hot ? 1.0 : (double)q[((size_t)b * K + i) * n + token];
+            if (!(d[K + i] * q_d < (double)p[((size_t)b * P + i) * n + token]))
                 break;
         }
         n_s = i;
@@ -306,11 +308,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) residual(const float* p, c
     }
     __syncthreads();
     const float* pn = p + ((size_t)b * P + n_s) * n;
-    const float* qn = n_s < k ? q + ((size_t)b * K + n_s) * n : nullptr;
+    const float* qn = n_s < k && !one_hot ? q + ((size_t)b * K + n_s) * n : nullptr;
+    long long d_n = n_s < k && one_hot ? (long long)d[n_s] : -1;  // one_hot: q_n's token
     float* o = out + (size_t)b * n;
     int mass = 0, nan = 0;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        float r = pn[i] - (qn ? qn[i] : 0.0f);
+        float r = pn[i] - (qn ? qn[i] : i == d_n ? 1.0f : 0.0f);
         r = r < 0.0f ? 0.0f : r;  // a NaN stays, as in np.maximum
         o[i] = r;
         mass |= r > 0.0f;
@@ -393,7 +396,7 @@ def verify(p, q, drafts, k, u, v):
     import cupy
     B, K = drafts.shape
     out = cupy.empty((2, B), np.int64)  # [2, B]: n, token
-    accept(on_device(p, np.float32), on_device(q, np.float32),  # (q: a deterministic drafter's, on the host)
+    accept(on_device(p, np.float32), on_device(q, np.float32),  # (q: speculative.one_hot's, on the host)
            cupy.asarray(verify_draws(drafts, k, u, v)), out)
     accepted, tokens = out.get()  # [B] each
     return accepted, checked(tokens)
@@ -406,11 +409,12 @@ def verify_draws(drafts, k, u, v):
     return np.concatenate([drafts, u, np.reshape(k, (B, 1)), np.reshape(v, (B, 1))], axis=1, dtype=np.float64)
 
 
-def accept(p, q, draws, out):
+def accept(p, q, draws, out, one_hot=False):
     """speculative.verify's n and token into out [2, B] (int64; token -1 for a row that is not
-    a distribution), from p [B, K+1, n_vocab] and q [B, K, n_vocab] (float32) and draws
-    (verify_draws), all contiguous device arrays: two launches (the tests and the residual,
-    then `sample`'s draw), nothing the host waits for (a recorded graph's: cuda_decode_loop.py)."""
+    a distribution), from p [B, K+1, n_vocab] and q [B, K, n_vocab] (float32; unread with
+    one_hot: one-hot at the drafts) and draws (verify_draws), all contiguous device arrays: two
+    launches (the tests and the residual, then `sample`'s draw), nothing the host waits for (a
+    recorded graph's: cuda_decode_loop.py)."""
     import cupy
     B, P, n_vocab = p.shape
     K = q.shape[1]
@@ -419,7 +423,7 @@ def accept(p, q, draws, out):
     last, v = cupy.empty((B, n_vocab), np.float32), cupy.empty(B, np.float64)  # the row drawn from, its draw
     if B:
         cuda.function(SOURCE, "residual")((B,), (THREADS,), (p, q, draws, out[0], last, v, np.int32(P),
-                                                             np.int32(K), np.int32(n_vocab)))
+                                                             np.int32(K), np.int32(n_vocab), np.int32(one_hot)))
         cuda.function(SOURCE, "sample")((B,), (THREADS,), (last, v, out[1], np.int32(n_vocab)))
 
 

@@ -340,7 +340,8 @@ def watch_verify(monkeypatch, looped=True):
                         static_loop(model, cache, Bp, T, K))
 
     def watched(p, q, drafts, k, u, v):
-        q_host = q if isinstance(q, np.ndarray) else q.get()  # [B, K, n_vocab]
+        q_host = speculative.one_hot(drafts, k, p.shape[-1]) if q is None else q if isinstance(q, np.ndarray) else \
+            q.get()  # [B, K, n_vocab]
         seen.append((drafts.tolist(), u.tolist(), v.tolist(), [q_host[b, :kb].tolist() for b, kb in enumerate(k)]))
         return verify(p, q, drafts, k, u, v)
 
@@ -351,8 +352,9 @@ def watch_verify(monkeypatch, looped=True):
 
 
 def watch_verification(monkeypatch, looped):
-    """[(the target's logits, n and tokens) of each step's verification] and [(B', T, K) of
-    each recorded verification made]; looped False: every verification runs after its pass."""
+    """[(the target's logits, n and tokens) of each step's verification] and [(B', T, K,
+    one_hot) of each recorded verification made]; looped False: every verification runs after
+    its pass."""
     seen, graphs = [], []
     verify_with_target, verify, static_verification = speculative.verify_with_target, cuda_decode_loop.verify, \
         cuda_decode_loop.static_verification
@@ -364,8 +366,8 @@ def watch_verification(monkeypatch, looped):
     monkeypatch.setattr(speculative, "verify_with_target", watched)
     monkeypatch.setattr(cuda_decode_loop, "verify", lambda *args, **kwargs: verify(*args, want_logits=True)
                         if looped else None)  # (the logits a callback would see: to compare)
-    monkeypatch.setattr(cuda_decode_loop, "static_verification", lambda model, cache, Bp, T, K: graphs.append(
-        (Bp, T, K)) or static_verification(model, cache, Bp, T, K))
+    monkeypatch.setattr(cuda_decode_loop, "static_verification", lambda model, cache, Bp, T, K, one_hot=False:
+                        graphs.append((Bp, T, K, one_hot)) or static_verification(model, cache, Bp, T, K, one_hot))
     return seen, graphs
 
 
@@ -414,15 +416,25 @@ def test_the_recorded_verification_accepts_what_a_verification_after_its_pass_ac
     assert len({len(logits[0]) for logits, _, _ in runs[0][1]}) > (2 if adaptive else 1)  # steps of several K
 
 
-def test_prompt_lookup_verifies_its_drafts_through_the_recorded_verification(both, monkeypatch):
-    """A drafter without a model (q one-hot on the host, copied into the graph's q): the text
-    is the CPU's greedy text, and the steps with drafts were verified by the recorded graph."""
+@pytest.mark.parametrize("settings", [GREEDY, UNPENALIZED], ids=["greedy", "sampled"])
+def test_prompt_lookup_verifies_its_drafts_through_the_recorded_verification(both, monkeypatch, settings):
+    """A drafter without a model (q None: one-hot at its drafts, which the graph makes itself):
+    the steps with drafts are verified by a recorded graph of its own, with the logits, n and
+    tokens of the verification after its pass (speculative.verify on one_hot's q), bit for bit;
+    greedy, the CPU's greedy text."""
     hparams, params, dev = both
     prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5 + [9]]
-    seen, graphs = watch_verification(monkeypatch, True)
-    got, stats = speculative.speculative_generate(batching.requests(prompts, 30, GREEDY), (dev, hparams),
-                                                  speculative.PROMPT_LOOKUP)
-    assert got == generate(params, hparams, 30, prompts=prompts) and stats.drafted and graphs
+    runs = []
+    for looped in (True, False):
+        with monkeypatch.context() as m:
+            seen, graphs = watch_verification(m, looped)
+            got, stats = speculative.speculative_generate(batching.requests(prompts, 30, settings, seed=3),
+                                                          (dev, hparams), speculative.PROMPT_LOOKUP)
+            runs.append((got, seen))
+        assert stats.drafted and (graphs and all(one_hot for *_, one_hot in graphs) if looped else not graphs)
+    assert runs[0] == runs[1]
+    if settings is GREEDY:
+        assert runs[0][0] == generate(params, hparams, 30, prompts=prompts)
 
 
 def test_a_draft_with_a_smaller_window_drafts_a_pass_at_a_time_where_it_would_restart(both, monkeypatch):
@@ -646,8 +658,8 @@ def test_the_recorded_verification_on_the_device_accepts_what_one_after_its_pass
 
 
 def test_prompt_lookup_on_the_device_verifies_through_the_recorded_verification(cupy, small, monkeypatch):
-    """q one-hot on the host, copied into the recorded verification's q: the CPU's greedy text,
-    the verification replayed."""
+    """q None, one-hot at the drafts, which the recorded verification's kernel reads so: the
+    CPU's greedy text, the verification replayed."""
     monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
     hparams, params = small
     prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5 + [9]]
@@ -673,6 +685,33 @@ def test_a_host_q_of_another_dtype_is_verified_as_float32_on_the_device(cupy, sm
         got.append(cuda_decode_loop.verify(model, cache, texts, q, drafts, k, u, v, [GREEDY] * 2, speculative.verify,
                                            want_logits=False))
     assert got[0] == got[1] and got[0][0] is None
+
+
+def test_the_device_verifies_a_q_of_none_as_its_one_hot(cupy, small, monkeypatch):
+    """cuda_decode_loop.verify with q None (a deterministic drafter's) and with one_hot's q on
+    the host, copied in: the same logits, n and tokens, bit for bit, eager and replayed, under
+    sampling, with rows of fewer drafts and drafts accepted and rejected."""
+    monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
+    hparams, params = small
+    model = on_device(cupy, small)
+    replayed, run = [], cuda_graphs.run
+    monkeypatch.setattr(cuda_graphs, "run", lambda static: replayed.append(static["replay"] is not None) or run(static))
+    caches = [kv_cache.init_cache(hparams, 3, hparams["n_ctx"], like=model[0]["wpe"]) for _ in range(2)]
+    rng, accepted = np.random.default_rng(7), set()
+    likely = np.array(generate(params, hparams, 3, prompts=SMALL_PROMPTS))  # [3, 3]: the greedy continuations
+    for _ in range(4):  # eager twice, then replayed
+        drafts, k = np.where(rng.uniform(size=(3, 3)) < 0.7, likely, rng.integers(0, V, (3, 3))), np.array([3, 1, 2])
+        u, v = rng.uniform(0.01, 1.0, (3, 3)), rng.uniform(0.01, 1.0, 3)
+        texts = [p + drafts[b, :k[b]].tolist() for b, p in enumerate(SMALL_PROMPTS)]
+        got = []
+        for q, cache in zip((None, speculative.one_hot(drafts, k, V)), caches):
+            kv_cache.rollback(cache, [len(p) - 1 for p in SMALL_PROMPTS])  # the drafts and the prompt's last pending
+            logits, n, token = cuda_decode_loop.verify(model, cache, texts, q, drafts, k, u, v, [UNPENALIZED] * 3,
+                                                       speculative.verify)
+            got.append((cupy.asnumpy(logits).tolist(), n, token))
+        assert got[0] == got[1]
+        accepted.update(got[0][1])
+    assert replayed[-2:] == [True, True] and len(accepted) > 1
 
 
 def test_the_costs_on_the_device_are_timed_as_decoding_runs_them(cupy, small, monkeypatch):
