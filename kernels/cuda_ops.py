@@ -156,13 +156,13 @@ __device__ void attend(const T* q, const T* k_new, const T* v_new, long long sb,
 #define OPS(T, S)                                                                                          \
 extern "C" __global__ void layer_norm##S(const T* x, const T* g, const T* b, T* y, int n, float eps) {     \
     layer_norm_rows<T>(x, g, b, y, n, eps); }                                                              \
-extern "C" __global__ void attend##S(const T* q, const T* k_new, const T* v_new, long long sb, long long sh, \
-    long long st, T* ck, T* cv, const long long* positions, T* out, int n_tok, int H, int S_, int D,        \
-    float scale) {                                                                                         \
+extern "C" __global__ void __launch_bounds__(32 * WARPS) attend##S(const T* q, const T* k_new,             \
+    const T* v_new, long long sb, long long sh, long long st, T* ck, T* cv, const long long* positions,     \
+    T* out, int n_tok, int H, int S_, int D, float scale) {                                                \
     attend<T, true>(q, k_new, v_new, sb, sh, st, ck, cv, positions, out, n_tok, H, S_, D, scale); }          \
-extern "C" __global__ void attend_stored##S(const T* q, const T* k_new, const T* v_new, long long sb,        \
-    long long sh, long long st, T* ck, T* cv, const long long* positions, T* out, int n_tok, int H, int S_,  \
-    int D, float scale) {                                                                                  \
+extern "C" __global__ void __launch_bounds__(32 * WARPS) attend_stored##S(const T* q, const T* k_new,      \
+    const T* v_new, long long sb, long long sh, long long st, T* ck, T* cv, const long long* positions,     \
+    T* out, int n_tok, int H, int S_, int D, float scale) {                                                \
     attend<T, false>(q, k_new, v_new, sb, sh, st, ck, cv, positions, out, n_tok, H, S_, D, scale); }
 OPS(float, _f32)
 OPS(unsigned short, _f16)
