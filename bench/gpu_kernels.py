@@ -37,8 +37,9 @@ SAMPLED = sampling.SamplingSettings(temperature=0.8, top_p=0.9)  # main.py's def
 def device_us(cupy, f, reps, launches=LAUNCHES, copies=1):
     """f's device time a launch, in us (the best of reps): launches calls of f recorded as one
     CUDA graph and replayed between two CUDA events. f(i) reads copy i of its inputs, i <
-    copies; the launches take turns over them (at least `copies` launches)."""
-    launches = max(launches, copies)
+    copies; the launches take turns over them, whole rounds (so a replay's first launch, on
+    copy 0, follows the last replay's on the last copy, not one on copies it just read)."""
+    launches = -(-launches // copies) * copies
     replay, _, keep = cuda_graphs.record(lambda: [f(i % copies) for i in range(launches)][-1], f(0))  # compiled
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     times = []
@@ -53,7 +54,7 @@ def device_us(cupy, f, reps, launches=LAUNCHES, copies=1):
 
 def l2_bytes(cupy):
     """The GPU's L2 cache, in bytes."""
-    return cupy.cuda.runtime.getDeviceProperties(0)["l2CacheSize"]  # (the device bench/gpu.py names)
+    return cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["l2CacheSize"]
 
 
 def n_copies(nbytes, l2):

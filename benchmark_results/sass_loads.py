@@ -3,7 +3,7 @@ before its first multiply, read from the machine code NVRTC builds for an H100/H
 with each kernel's registers and spilled bytes: no GPU needed. A GPU's memory answers a load
 after ~0.5 us, so that number, times the warps an SM holds, is what its bandwidth rests on.
 
-    pip install cupy-cuda12x nvidia-cuda-cuobjdump   # NVRTC, and NVIDIA's disassembler (0.3 MB)
+    pip install cupy-cuda12x "nvidia-cuda-cuobjdump>=13"   # NVRTC; NVIDIA's disassembler (0.3 MB)
     python benchmark_results/sass_loads.py [UNROLL]
 
 The k-loop is the innermost loop with the most vector loads (LDG.E.128 for float32, .64 for
@@ -37,8 +37,11 @@ def cubin(source, arch="sm_90"):
 
 def kernels(elf):
     """{name: (registers, stack bytes, [instructions])} of a cubin, by cuobjdump."""
-    import nvidia.cu13  # the wheel's tools: nvidia/cu13/bin (a namespace package)
-    tool = os.path.join(list(nvidia.cu13.__path__)[0], "bin", "cuobjdump")
+    try:
+        import nvidia.cu13  # the wheel's tools: nvidia/cu13/bin (a namespace package)
+        tool = os.path.join(list(nvidia.cu13.__path__)[0], "bin", "cuobjdump")
+    except ImportError:
+        tool = "cuobjdump"  # a CUDA toolkit's, on PATH
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(elf)
         f.flush()
@@ -63,7 +66,7 @@ def loads_before_first_multiply(code, vector):
         if vector in i:
             address = re.search(r"\[(R\d+)\.64(\+0x[0-9a-f]+)?\]", i)
             addresses[address.group(1)].add(address.group(2))
-    return max(map(len, addresses.values()))
+    return max(map(len, addresses.values()), default=0)
 
 
 if __name__ == "__main__":

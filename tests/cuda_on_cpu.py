@@ -263,7 +263,7 @@ def cupy():
         Stream=Stream, MemoryPool=lambda: types.SimpleNamespace(malloc=None), Event=Event,
         get_elapsed_time=get_elapsed_time,
         using_allocator=lambda malloc: contextlib.nullcontext(),
-        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=lambda i: {
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDevice=lambda: 0, getDeviceProperties=lambda i: {
             "name": b"our kernels on the CPU", "l2CacheSize": L2_BYTES}),
         memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
     module.__dict__.update(

@@ -227,8 +227,8 @@ def numpy_as_cupy():
     fake.__dict__.update({name: getattr(np, name) for name in ("ones", "asarray", "ndarray", "float32")})
     fake.__version__, fake.asnumpy = "NumPy stand-in", np.asarray
     fake.cuda = types.SimpleNamespace(
-        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=lambda i: {"name": b"no GPU",
-                                                                                     "l2CacheSize": 1 << 20}),
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDevice=lambda: 0, getDeviceProperties=lambda i: {
+            "name": b"no GPU", "l2CacheSize": 1 << 20}),
         memory=types.SimpleNamespace(OutOfMemoryError=MemoryError), Event=cuda_on_cpu.Event,
         get_elapsed_time=cuda_on_cpu.get_elapsed_time)
     return fake
@@ -285,16 +285,16 @@ def test_a_gpu_run_stopped_midway_keeps_what_it_measured(tmp_path, monkeypatch):
 def test_each_gpu_kernel_is_timed_in_a_recorded_graph(cupy, monkeypatch):
     """The kernel table's code through our kernels (on a GPU, or the CPU's emulation of one):
     every kernel recorded and replayed, the step replayed; a decode product's launches take
-    turns over copies of its weights, L2_TIMES the L2 cache in all, so that each reads them
-    from memory."""
+    turns over copies of its weights, L2_TIMES the L2 cache in all, in whole rounds, so that
+    each reads them from memory."""
     params, hparams = common.random_params("tiny", n_vocab=512, n_ctx=160)
     model = (layout.device_layout(layout.plain_layout(params), cupy), hparams)
-    timings = []  # [{(n_out, n_in): the weights' addresses}]: what each timing's launches of a few rows read
+    timings = []  # [{(n_out, n_in): {the weights' address: launches}}]: each timing's launches of a few rows
     launch, device_us = cuda_matmul.launch, gpu_kernels.device_us
 
     def watched(rows, w, *args, **kwargs):
         if rows.shape[0] <= cuda_matmul.ROWS:
-            timings[-1].setdefault(w.shape, set()).add(cuda_graphs.pointer(w))
+            timings[-1].setdefault(w.shape, collections.Counter())[cuda_graphs.pointer(w)] += 1
         return launch(rows, w, *args, **kwargs)
 
     def timing(*args, **kwargs):
@@ -302,14 +302,17 @@ def test_each_gpu_kernel_is_timed_in_a_recorded_graph(cupy, monkeypatch):
         return device_us(*args, **kwargs)
     monkeypatch.setattr(cuda_matmul, "launch", watched)
     monkeypatch.setattr(gpu_kernels, "device_us", timing)
-    rows = gpu_kernels.kernel_rows(cupy, model, reps=1, launches=2, prompt=130)
+    rows = gpu_kernels.kernel_rows(cupy, model, reps=1, launches=5, prompt=130)
     l2, itemsize = gpu_kernels.l2_bytes(cupy), np.dtype(np.float32).itemsize
     products = timings[:6 * 2 * (1 + len(gpu_kernels.UNROLLS))]  # each product at 1 and 8 rows, as is and unrolled
     assert all(len(t) == 1 for t in products)
     timed_rows = [r for r in rows[:12] for _ in range(1 + len(gpu_kernels.UNROLLS))]  # its own loads, then UNROLLS
     for (shape, read), r in zip((next(iter(t.items())) for t in products), timed_rows):
-        assert len(read) == r["copies"] == -(-gpu_kernels.L2_TIMES * l2 // (shape[0] * shape[1] * itemsize)), r
-    assert rows[0]["copies"] > 1  # (the emulation's L2: 64 KiB)
+        copies = r["copies"]
+        assert len(read) == copies == -(-gpu_kernels.L2_TIMES * l2 // (shape[0] * shape[1] * itemsize)), r
+        rounds = -(-5 // copies)  # each copy as often in the graph (the first once more: its eager call)
+        assert sorted(read.values()) == [rounds] * (copies - 1) + [rounds + 1], (r, read)
+    assert rows[0]["copies"] == 3 and rows[2]["copies"] == 8  # (the emulation's L2: 64 KiB)
     assert [r["kernel"] for r in rows] == ["c_attn"] * 2 + ["attn c_proj"] * 2 + ["c_fc"] * 2 + ["mlp c_proj"] * 2 + [
         "head"] * 2 + ["c_attn, its layer norm apart"] * 2 + [
         "c_fc, 4 outputs a warp", "c_fc in 3 launches, an output a warp", "c_fc by cuBLAS (its product alone), eagerly",
