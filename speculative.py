@@ -59,9 +59,9 @@ def verify(p, q, drafts, k, u, v):
     u [B, K], v [B]: uniform draws in (0, 1] for the acceptance tests and the last token.
     Returns (n [B] accepted drafts, token [B] the target's own next token).
     """
-    q = one_hot(drafts, k, p.shape[-1]) if q is None else q
     if cuda_sampling.takes(p):  # a GPU's kernels of our own: the same n and token in two launches
         return cuda_sampling.verify(p, q, drafts, k, u, v)
+    q = one_hot(drafts, k, p.shape[-1]) if q is None else q
     B, K = drafts.shape
     q, drafts, k, u = (np.asarray(a, like=p) for a in (q, drafts, k, u))  # to p's device (NumPy: no copy)
     rows = np.arange(B, like=p)  # [B]

@@ -241,7 +241,7 @@ def static_verification(model, cache, Bp, T, K, one_hot=False):
     first use (cuda_graphs.run records and replays it): {"inputs" (`verify` fills it: ids and
     positions [B', T], the tokens to take logits at [B', K+1] (counted along the B' x T),
     cuda_sampling.verify_draws [B', 2K+2] and each row's settings [B', K+1, 5], float64 both,
-    as their bits), "q" [B', K, n_vocab] (unread if one_hot: q one-hot at the drafts), "out"
+    as their bits), "q" [B', K, n_vocab] (None if one_hot: one-hot at the drafts), "out"
     [2, B'] (n, token), "forward" (returns the logits [B', K+1, n_vocab]), ...}."""
     params, hparams = model
     key = ("verification", id(params), cuda_graphs.pointer(cache["layers"][0]["k"]), Bp, T, K, one_hot)
@@ -253,7 +253,8 @@ def static_verification(model, cache, Bp, T, K, one_hot=False):
         draws = buffer[sizes[3]:sizes[4]].view(np.float64).reshape(Bp, 2 * K + 2)  # [B', 2K+2]
         settings = buffer[sizes[4]:].view(np.float64).reshape(Bp, P, 5)  # [B', K+1, 5]
         p = np.zeros((Bp, P, n_vocab), np.float32, like=wpe)  # [B', K+1, n_vocab]
-        g = cache["graphs"][key] = {"inputs": buffer, "q": np.zeros((Bp, K, n_vocab), np.float32, like=wpe),
+        q = None if one_hot else np.zeros((Bp, K, n_vocab), np.float32, like=wpe)  # [B', K, n_vocab]
+        g = cache["graphs"][key] = {"inputs": buffer, "q": q,
                                     "out": np.zeros((2, Bp), np.int64, like=wpe), "layers": cache["layers"],
                                     "settings": None, "accept": None, "uses": 0, "replay": None, "output": None,
                                     "graph": None, "params": params}
@@ -265,10 +266,9 @@ def static_verification(model, cache, Bp, T, K, one_hot=False):
             distributions(logits, settings, g["settings"], p)
             if isinstance(logits, np.ndarray):  # the stand-in: speculative.verify on its arrays
                 drafts, k = draws[:, :K].astype(np.int64), draws[:, 2 * K].astype(np.int64)  # [B', K], [B']
-                g["out"][...] = g["accept"](p, None if one_hot else g["q"], drafts, k, draws[:, K:2 * K],
-                                            draws[:, -1])  # u, v
+                g["out"][...] = g["accept"](p, g["q"], drafts, k, draws[:, K:2 * K], draws[:, -1])  # u, v
             else:
-                cuda_sampling.accept(p, g["q"], draws, g["out"], one_hot)
+                cuda_sampling.accept(p, g["q"], draws, g["out"])
             return logits
         g["forward"] = forward
     return cache["graphs"][key]

@@ -390,14 +390,14 @@ def draw(probs, u, tokens):
 
 
 def verify(p, q, drafts, k, u, v):
-    """speculative.verify on the device (its arguments, read there): the accepted n [B] and the
-    token [B], both on the host, in two launches (`accept`) and one copy each way, where
-    NumPy's operations take ~25 calls into CuPy."""
+    """speculative.verify on the device (its arguments, read there; q None: one-hot at the
+    drafts): the accepted n [B] and the token [B], both on the host, in two launches (`accept`)
+    and one copy each way, where NumPy's operations take ~25 calls into CuPy."""
     import cupy
     B, K = drafts.shape
     out = cupy.empty((2, B), np.int64)  # [2, B]: n, token
-    accept(on_device(p, np.float32), on_device(q, np.float32),  # (q: speculative.one_hot's, on the host)
-           cupy.asarray(verify_draws(drafts, k, u, v)), out)
+    accept(on_device(p, np.float32), None if q is None else on_device(q, np.float32),  # (q: a drafter's own may
+           cupy.asarray(verify_draws(drafts, k, u, v)), out)  # be on the host)
     accepted, tokens = out.get()  # [B] each
     return accepted, checked(tokens)
 
@@ -409,21 +409,23 @@ def verify_draws(drafts, k, u, v):
     return np.concatenate([drafts, u, np.reshape(k, (B, 1)), np.reshape(v, (B, 1))], axis=1, dtype=np.float64)
 
 
-def accept(p, q, draws, out, one_hot=False):
+def accept(p, q, draws, out):
     """speculative.verify's n and token into out [2, B] (int64; token -1 for a row that is not
-    a distribution), from p [B, K+1, n_vocab] and q [B, K, n_vocab] (float32; unread with
-    one_hot: one-hot at the drafts) and draws (verify_draws), all contiguous device arrays: two
-    launches (the tests and the residual, then `sample`'s draw), nothing the host waits for (a
-    recorded graph's: cuda_decode_loop.py)."""
+    a distribution), from p [B, K+1, n_vocab] and q [B, K, n_vocab] (float32; None: one-hot at
+    the drafts, a deterministic drafter's) and draws (verify_draws), all contiguous device
+    arrays: two launches (the tests and the residual, then `sample`'s draw), nothing the host
+    waits for (a recorded graph's: cuda_decode_loop.py)."""
     import cupy
     B, P, n_vocab = p.shape
-    K = q.shape[1]
-    if q.shape != (B, K, n_vocab) or P <= K or draws.shape != (B, 2 * K + 2):
-        raise ValueError(f"verify: p {p.shape}, q {q.shape} and draws {draws.shape} do not fit {K} drafts a row")
+    K = (draws.shape[1] - 2) // 2
+    if (q is not None and q.shape != (B, K, n_vocab)) or P <= K or draws.shape != (B, 2 * K + 2):
+        raise ValueError(f"verify: p {p.shape}, q {None if q is None else q.shape} and draws {draws.shape} do not "
+                         f"fit {K} drafts a row")
     last, v = cupy.empty((B, n_vocab), np.float32), cupy.empty(B, np.float64)  # the row drawn from, its draw
     if B:
-        cuda.function(SOURCE, "residual")((B,), (THREADS,), (p, q, draws, out[0], last, v, np.int32(P),
-                                                             np.int32(K), np.int32(n_vocab), np.int32(one_hot)))
+        cuda.function(SOURCE, "residual")((B,), (THREADS,), (p, p if q is None else q, draws, out[0], last, v,
+                                                             np.int32(P), np.int32(K), np.int32(n_vocab),
+                                                             np.int32(q is None)))  # (p: never read as q)
         cuda.function(SOURCE, "sample")((B,), (THREADS,), (last, v, out[1], np.int32(n_vocab)))
 
 

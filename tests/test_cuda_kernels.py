@@ -232,8 +232,8 @@ def test_the_verification_kernel_accepts_and_draws_as_speculative_py(cupy, monke
     """Rows that reject at the first draft, accept every draft (the bonus token from p_{K+1}),
     draft fewer than K, reject where q = p (the residual holds no mass: p_n), meet a NaN in q,
     or draft nothing: speculative.verify's n and token, handed to the kernels on device arrays
-    (q also on the host, as prompt lookup gives it); a NaN in p is refused as sampling.sample
-    refuses it."""
+    (q also on the host, and None: one-hot at the drafts, as prompt lookup gives it, the kernel
+    reading it so); a NaN in p is refused as sampling.sample refuses it."""
     import speculative
     p, q, drafts, k, u, v = verify_case()
     want_n, want_token = speculative.verify(p, q, drafts, k, u, v)
@@ -242,8 +242,12 @@ def test_the_verification_kernel_accepts_and_draws_as_speculative_py(cupy, monke
     n, token = speculative.verify(cupy.asarray(p), cupy.asarray(q), drafts, k, u, v)
     assert isinstance(n, np.ndarray) and isinstance(token, np.ndarray)
     assert np.array_equal(n, want_n) and np.array_equal(token, want_token)
-    n, token = speculative.verify(cupy.asarray(p), q, drafts, k, u, v)  # q on the host: prompt lookup's
+    n, token = speculative.verify(cupy.asarray(p), q, drafts, k, u, v)  # q on the host: a drafter's own
     assert np.array_equal(n, want_n) and np.array_equal(token, want_token)
+    q_det = speculative.one_hot(drafts, k, p.shape[-1])  # a deterministic drafter's q, and its None
+    want = [a.tolist() for a in speculative.verify(p, q_det, drafts, k, u, v)]
+    assert [a.tolist() for a in speculative.verify(p, None, drafts, k, u, v)] == want
+    assert [a.tolist() for a in speculative.verify(cupy.asarray(p), None, drafts, k, u, v)] == want
     p[0, want_n[0], 5] = np.nan
     with pytest.raises(ValueError, match="cannot sample"):
         speculative.verify(cupy.asarray(p), cupy.asarray(q), drafts, k, u, v)
