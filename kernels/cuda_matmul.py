@@ -49,9 +49,8 @@ COLS_WIDE = 4  # outputs a warp computes in a product of more than ROWS_BLOCK ro
 # a product of few outputs needs (124M's c_proj: 96 blocks for 132 SMs), and float16 twice, at
 # the price of registers. The loads move, the sums do not (NVRTC does not reassociate float sums
 # without --use_fast_math), so any value gives the same bits (bench/gpu_kernels.py times others).
-# A prompt's kernel (wide), whose warps are many and whose registers hold COLS_WIDE outputs, 2
 UNROLL = 8
-UNROLL_WIDE = 2
+UNROLL_WIDE = 2  # a prompt's kernel: its warps are many, and its registers hold COLS_WIDE sums a row
 
 KERNELS = "".join(f"#define {name} {value}\n" for name, value in
                   (("ROWS", ROWS), ("ROWS_BLOCK", ROWS_BLOCK), ("COLS_WIDE", COLS_WIDE), ("WARPS", WARPS),
@@ -175,10 +174,9 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
     ROWS_TIMES_COLUMNS(unsigned short, COLS, true, U, RT, BOUNDS, NAME##_ln_f16)
 // A decode step's products: one row's keeps 3 blocks an SM (at most 85 registers a thread;
 // sm_90 builds take 56-72): c_attn and c_fc of 124M are 288 and 384 blocks, one wave on an
-// H200's 132 SMs. ROWS rows' keeps 2 (at most 128; 80-106): its ROWS sums and inputs a lane
-// leave 8 steps' weights no room in 85 (the build issues 2 before its first multiply, then
-// spills), and 2 blocks of 8 steps in flight are more bytes than 3 of 2. None spills. A prompt's
-// (wide) kernel is left unbounded: bounded, it spills.
+// H200's 132 SMs. ROWS rows' keeps 2 (at most 128; 80-106): in 85, 8 steps' weights beside
+// ROWS sums and inputs a lane spill, and 2 blocks of 8 steps in flight are more bytes than 3 of
+// 2. None spills. A prompt's (wide) kernel is left unbounded: bounded, it spills.
 ROWS_TIMES_COLUMNS_ALL(1, UNROLL, 1, __launch_bounds__(32 * WARPS, 3), row_times_columns)
 ROWS_TIMES_COLUMNS_ALL(1, UNROLL, ROWS, __launch_bounds__(32 * WARPS, 2), rows_times_columns)
 ROWS_TIMES_COLUMNS_ALL(COLS_WIDE, UNROLL_WIDE, ROWS, , rows_times_wide_columns)
