@@ -24,10 +24,10 @@ the warps, of which a product of more than ROWS_BLOCK rows has plenty.
 
 Memory answers a load after about half a microsecond, so reading at its bandwidth (~4.8 TB/s
 on an H200) needs megabytes of loads in flight: a lane issues the loads of UNROLL k-steps'
-weights before it uses any (in the compiled code, all 8 before its first multiply). A row
-alone, a decode step's at batch 1 and every draft's, has a kernel of its own: one sum a lane
-instead of ROWS leaves registers for 3 blocks an SM instead of 2. Which kernel a row meets
-changes no bit: each sums its outputs in the same order.
+weights before it uses any (the sm_90 build issues all 8 before its first multiply: `python
+benchmark_results/sass_loads.py`). A row alone, a decode step's at batch 1 and every draft's,
+has a kernel of its own: one sum a lane instead of ROWS leaves registers for 3 blocks an SM
+instead of 2. Which kernel a row meets changes no bit: each sums its outputs in the same order.
 
 `linear` also does, as each output is stored, what gpt2.py does right after a product (its
 *tail*): the bias, the GELU of the MLP's first layer, the residual add of a block; and, as
@@ -172,11 +172,12 @@ __device__ void rows_times_columns(const T* __restrict__ w, const T* __restrict_
     ROWS_TIMES_COLUMNS(unsigned short, COLS, false, U, RT, BOUNDS, NAME##_f16)    \
     ROWS_TIMES_COLUMNS(float, COLS, true, U, RT, BOUNDS, NAME##_ln_f32)           \
     ROWS_TIMES_COLUMNS(unsigned short, COLS, true, U, RT, BOUNDS, NAME##_ln_f16)
-// A decode step's products: one row's keeps 3 blocks an SM (at most 85 registers a thread;
-// sm_90 builds take 56-72): c_attn and c_fc of 124M are 288 and 384 blocks, one wave on an
-// H200's 132 SMs. ROWS rows' keeps 2 (at most 128; 80-106): in 85, 8 steps' weights beside
-// ROWS sums and inputs a lane spill, and 2 blocks of 8 steps in flight are more bytes than 3 of
-// 2. None spills. A prompt's (wide) kernel is left unbounded: bounded, it spills.
+// A decode step's products (registers: benchmark_results/sass_loads.py): one row's keeps 3
+// blocks an SM (at most 85 registers a thread; sm_90 builds take 56-72): c_attn and c_fc of
+// 124M are 288 and 384 blocks, one wave on an H200's 132 SMs. ROWS rows' keeps 2 (at most 128;
+// 80-106): in 85, 8 steps' weights beside ROWS sums and inputs a lane spill, and 2 blocks of 8
+// steps in flight are more bytes than 3 of 2. None spills. A prompt's (wide) kernel is left
+// unbounded: bounded, it spills.
 ROWS_TIMES_COLUMNS_ALL(1, UNROLL, 1, __launch_bounds__(32 * WARPS, 3), row_times_columns)
 ROWS_TIMES_COLUMNS_ALL(1, UNROLL, ROWS, __launch_bounds__(32 * WARPS, 2), rows_times_columns)
 ROWS_TIMES_COLUMNS_ALL(COLS_WIDE, UNROLL_WIDE, ROWS, , rows_times_wide_columns)

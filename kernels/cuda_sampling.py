@@ -396,8 +396,8 @@ def verify(p, q, drafts, k, u, v):
     import cupy
     B, K = drafts.shape
     out = cupy.empty((2, B), np.int64)  # [2, B]: n, token
-    accept(on_device(p, np.float32), None if q is None else on_device(q, np.float32),  # (q: a drafter's own may
-           cupy.asarray(verify_draws(drafts, k, u, v)), out)  # be on the host)
+    q = None if q is None else on_device(q, np.float32)  # (a drafter's own q may be on the host)
+    accept(on_device(p, np.float32), q, cupy.asarray(verify_draws(drafts, k, u, v)), out)
     accepted, tokens = out.get()  # [B] each
     return accepted, checked(tokens)
 
