@@ -1,11 +1,14 @@
 // CUDA C on a CPU, for tests/cuda_on_cpu.py: what our kernels (kernels/cuda*.py) use of CUDA.
 // A block's threads are fibers on one CPU thread, __syncthreads and a warp's shuffles and
 // ballots are barriers between them, atomics are std::atomic_ref. Blocks run one after
-// another, so __shared__ (a static here) is the running block's, the last block first: a GPU
-// runs them in no set order, and a block that reads what a block before it writes in the same
-// launch would pass in the natural order and fail on a GPU. It checks what a kernel
-// computes; not its speed, nor a race the GPU's weaker memory ordering would expose, nor the
-// GPU's own arithmetic (flush-to-zero, the last bit of expf). x86-64 only (the fiber switch).
+// another, so __shared__ (a static here) is the running block's. A GPU runs a block's warps and
+// a grid's blocks in no set order, so launches take turns: the last block and the last thread
+// first, then the first first; a thread that reads what another writes with no barrier between
+// them, or a block what another block writes, fails one of the two. It is strict where a GPU
+// is: shared memory starts as garbage, a vector load must be aligned to its size, and a shuffle
+// must not wait on a lane that has returned. It checks what a kernel computes; not its speed,
+// nor a race the GPU's weaker memory ordering alone would expose, nor the GPU's own arithmetic
+// (flush-to-zero, the last bit of expf). x86-64 only (the fiber switch).
 #pragma once
 #include <math.h>
 #include <algorithm>
@@ -18,17 +21,34 @@
 #include <sys/mman.h>
 
 struct dim3 { unsigned int x = 1, y = 1, z = 1; };
-struct float4 { float x, y, z, w; };
-struct uint2 { unsigned int x, y; };
 dim3 threadIdx, blockIdx;  // the running fiber's
 dim3 blockDim, gridDim;
 char* dynamic_shared;  // extern __shared__ arrays point here (cuda_on_cpu.py rewrites them)
+
+// what a GPU would stop the launch for (its error stays with the context: a CUDA error is
+// "sticky"), the first of them; launch returns it
+enum Fault { NONE, DEADLOCK, NO_STACKS, MISALIGNED, RETURNED_LANE };
+Fault fault;
+inline void fail(Fault f) { if (fault == NONE) fault = f; }
+
+// a vector load is one instruction: its address must be a multiple of its size
+struct float4 {
+    float x, y, z, w;
+    float4(const float4& o) : x(o.x), y(o.y), z(o.z), w(o.w) { if ((uintptr_t)&o % 16) fail(MISALIGNED); }
+};
+struct uint2 {
+    unsigned int x, y;
+    uint2(const uint2& o) : x(o.x), y(o.y) { if ((uintptr_t)&o % 8) fail(MISALIGNED); }
+};
 
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __restrict__
-#define __shared__ static
+// every block's statics in one section, which each block starts by filling with garbage
+#define __shared__ static __attribute__((section("cuda_on_cpu_shared")))
+extern char __start_cuda_on_cpu_shared[] __attribute__((weak, visibility("hidden")));
+extern char __stop_cuda_on_cpu_shared[] __attribute__((weak, visibility("hidden")));
 #define __launch_bounds__(...)
 
 // A block's threads are fibers: each runs on a stack of its own until it waits at a barrier,
@@ -121,6 +141,8 @@ template <typename T> inline T exchange(T v, int from) {
     std::memcpy(&bits, &v, sizeof(T));
     lanes[threadIdx.x] = bits;
     arrive_and_wait(1 + warp);
+    for (int t = warp * 32; t < warp * 32 + 32; t++)  // the mask names all 32 lanes: each must be running
+        if (t >= (int)blockDim.x || fibers[t].state == DONE) fail(RETURNED_LANE);
     bits = lanes[warp * 32 + from];
     arrive_and_wait(1 + warp);
     T r;
@@ -162,25 +184,31 @@ using std::max;
 using std::min;
 
 // the kernel call f over a grid of gx blocks of bx threads, with shmem bytes of dynamic shared
-// memory; returns 0, or 1 where the block's threads all wait at barriers that can never open (2: no
-// memory for the fibers' stacks)
+// memory; returns NONE, or the fault that stopped it (DEADLOCK: the block's threads all wait
+// at barriers that can never open)
+int launches;  // so far: the order of blocks and threads takes turns (the header's comment says why)
 int launch(int gx, int bx, int shmem, std::function<void()> f) {
     std::vector<char> shared(shmem + 16);  // never empty: a kernel without any still gets a pointer
     dynamic_shared = shared.data();
     blockDim.x = bx;
     gridDim.x = gx;
     kernel = &f;
+    fault = NONE;
     while ((int)stacks.size() < bx) {
         auto memory = (char*)mmap(nullptr, STACK_BYTES + 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
                                   -1, 0);
-        if (memory == MAP_FAILED) return 2;
+        if (memory == MAP_FAILED) return NO_STACKS;
         mprotect(memory, 4096, PROT_NONE);
         stacks.push_back(memory + 4096);
     }
     lanes.assign((bx + 31) / 32 * 32, 0);
     any_flag = 0;
-    for (int b = gx - 1; b >= 0; b--) {  // the last first (the header's comment says why)
-        blockIdx.x = b;
+    bool last_first = launches++ % 2 == 0;
+    for (int i = 0; i < gx; i++) {
+        blockIdx.x = last_first ? gx - 1 - i : i;
+        std::memset(shared.data(), 0xff, shared.size());  // garbage: NaN as float, -1 as an integer
+        if (__start_cuda_on_cpu_shared)
+            std::memset(__start_cuda_on_cpu_shared, 0xff, __stop_cuda_on_cpu_shared - __start_cuda_on_cpu_shared);
         fibers.assign(bx, Fiber{nullptr, RUNNABLE, 0});
         int warps = (bx + 31) / 32;
         live.assign(1 + warps, 0);
@@ -197,7 +225,8 @@ int launch(int gx, int bx, int shmem, std::function<void()> f) {
         }
         for (int done = 0; done < bx;) {
             bool ran = false;
-            for (int t = 0; t < bx; t++) {
+            for (int j = 0; j < bx; j++) {
+                int t = last_first ? bx - 1 - j : j;
                 if (fibers[t].state != RUNNABLE) continue;
                 running = t;
                 threadIdx.x = t;
@@ -205,8 +234,8 @@ int launch(int gx, int bx, int shmem, std::function<void()> f) {
                 ran = true;
                 done += fibers[t].state == DONE;
             }
-            if (!ran) return 1;
+            if (!ran) return DEADLOCK;
         }
     }
-    return 0;
+    return fault;
 }

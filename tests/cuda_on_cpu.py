@@ -1,14 +1,16 @@
 """Our GPU kernels run on a CPU: CuPy's few functions the kernels' Python calls, played by
 NumPy, and RawModule's CUDA C compiled by g++ against cuda_on_cpu.h (a block's threads as
-fibers: each runs until it waits at a barrier; blocks one at a time, the last first). A
-machine without a GPU (CI) checks each kernel's numbers against NumPy with it, as
-tests/test_cuda_kernels.py does on a GPU; it cannot see speed, nor races that the GPU's
-weaker memory ordering alone would expose, nor the GPU's arithmetic where it differs
+fibers: each runs until it waits at a barrier; blocks one at a time, in turns the last first
+and the first first). A machine without a GPU (CI) checks each kernel's numbers against NumPy
+with it, as tests/test_cuda_kernels.py does on a GPU; it cannot see speed, nor races that the
+GPU's weaker memory ordering alone would expose, nor the GPU's arithmetic where it differs
 (flush-to-zero, fused multiply-adds, the last bit of expf).
-A block whose threads all wait at barriers that cannot open fails its launch, as a GPU would
-hang. It is lenient where a GPU is undefined or strict: a lane that has returned still
-answers a shuffle, shared memory starts zeroed, and no launch limit (threads, registers,
-48 KiB of shared memory) is checked."""
+Where a GPU would stop a launch, it fails the launch: a block whose threads all wait at
+barriers that cannot open (a GPU hangs), a vector load at an address not a multiple of its
+size, a shuffle waiting on a lane that has returned, a block over its __launch_bounds__ (or
+1,024 threads), or over 48 KiB of dynamic shared memory. Shared memory starts as garbage. It
+does not check registers, nor static shared memory (test_cuda_graphs reads both from the
+machine code NVRTC builds)."""
 import contextlib
 import ctypes
 import functools
@@ -28,6 +30,7 @@ import numpy as np
 HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_on_cpu.h")
 BUILD = os.path.join(tempfile.gettempdir(), "gpt2-cuda-on-cpu")
 TIMEOUT_S = 300  # a launch here takes up to seconds
+MAX_THREADS, MAX_SHARED = 1024, 48 << 10  # a block's, on every GPU since 2010 (more shared memory: an opt-in)
 L2_BYTES = 64 << 10  # the "GPU's" L2 cache: small, so that the tiny model's matrices are several times it
 
 
@@ -282,13 +285,17 @@ def garbage(shape, dtype):
 
 
 def kernels(source):
-    """{name: its parameters [(C type, name)]} of source's extern "C" __global__ functions,
-    its macros expanded (g++ -E)."""
+    """{name: (its parameters [(C type, name)], the most threads a block of it may have)} of
+    source's extern "C" __global__ functions, its macros expanded (g++ -E)."""
     expanded = subprocess.run(["g++", "-E", "-P", "-x", "c++", "-"], input=source, capture_output=True, text=True,
                               check=True).stdout
-    found, signature = {}, r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(([^)]*)\)'
-    for name, params in re.findall(signature, expanded):
-        found[name] = [re.match(r"(.*?)(\w+)$", p.strip()).groups() for p in params.split(",") if p.strip()]
+    found = {}
+    signature = r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\(([^)]*)\)\s+)?(\w+)\s*\(([^)]*)\)'
+    for bounds, name, params in re.findall(signature, expanded):
+        most = bounds.split(",")[0].strip() or str(MAX_THREADS)  # __launch_bounds__(threads, blocks an SM)
+        assert re.fullmatch(r"[\d\s*+()-]+", most), f"{name}'s launch bounds: {bounds}"
+        found[name] = ([re.match(r"(.*?)(\w+)$", p.strip()).groups() for p in params.split(",") if p.strip()],
+                       eval(most, {"__builtins__": {}}))  # an arithmetic of integers, checked above
     return found
 
 
@@ -306,22 +313,28 @@ class RawModule:
 
     def __init__(self, code):
         code = for_cpu(code)
-        self.params = kernels(code)
+        self.kernels = kernels(code)
         launchers = [f'extern "C" int launch_{name}(int gx, int bx, int shmem, '
                      + ", ".join(f"{t} {n}" for t, n in params)
                      + f") {{ return launch(gx, bx, shmem, [=] {{ {name}({', '.join(n for _, n in params)}); }}); }}"
-                     for name, params in self.params.items()]
+                     for name, (params, _) in self.kernels.items()]
         source = f'#include "{HEADER}"\n{code}\n' + "\n".join(launchers) + "\n"
         self.lib = ctypes.CDLL(compiled(source))
 
     def get_function(self, name):
-        params = self.params[name]
+        params, most_threads = self.kernels[name]
         function = getattr(self.lib, f"launch_{name}")
         function.argtypes = [ctypes.c_int] * 3 + [ctype(t) for t, _ in params]
         function.restype = ctypes.c_int
 
         def call(grid, block, args, shared_mem=0):
             assert len(grid) == len(block) == 1 and len(args) == len(params), (name, grid, block, len(args))
+            if not 0 < block[0] <= most_threads or shared_mem > MAX_SHARED:  # CUDA's launch fails
+                raise RuntimeError(f"kernel {name}: a block of {block[0]} threads and {shared_mem} bytes of dynamic "
+                                   f"shared memory: at most {most_threads} threads (its __launch_bounds__ or a "
+                                   f"GPU's) and {MAX_SHARED} bytes")
+            for (t, n), a in zip(params, args):
+                check_argument(name, t, n, a)
             values = [pointer(a) if "*" in t else (a.item() if isinstance(a, np.generic) else a)
                       for (t, _), a in zip(params, args)]
             if recording is not None:  # a node of the graph: run at replay, on these pointers and values
@@ -347,8 +360,38 @@ def run(name, function, grid, block, shared_mem, values, keep=()):
     if launch.is_alive():
         hung.append(name)
         raise AssertionError(f"kernel {name} still runs after {TIMEOUT_S} s: a loop never ends")
-    assert stuck != [2], f"kernel {name}: no memory for its threads' stacks"
-    assert stuck == [0], f"kernel {name}: a block's threads all wait at barriers that can never open"
+    assert stuck == [0], f"kernel {name}: {FAULTS.get(stuck[0], stuck[0])}"
+
+
+FAULTS = {  # cuda_on_cpu.h's launch: why it stopped
+    1: "a block's threads all wait at barriers that can never open",
+    2: "no memory for its threads' stacks",
+    3: "misaligned address: a vector load's address is not a multiple of its size",
+    4: "a warp's shuffle waited on a lane that has returned, or that the block does not have (undefined on a GPU)"}
+
+
+C_TYPES = {"int": np.int32, "unsigned int": np.uint32, "long long": np.int64, "unsigned long long": np.uint64,
+           "u64": np.uint64, "float": np.float32, "double": np.float64, "unsigned short": np.float16}
+
+
+def check_argument(kernel, c_type, name, a):
+    """A kernel's argument as CuPy hands it over: a device array's address for a pointer (of
+    the type's own dtype; float16 is unsigned short to our kernels), a scalar's bytes as they
+    are, a Python int as 8 bytes (np.int64) and a float as a double: the kernel reads what its
+    parameter's type says, so a scalar of another size shifts every parameter after it."""
+    base = c_type.replace("const", "").replace("__restrict__", "").replace("*", "").strip()
+    if "*" in c_type:
+        if not isinstance(a, Device) or (base in C_TYPES and a.dtype != C_TYPES[base]):
+            raise TypeError(f"kernel {kernel}: {name} is {c_type}, given {type(a).__name__} "
+                            f"{getattr(a, 'dtype', '')}")
+        return
+    given = np.dtype(type(a)) if isinstance(a, np.generic) else np.dtype(
+        np.int64 if isinstance(a, int) else np.float64 if isinstance(a, float) else object)
+    if base not in C_TYPES:
+        raise TypeError(f"kernel {kernel}: {name}'s type {c_type} is not one cuda_on_cpu.py knows")
+    if given != C_TYPES[base]:
+        raise TypeError(f"kernel {kernel}: {name} is {c_type}, but CuPy passes {a!r} as {given}: give "
+                        f"np.{np.dtype(C_TYPES[base]).name}(...)")
 
 
 def pointer(a):

@@ -1,0 +1,103 @@
+"""The CPU's GPU (tests/cuda_on_cpu.py) stops a launch where a GPU would, and gives a kernel
+what a GPU leaves undefined as garbage: each check is seen to fail a kernel with the fault it
+is for, and to pass the kernel without it. A GPU session is lent rarely and a fault there is
+sticky (every later launch of the process fails), so what a CPU can catch, it must."""
+import numpy as np
+import pytest
+
+import cuda_on_cpu
+from kernels import cuda
+
+pytestmark = pytest.mark.skipif(bool(cuda_on_cpu.unavailable()), reason=f"{cuda_on_cpu.unavailable()}")
+
+
+@pytest.fixture(scope="module")
+def cupy():
+    return cuda_on_cpu.cupy()
+
+
+def kernel(cupy, body, name="k", bounds=""):
+    """extern "C" k(const float* x, float* y) with body, cuda.SHARED's helpers before it."""
+    source = cuda.SHARED + f'extern "C" __global__ void {bounds} {name}(const float* x, float* y) {{ {body} }}'
+    return cupy.RawModule(code=source).get_function(name)
+
+
+def launch(cupy, f, blocks, threads, x, shared_mem=0):
+    y = cupy.empty(blocks * threads, np.float32)
+    f((blocks,), (threads,), (x, y), shared_mem=shared_mem)
+    return y.get()
+
+
+def test_a_vector_load_must_be_aligned_to_its_size(cupy):
+    f = kernel(cupy, "float v[4]; load4(x + 4 * threadIdx.x, v); y[threadIdx.x] = v[0] + v[3];")
+    x = cupy.asarray(np.arange(132, dtype=np.float32))  # [132]
+    assert np.array_equal(launch(cupy, f, 1, 32, x), np.arange(0, 128, 4) * 2 + 3)
+    with pytest.raises(AssertionError, match="misaligned address"):
+        launch(cupy, f, 1, 32, x[1:])  # 4 bytes past a 16-byte boundary
+
+
+def test_shared_memory_starts_as_garbage_in_every_block(cupy):
+    f = kernel(cupy, """__shared__ int n; extern __shared__ float s[];
+                        if (threadIdx.x == 0) { y[2 * blockIdx.x] = n; y[2 * blockIdx.x + 1] = s[0]; }
+                        __syncthreads(); n = 7; s[0] = 7.0f;""")
+    got = launch(cupy, f, 3, 32, cupy.asarray(np.zeros(1, np.float32)), shared_mem=4)[:6]
+    assert np.array_equal(got[0::2], [-1] * 3) and np.isnan(got[1::2]).all(), got  # not the block before's 7
+
+
+@pytest.mark.parametrize("body, right", [
+    ("__shared__ float s; if (threadIdx.x == 0) s = x[0]; y[i] = s;", [1] * 128),  # no barrier after the write
+    ("y[i] = 1.0f; if (threadIdx.x) y[i] = y[i - 1] + 1.0f;", [*range(1, 65)] * 2),  # another thread's
+    ("y[i] = blockIdx.x ? y[63] + 1.0f : 1.0f;", [1] * 64 + [2] * 64),  # another block's
+], ids=["a-shared-write", "a-thread-before", "a-block-before"])
+def test_a_read_of_what_another_thread_writes_without_a_barrier_fails_in_one_of_two_launches(cupy, body, right):
+    """right: what the kernel gives with a barrier between the write and the read."""
+    f = kernel(cupy, "int i = blockIdx.x * 64 + threadIdx.x; " + body)
+    x = cupy.asarray(np.ones(1, np.float32))
+    runs = [launch(cupy, f, 2, 64, x) for _ in range(2)]
+    assert any(np.array_equal(r, right) for r in runs) and not all(np.array_equal(r, right) for r in runs), runs
+
+
+def test_the_same_reads_behind_a_barrier_pass_in_either_order(cupy):
+    f = kernel(cupy, "__shared__ float s; if (threadIdx.x == 0) s = x[0]; __syncthreads(); "
+                     "y[blockIdx.x * 64 + threadIdx.x] = s;")
+    x = cupy.asarray(np.ones(1, np.float32))
+    for _ in range(2):
+        assert np.array_equal(launch(cupy, f, 2, 64, x), np.ones(128))
+
+
+def test_a_shuffle_must_not_wait_on_a_lane_that_has_returned(cupy):
+    x = cupy.asarray(np.ones(64, np.float32))
+    whole = kernel(cupy, "y[threadIdx.x] = warp_sum(x[threadIdx.x]);")
+    assert np.array_equal(launch(cupy, whole, 1, 64, x), np.full(64, 32.0))
+    with pytest.raises(AssertionError, match="lane that has returned"):
+        launch(cupy, kernel(cupy, "if (threadIdx.x == 40) return; y[threadIdx.x] = warp_sum(x[threadIdx.x]);"),
+               1, 64, x)
+    with pytest.raises(AssertionError, match="the block does not have"):
+        launch(cupy, whole, 1, 48, x)  # a warp of 16 lanes under a mask of 32
+
+
+def test_a_block_over_its_launch_bounds_or_a_gpus_limits_is_not_launched(cupy):
+    x = cupy.asarray(np.ones(1, np.float32))
+    bounded = kernel(cupy, "y[threadIdx.x] = x[0];", bounds="__launch_bounds__(2 * 64, 3)")
+    assert np.array_equal(launch(cupy, bounded, 1, 128, x), np.ones(128))
+    with pytest.raises(RuntimeError, match="at most 128 threads"):
+        launch(cupy, bounded, 1, 160, x)
+    unbounded = kernel(cupy, "y[threadIdx.x] = x[0];")
+    with pytest.raises(RuntimeError, match="at most 1024 threads"):
+        launch(cupy, unbounded, 1, 1056, x)
+    with pytest.raises(RuntimeError, match="49152 bytes"):
+        launch(cupy, unbounded, 1, 32, x, shared_mem=48 * 1024 + 4)
+
+
+def test_a_kernels_arguments_must_be_of_its_parameters_types_as_cupy_passes_them(cupy):
+    f = cupy.RawModule(code='extern "C" __global__ void k(const float* x, int n, float* y) { y[0] = x[0] * n; }'
+                       ).get_function("k")
+    x, y = cupy.asarray(np.full(1, 3, np.float32)), cupy.empty(1, np.float32)
+    f((1,), (32,), (x, np.int32(2), y))
+    assert y.get()[0] == 6
+    with pytest.raises(TypeError, match="CuPy passes 2 as int64"):  # 8 bytes where the kernel reads 4
+        f((1,), (32,), (x, 2, y))
+    with pytest.raises(TypeError, match="n is int"):
+        f((1,), (32,), (x, np.float32(2), y))
+    with pytest.raises(TypeError, match="x is const float"):
+        f((1,), (32,), (x.astype(np.float16), np.int32(2), y))
