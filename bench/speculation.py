@@ -157,11 +157,11 @@ def costs_beside(draft, target, L, K):
     its prediction see the same machine: c, verify(K+1) (the only entry of the verify table
     that is filled in, at index K) and the draft's catch-up pass, typical passes each (where
     a step, a draft's K passes and a verification are recorded graphs, the best of three of
-    each as it runs: draft_seconds, verify_seconds)."""
+    each as it runs: draft_seconds, verify_seconds of one-hot drafts, as the controlled drafter's)."""
     step = draft_seconds(target, L, cuda_decode_loop.STEPS) or typical_pass(target, L)  # as plain decoding runs
     draft_pass = typical_pass(draft, L)
     draft_step = draft_seconds(draft, L, K) or draft_pass
-    verify = (verify_seconds(target, L, K) or typical_pass(target, L, K + 1)) / step
+    verify = (verify_seconds(target, L, K, one_hot=True) or typical_pass(target, L, K + 1)) / step
     catch_up = typical_pass(draft, L, 2, n_logits=1) / draft_pass
     return step, cost_model.Costs(draft_step / step, (1.0,) + (float("nan"),) * (K - 1) + (verify,), catch_up)
 

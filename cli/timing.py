@@ -53,16 +53,18 @@ def step_seconds(model, context, reps=3, tokens=cuda_decode_loop.STEPS):
     return draft_seconds(model, context, tokens, reps) or pass_seconds(model, context, reps=reps)
 
 
-def verify_seconds(model, context, K=4, reps=3):
+def verify_seconds(model, context, K=4, reps=3, one_hot=False):
     """Seconds of one verification of K drafts (the best of reps) where the target's pass, p
     and the tests are one recorded graph (a GPU's kernels, cuda_decode_loop.verify): its
     replay and n and the token out. None elsewhere: there it is a pass over K + 1 tokens
-    (pass_seconds), the tests the host's."""
+    (pass_seconds), the tests the host's. one_hot: drafts drawn without a q (prompt lookup,
+    the benchmark's controlled drafter), whose graph copies no q in."""
     params, hparams = model
     text, cache = timed_text(model, context, K + 1)
     drafts, greedy, times = np.array([text[context + 1:]]), [cuda_decode_loop.GREEDY], []  # [1, K]
-    q = np.zeros((1, K, hparams["n_vocab"]), np.float32, like=params["wpe"])  # [1, K, n_vocab]
-    q.fill(1 / hparams["n_vocab"])  # (not np.full(like=): kv_cache.init_cache says why)
+    q = None if one_hot else np.zeros((1, K, hparams["n_vocab"]), np.float32, like=params["wpe"])  # [1, K, n_vocab]
+    if q is not None:
+        q.fill(1 / hparams["n_vocab"])  # (not np.full(like=): kv_cache.init_cache says why)
     for _ in range(reps + 2):  # two warm-ups: the second records the graph the rest replay
         cache["lengths"][:] = context
         start = time.perf_counter()
@@ -94,7 +96,7 @@ def measure_costs(target, draft, K_max, draft_vocab=0, context=CONTEXT, K=4, str
     makes them, a token each). A few passes of each model; used to advise, never to decide (a
     decision on the clock would change the text from run to run)."""
     step = step_seconds(target, context, REPS, 1 if streamed else cuda_decode_loop.STEPS)
-    verify = (1.0,) + tuple((verify_seconds(target, context, K, REPS)
+    verify = (1.0,) + tuple((verify_seconds(target, context, K, REPS, one_hot=draft is None)
                              or pass_seconds(target, context, K + 1, reps=REPS)) / step for K in range(1, K_max + 1))
     if draft is None:
         return cost_model.Costs(0.0, verify)

@@ -35,6 +35,9 @@ THREADS = 256  # a layer norm's block
 # 64 (one GPU memory latency a 256 keys, where 8 warps took four)
 ATTEND_THREADS = 1024
 ATTEND_KEYS = 8  # the keys a warp reads at once
+# a row's most slots: its scores fill what its block's 48 KiB of shared memory leave (less the
+# query, the warps' partial sums)
+ATTEND_SLOTS = 48 * 1024 // 4 - (256 + 32 + 256 * ATTEND_THREADS // 32)
 
 SOURCE = f"#define WARPS {ATTEND_THREADS // 32}\n#define KEYS {ATTEND_KEYS}\n" + r"""
 template <typename T>
@@ -228,9 +231,9 @@ def attend_stored(q, ck, cv, positions, S, new=None):
     B, H, T, D = q.shape
     if D > 256:
         raise ValueError(f"attend holds a query in 256 floats of shared memory: d_head {D} is wider")
-    most = 48 * 1024 // 4 - (256 + 32 + 256 * ATTEND_THREADS // 32)  # a block's 48 KiB, less its query and sums
-    if S > most:
-        raise ValueError(f"attend keeps a row's scores in a block's shared memory: at most {most} slots, not {S}")
+    if S > ATTEND_SLOTS:
+        raise ValueError(f"attend keeps a row's scores in a block's shared memory: at most {ATTEND_SLOTS} slots, "
+                         f"not {S}")
     strides = tuple(np.int64(s // q.itemsize) for s in q.strides[:3])  # of q (and new's), in elements
     sizes = (np.int32(T), np.int32(H), np.int32(S), np.int32(D))
     out = cupy.empty((B, T, H, D), q.dtype)  # [B, T, H, D]

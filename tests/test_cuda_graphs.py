@@ -67,9 +67,10 @@ def test_a_typo_in_the_cuda_source_is_caught_without_a_gpu():
 
 
 def built_for(source, arch="sm_90"):
-    """{kernel: [registers a thread, stack frame bytes]} of source as NVRTC builds it for arch
-    (with CuPy's -ftz=true), read from the cubin's .nv.info sections: EIATTR_REGCOUNT (0x2f)
-    and EIATTR_FRAME_SIZE (0x11), each an 8-byte value (the kernel's symbol, the number)."""
+    """{kernel: [registers a thread, stack frame bytes, static shared memory bytes]} of source
+    as NVRTC builds it for arch (with CuPy's -ftz=true), read from the cubin: the .nv.info
+    sections' EIATTR_REGCOUNT (0x2f) and EIATTR_FRAME_SIZE (0x11), each an 8-byte value (the
+    kernel's symbol, the number), and the size of its .nv.shared.<kernel> section."""
     from cupy_backends.cuda.libs import nvrtc
     program = nvrtc.createProgram(cuda.SHARED + source, "k.cu", [], [])
     try:
@@ -84,8 +85,10 @@ def built_for(source, arch="sm_90"):
         start = sections[strings][4] + at
         return elf[start:elf.index(b"\0", start)].decode()
     symbols = next(s for s in sections if s[1] == 2)  # SHT_SYMTAB, 24-byte entries, names in section s[6]
-    found = collections.defaultdict(lambda: [0, 0])
+    found = collections.defaultdict(lambda: [0, 0, 0])
     for name, _, _, _, at, size, *_ in sections:
+        if string(names, name).startswith(".nv.shared.") and not string(names, name).startswith(".nv.shared.reserved"):
+            found[string(names, name).removeprefix(".nv.shared.")][2] = size
         if not string(names, name).startswith(".nv.info"):
             continue
         end = at + size
@@ -110,12 +113,26 @@ def test_a_decode_products_kernels_keep_their_blocks_an_sm_and_no_kernel_spills(
     on a stack (spills)."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC comes with CuPy (pip install cupy-cuda12x)")
     products, ops = built_for(cuda_matmul.SOURCE), built_for(cuda_ops.SOURCE)
-    one_row = {name: r for name, (r, _) in products.items() if name.startswith("row_times_columns")}
-    rows = {name: r for name, (r, _) in products.items() if name.startswith("rows_times_columns")}
+    one_row = {name: r for name, (r, *_) in products.items() if name.startswith("row_times_columns")}
+    rows = {name: r for name, (r, *_) in products.items() if name.startswith("rows_times_columns")}
     assert len(one_row) == len(rows) == 4 and max(one_row.values()) <= 80, one_row  # 65,536 an SM, 8 at a time
     assert max(rows.values()) <= 128, rows  # ROWS rows: 2 blocks an SM
-    kernels = {name: frame for name, (_, frame) in {**products, **ops}.items() if not name.startswith("$")}
+    kernels = {name: frame for name, (_, frame, _) in {**products, **ops}.items() if not name.startswith("$")}
     assert len(kernels) == 12 + 6 and not any(kernels.values()), kernels  # ("$": CUDA's own division helpers)
+
+
+def test_every_kernels_shared_memory_fits_a_block_with_the_most_its_launch_asks():
+    """A block has 48 KiB of shared memory (more is an opt-in our launches do not make), or
+    the launch fails: each kernel's own (static: from the machine code NVRTC builds for an
+    A100, sm_80; sm_90's adds the 1 KiB the driver reserves a block, which the 48 do not
+    count), and attention's with a row's scores at the most slots attend_stored allows."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC comes with CuPy (pip install cupy-cuda12x)")
+    built = {name: shared for source in (cuda_matmul.SOURCE, cuda_ops.SOURCE, cuda_sampling.SOURCE)
+             for name, (*_, shared) in built_for(source, "sm_80").items() if not name.startswith("$")}
+    attend = {name: shared for name, shared in built.items() if name.startswith("attend")}
+    assert len(attend) == 4 and all(s + 4 * cuda_ops.ATTEND_SLOTS <= 48 * 1024 for s in attend.values()), attend
+    assert len(built) == 12 + 6 + 4 and max(built.values()) <= 48 * 1024, built
+    assert cuda_ops.ATTEND_SLOTS >= 1024  # GPT-2's window
 
 
 def test_every_step_gives_the_eager_passes_logits(both):
@@ -202,6 +219,11 @@ def test_a_timed_step_and_verification_are_replays_of_their_graphs(both, monkeyp
     assert timing.verify_seconds((dev, hparams), 16, K=3, reps=2) > 0
     assert ran == [(["q"], False)] * 2 + [(["q"], True)] * 2 + [(["accept", "q"], False)] * 2 + [
         (["accept", "q"], True)] * 2
+    ran.clear()
+    qs = []  # the q each verification's graph reads: one-hot drafts (prompt lookup's) copy none in
+    monkeypatch.setattr(cuda_graphs, "run", lambda static: qs.append(static.get("q")) or run(static))
+    assert timing.verify_seconds((dev, hparams), 16, K=3, reps=2, one_hot=True) > 0
+    assert len(qs) == 4 and all(q is None for q in qs)
     ran.clear()
     assert timing.step_seconds((params, hparams), 16, reps=2) > 0 and not ran
     assert timing.verify_seconds((params, hparams), 16, K=3, reps=2) is None and not ran
