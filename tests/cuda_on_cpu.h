@@ -2,13 +2,14 @@
 // A block's threads are fibers on one CPU thread, __syncthreads and a warp's shuffles and
 // ballots are barriers between them, atomics are std::atomic_ref. Blocks run one after
 // another, so __shared__ (a static here) is the running block's. A GPU runs a block's warps and
-// a grid's blocks in no set order, so launches take turns: the last block and the last thread
-// first, then the first first; a thread that reads what another writes with no barrier between
-// them, or a block what another block writes, fails one of the two. It is strict where a GPU
-// is: shared memory starts as garbage, a vector load must be aligned to its size, and a shuffle
-// must not wait on a lane that has returned. It checks what a kernel computes; not its speed,
-// nor a race the GPU's weaker memory ordering alone would expose, nor the GPU's own arithmetic
-// (flush-to-zero, the last bit of expf). x86-64 only (the fiber switch).
+// a grid's blocks in no set order, so each kernel's launches take turns: the last block and the
+// last thread first, then the first first; a thread that reads what another writes with no
+// barrier between them, or a block what another block writes, fails one of the two. Where a
+// GPU stops a launch, it fails it (a load at an address not a multiple of its alignment), and
+// where a GPU's value is undefined, it gives garbage (shared memory at a block's start, a
+// shuffle's value from a lane that has returned). It checks what a kernel computes; not its
+// speed, nor a race the GPU's weaker memory ordering alone would expose, nor the GPU's own
+// arithmetic (flush-to-zero, the last bit of expf). x86-64 only (the fiber switch).
 #pragma once
 #include <math.h>
 #include <algorithm>
@@ -27,28 +28,32 @@ char* dynamic_shared;  // extern __shared__ arrays point here (cuda_on_cpu.py re
 
 // what a GPU would stop the launch for (its error stays with the context: a CUDA error is
 // "sticky"), the first of them; launch returns it
-enum Fault { NONE, DEADLOCK, NO_STACKS, MISALIGNED, RETURNED_LANE };
+enum Fault { NONE, DEADLOCK, NO_STACKS, MISALIGNED };
 Fault fault;
 inline void fail(Fault f) { if (fault == NONE) fault = f; }
 
-// a vector load is one instruction: its address must be a multiple of its size
-struct float4 {
-    float x, y, z, w;
-    float4(const float4& o) : x(o.x), y(o.y), z(o.z), w(o.w) { if ((uintptr_t)&o % 16) fail(MISALIGNED); }
-};
-struct uint2 {
-    unsigned int x, y;
-    uint2(const uint2& o) : x(o.x), y(o.y) { if ((uintptr_t)&o % 8) fail(MISALIGNED); }
-};
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) uint2 { unsigned int x, y; };
+// a load is one instruction: its address must be a multiple of its type's alignment (16 bytes
+// for a float4). cuda_on_cpu.py rewrites `*reinterpret_cast<const T*>(p)` into this.
+template <typename T> inline T vector_load(const void* p) {
+    if ((uintptr_t)p % alignof(T)) fail(MISALIGNED);
+    T v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
 
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __restrict__
-// every block's statics in one section, which each block starts by filling with garbage
-#define __shared__ static __attribute__((section("cuda_on_cpu_shared")))
-extern char __start_cuda_on_cpu_shared[] __attribute__((weak, visibility("hidden")));
-extern char __stop_cuda_on_cpu_shared[] __attribute__((weak, visibility("hidden")));
+#define __shared__ static
+// the library's __shared__ statics (cuda_on_cpu.py finds them in its symbol table), which each
+// block starts by filling with garbage
+std::vector<std::pair<char*, size_t>> shared_statics;
+extern "C" void cuda_on_cpu_shared(char** at, size_t* bytes, int n) {
+    for (int i = 0; i < n; i++) shared_statics.emplace_back(at[i], bytes[i]);
+}
 #define __launch_bounds__(...)
 
 // A block's threads are fibers: each runs on a stack of its own until it waits at a barrier,
@@ -134,16 +139,17 @@ inline int __syncthreads_or(int p) {
     return r;
 }
 
-// thread threadIdx.x's value v, and the one lane `from` of its warp gave
+inline bool running_lane(int t) { return t < (int)blockDim.x && fibers[t].state != DONE; }
+
+// thread threadIdx.x's value v, and the one lane `from` of its warp gave: garbage where that
+// lane has returned or the block has no such thread (undefined on a GPU)
 template <typename T> inline T exchange(T v, int from) {
     int warp = threadIdx.x / 32;
     unsigned long long bits = 0;
     std::memcpy(&bits, &v, sizeof(T));
     lanes[threadIdx.x] = bits;
     arrive_and_wait(1 + warp);
-    for (int t = warp * 32; t < warp * 32 + 32; t++)  // the mask names all 32 lanes: each must be running
-        if (t >= (int)blockDim.x || fibers[t].state == DONE) fail(RETURNED_LANE);
-    bits = lanes[warp * 32 + from];
+    bits = running_lane(warp * 32 + from) ? lanes[warp * 32 + from] : ~0ull;
     arrive_and_wait(1 + warp);
     T r;
     std::memcpy(&r, &bits, sizeof(T));
@@ -154,10 +160,10 @@ template <typename T> inline T __shfl_up_sync(unsigned, T v, int o) {
     int lane = threadIdx.x % 32;
     return exchange(v, lane >= o ? lane - o : lane);
 }
-inline unsigned int __ballot_sync(unsigned, int p) {
+inline unsigned int __ballot_sync(unsigned, int p) {  // a lane that has returned votes 0
     unsigned int mask = 0;
     for (int lane = 0; lane < 32; lane++)
-        if (exchange(p ? 1 : 0, lane)) mask |= 1u << lane;
+        if (exchange(p ? 1 : 0, lane) == 1 && running_lane(threadIdx.x / 32 * 32 + lane)) mask |= 1u << lane;
     return mask;
 }
 
@@ -184,10 +190,10 @@ using std::max;
 using std::min;
 
 // the kernel call f over a grid of gx blocks of bx threads, with shmem bytes of dynamic shared
-// memory; returns NONE, or the fault that stopped it (DEADLOCK: the block's threads all wait
-// at barriers that can never open)
-int launches;  // so far: the order of blocks and threads takes turns (the header's comment says why)
-int launch(int gx, int bx, int shmem, std::function<void()> f) {
+// memory, the last block and thread first or the first first (each kernel's launches take turns:
+// the header's comment says why); returns NONE, or the fault that stopped it (DEADLOCK: the
+// block's threads all wait at barriers that can never open)
+int launch(int gx, int bx, int shmem, bool last_first, std::function<void()> f) {
     std::vector<char> shared(shmem + 16);  // never empty: a kernel without any still gets a pointer
     dynamic_shared = shared.data();
     blockDim.x = bx;
@@ -203,12 +209,10 @@ int launch(int gx, int bx, int shmem, std::function<void()> f) {
     }
     lanes.assign((bx + 31) / 32 * 32, 0);
     any_flag = 0;
-    bool last_first = launches++ % 2 == 0;
     for (int i = 0; i < gx; i++) {
         blockIdx.x = last_first ? gx - 1 - i : i;
         std::memset(shared.data(), 0xff, shared.size());  // garbage: NaN as float, -1 as an integer
-        if (__start_cuda_on_cpu_shared)
-            std::memset(__start_cuda_on_cpu_shared, 0xff, __stop_cuda_on_cpu_shared - __start_cuda_on_cpu_shared);
+        for (auto [at, bytes] : shared_statics) std::memset(at, 0xff, bytes);
         fibers.assign(bx, Fiber{nullptr, RUNNABLE, 0});
         int warps = (bx + 31) / 32;
         live.assign(1 + warps, 0);

@@ -1,16 +1,17 @@
 """Our GPU kernels run on a CPU: CuPy's few functions the kernels' Python calls, played by
 NumPy, and RawModule's CUDA C compiled by g++ against cuda_on_cpu.h (a block's threads as
-fibers: each runs until it waits at a barrier; blocks one at a time, in turns the last first
-and the first first). A machine without a GPU (CI) checks each kernel's numbers against NumPy
-with it, as tests/test_cuda_kernels.py does on a GPU; it cannot see speed, nor races that the
-GPU's weaker memory ordering alone would expose, nor the GPU's arithmetic where it differs
-(flush-to-zero, fused multiply-adds, the last bit of expf).
+fibers: each runs until it waits at a barrier; blocks one at a time, each kernel's launches in
+turns the last first and the first first). A machine without a GPU (CI) checks each kernel's
+numbers against NumPy with it, as tests/test_cuda_kernels.py does on a GPU; it cannot see
+speed, nor races that the GPU's weaker memory ordering alone would expose, nor the GPU's
+arithmetic where it differs (flush-to-zero, fused multiply-adds, the last bit of expf).
 Where a GPU would stop a launch, it fails the launch: a block whose threads all wait at
-barriers that cannot open (a GPU hangs), a vector load at an address not a multiple of its
-size, a shuffle waiting on a lane that has returned, a block over its __launch_bounds__ (or
-1,024 threads), or over 48 KiB of dynamic shared memory. Shared memory starts as garbage. It
-does not check registers, nor static shared memory (test_cuda_graphs reads both from the
-machine code NVRTC builds)."""
+barriers that cannot open (a GPU hangs), a load at an address not a multiple of its type's
+alignment, a block over its __launch_bounds__ (or 1,024 threads) or over 48 KiB of dynamic
+shared memory, an argument not of its parameter's type as CuPy passes it. Where a GPU's value
+is undefined, it gives garbage: shared memory at a block's start, a shuffle's value from a
+lane that has returned. It does not check registers, nor static shared memory
+(test_cuda_graphs reads both from the machine code NVRTC builds)."""
 import contextlib
 import ctypes
 import functools
@@ -300,11 +301,13 @@ def kernels(source):
 
 
 def for_cpu(source):
-    """source with what only a GPU compiles replaced: float16's PTX conversions, dynamic shared memory."""
+    """source with what only a GPU compiles replaced: float16's PTX conversions, dynamic shared
+    memory; and its typed loads `*reinterpret_cast<const T*>(p)` by the header's vector_load."""
     source = source.replace('asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));',
                             '_Float16 h; std::memcpy(&h, p, 2); f = (float)h;')
     source = source.replace('asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));',
                             '_Float16 g = (_Float16)f; std::memcpy(&h, &g, 2);')
+    source = re.sub(r"\*reinterpret_cast<const (\w+)\s*\*>\(", r"vector_load<\1>(", source)  # (checks alignment)
     return re.sub(r"extern __shared__ (\w+) (\w+)\[\];", r"\1* \2 = (\1*)dynamic_shared;", source)
 
 
@@ -314,12 +317,16 @@ class RawModule:
     def __init__(self, code):
         code = for_cpu(code)
         self.kernels = kernels(code)
-        launchers = [f'extern "C" int launch_{name}(int gx, int bx, int shmem, '
-                     + ", ".join(f"{t} {n}" for t, n in params)
-                     + f") {{ return launch(gx, bx, shmem, [=] {{ {name}({', '.join(n for _, n in params)}); }}); }}"
+        launchers = [f'int turns_{name};  // its launches so far\nextern "C" int launch_{name}(int gx, int bx, '
+                     + ", ".join(["int shmem", *(f"{t} {n}" for t, n in params)])
+                     + f") {{ return launch(gx, bx, shmem, turns_{name}++ % 2 == 0, "
+                     + f"[=] {{ {name}({', '.join(n for _, n in params)}); }}); }}"
                      for name, (params, _) in self.kernels.items()]
         source = f'#include "{HEADER}"\n{code}\n' + "\n".join(launchers) + "\n"
-        self.lib = ctypes.CDLL(compiled(source))
+        library = compiled(source)
+        self.lib = ctypes.CDLL(library)
+        at, size = shared_statics(library, self.lib, f"launch_{next(iter(self.kernels))}")
+        self.lib.cuda_on_cpu_shared((ctypes.c_void_p * len(at))(*at), (ctypes.c_size_t * len(at))(*size), len(at))
 
     def get_function(self, name):
         params, most_threads = self.kernels[name]
@@ -329,14 +336,13 @@ class RawModule:
 
         def call(grid, block, args, shared_mem=0):
             assert len(grid) == len(block) == 1 and len(args) == len(params), (name, grid, block, len(args))
-            if not 0 < block[0] <= most_threads or shared_mem > MAX_SHARED:  # CUDA's launch fails
+            if block[0] > most_threads or shared_mem > MAX_SHARED:  # CUDA's launch fails
                 raise RuntimeError(f"kernel {name}: a block of {block[0]} threads and {shared_mem} bytes of dynamic "
                                    f"shared memory: at most {most_threads} threads (its __launch_bounds__ or a "
                                    f"GPU's) and {MAX_SHARED} bytes")
             for (t, n), a in zip(params, args):
                 check_argument(name, t, n, a)
-            values = [pointer(a) if "*" in t else (a.item() if isinstance(a, np.generic) else a)
-                      for (t, _), a in zip(params, args)]
+            values = [pointer(a) if "*" in t else scalar(a) for (t, _), a in zip(params, args)]
             if recording is not None:  # a node of the graph: run at replay, on these pointers and values
                 recording.append(functools.partial(run, name, function, grid, block, shared_mem, values, args))
             else:
@@ -353,25 +359,27 @@ def run(name, function, grid, block, shared_mem, values, keep=()):
     recorded launch keeps them alive, as a graph's memory pool does)."""
     assert not hung, f"kernel {hung[0]} never ended, and still runs: no launch after it can be trusted"
     stuck = []
-    launch = threading.Thread(target=lambda: stuck.append(function(  # at least a block, as CuPy launches
-        max(1, int(grid[0])), int(block[0]), int(shared_mem), *values)), daemon=True)
+    launch = threading.Thread(target=lambda: stuck.append(function(  # at least a block and a thread, as CuPy
+        max(1, int(grid[0])), max(1, int(block[0])), int(shared_mem), *values)), daemon=True)
     launch.start()
     launch.join(TIMEOUT_S)
     if launch.is_alive():
         hung.append(name)
         raise AssertionError(f"kernel {name} still runs after {TIMEOUT_S} s: a loop never ends")
+    assert stuck, f"kernel {name}: its launch raised (the thread's traceback above says why)"
     assert stuck == [0], f"kernel {name}: {FAULTS.get(stuck[0], stuck[0])}"
 
 
 FAULTS = {  # cuda_on_cpu.h's launch: why it stopped
     1: "a block's threads all wait at barriers that can never open",
     2: "no memory for its threads' stacks",
-    3: "misaligned address: a vector load's address is not a multiple of its size",
-    4: "a warp's shuffle waited on a lane that has returned, or that the block does not have (undefined on a GPU)"}
+    3: "misaligned address: a load's address is not a multiple of its type's alignment"}
 
 
 C_TYPES = {"int": np.int32, "unsigned int": np.uint32, "long long": np.int64, "unsigned long long": np.uint64,
-           "u64": np.uint64, "float": np.float32, "double": np.float64, "unsigned short": np.float16}
+           "u64": np.uint64, "float": np.float32, "double": np.float64, "unsigned short": np.float16, "bool": np.bool_}
+CTYPES = {np.int32: ctypes.c_int, np.uint32: ctypes.c_uint, np.int64: ctypes.c_longlong, np.uint64: ctypes.c_ulonglong,
+          np.float32: ctypes.c_float, np.float64: ctypes.c_double, np.float16: ctypes.c_ushort, np.bool_: ctypes.c_bool}
 
 
 def check_argument(kernel, c_type, name, a):
@@ -380,8 +388,8 @@ def check_argument(kernel, c_type, name, a):
     are, a Python int as 8 bytes (np.int64) and a float as a double: the kernel reads what its
     parameter's type says, so a scalar of another size shifts every parameter after it."""
     base = c_type.replace("const", "").replace("__restrict__", "").replace("*", "").strip()
-    if "*" in c_type:
-        if not isinstance(a, Device) or (base in C_TYPES and a.dtype != C_TYPES[base]):
+    if "*" in c_type:  # (None: a null pointer)
+        if a is not None and (not isinstance(a, Device) or a.dtype != C_TYPES.get(base, a.dtype)):
             raise TypeError(f"kernel {kernel}: {name} is {c_type}, given {type(a).__name__} "
                             f"{getattr(a, 'dtype', '')}")
         return
@@ -395,22 +403,44 @@ def check_argument(kernel, c_type, name, a):
 
 
 def pointer(a):
-    """A device array's address: null for an empty one, as CuPy gives it."""
-    assert isinstance(a, Device), f"a kernel got {type(a).__name__} where a device array goes"
-    return a.a.__array_interface__["data"][0] if a.size else None
+    """A device array's address: null for an empty one or None, as CuPy gives it."""
+    return a.a.__array_interface__["data"][0] if a is not None and a.size else None
+
+
+def scalar(a):
+    """A scalar argument's value for ctypes (float16: its bits, as the kernel's unsigned short)."""
+    if isinstance(a, np.float16):
+        return int(a.view(np.uint16))
+    return a.item() if isinstance(a, np.generic) else a
 
 
 def ctype(t):
     if "*" in t:
         return ctypes.c_void_p
-    return {"long long": ctypes.c_longlong, "double": ctypes.c_double, "float": ctypes.c_float,
-            "unsigned int": ctypes.c_uint}.get(t.replace("const", "").strip(), ctypes.c_int)
+    return CTYPES[C_TYPES[t.replace("const", "").strip()]]
+
+
+def shared_statics(library, lib, exported):
+    """([address], [bytes]) of the library's function-local statics (mangled _ZZ...: __shared__
+    is static here; nothing else in a kernel is), from its symbol table (nm), placed where the
+    loaded library is (its symbol `exported`'s address, less nm's)."""
+    listed = subprocess.run(["nm", "-S", "--defined-only", library], capture_output=True, text=True,
+                            check=True).stdout
+    symbols = [line.split() for line in listed.splitlines()]
+    base = ctypes.cast(getattr(lib, exported), ctypes.c_void_p).value - next(
+        int(s[0], 16) for s in symbols if s[-1] == exported)
+    statics = [s for s in symbols if len(s) == 4 and s[3].startswith("_ZZ") and s[2] in "bBdDvV"]
+    return [base + int(s[0], 16) for s in statics], [int(s[1], 16) for s in statics]
+
+
+# -fno-gnu-unique: a template's statics stay each library's own (unique ones bind across libraries)
+FLAGS = ["-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-fno-gnu-unique"]
 
 
 @functools.cache
 def compiled(source):
     """A shared library of source, built once per source and header (kept in BUILD)."""
-    digest = hashlib.sha256((source + open(HEADER).read()).encode()).hexdigest()[:16]
+    digest = hashlib.sha256((source + open(HEADER).read() + " ".join(FLAGS)).encode()).hexdigest()[:16]
     library = os.path.join(BUILD, f"{digest}.so")
     if not os.path.exists(library):
         os.makedirs(BUILD, exist_ok=True)
@@ -418,8 +448,7 @@ def compiled(source):
         with open(cpp, "w") as f:
             f.write(source)
         partial = f"{library}.{os.getpid()}.part"
-        built = subprocess.run(["g++", "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", cpp, "-o", partial],
-                               capture_output=True, text=True)
+        built = subprocess.run(["g++", *FLAGS, cpp, "-o", partial], capture_output=True, text=True)
         if built.returncode:
             raise RuntimeError(built.stderr[:4000])
         os.replace(partial, library)  # whole, or not at all: another process may be building it too

@@ -86,12 +86,17 @@ def test_the_layer_norm_kernel_matches_gpt2s(cupy, dtype):
     np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float32), want, atol=1e-5 if dtype == np.float32 else 1e-2)
 
 
+MOST = cuda_ops.ATTEND_SLOTS
+
+
 @pytest.mark.parametrize("S, positions, dtype", [(40, [[37, 38, -1], [0, -1, -1]], np.float32),
                                                  (300, [[297, 298, 299], [5, -1, -1]], np.float32),
-                                                 (300, [[297, 298, 299], [5, -1, -1]], np.float16)])
+                                                 (300, [[297, 298, 299], [5, -1, -1]], np.float16),
+                                                 (MOST, [[MOST - 3, MOST - 2, MOST - 1], [5, -1, -1]], np.float32)])
 def test_the_attention_kernel_matches_numpy_with_padding(cupy, S, positions, dtype):
     """q, k, v as gpt2.mha makes them (views of one array); a row of 2 or 3 tokens after many
-    cached (up to the cache's last slot), a row of 1, padding in between: the same keys
+    cached (up to the cache's last slot; the most a block's shared memory holds, which a GPU's
+    launch refuses if over), a row of 1, padding in between: the same keys
     stored (the kernel stores them as it attends, and reads the step's own from q's array), the
     same outputs (float16: NumPy rounds the probabilities to float16, the kernel keeps float32
     until it stores)."""
