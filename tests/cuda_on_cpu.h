@@ -48,10 +48,11 @@ template <typename T> inline T vector_load(const void* p) {
 #define __forceinline__ inline
 #define __restrict__
 #define __shared__ static
-// the library's __shared__ statics (cuda_on_cpu.py finds them in its symbol table), which each
-// block starts by filling with garbage
+// the library's __shared__ statics (cuda_on_cpu.py finds them in its symbol table, each time
+// it loads the library), which each block starts by filling with garbage
 std::vector<std::pair<char*, size_t>> shared_statics;
 extern "C" void cuda_on_cpu_shared(char** at, size_t* bytes, int n) {
+    shared_statics.clear();
     for (int i = 0; i < n; i++) shared_statics.emplace_back(at[i], bytes[i]);
 }
 #define __launch_bounds__(...)

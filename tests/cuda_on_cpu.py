@@ -39,8 +39,8 @@ def unavailable():
     """Why the kernels cannot run here (not x86-64, no C++20 compiler), or None."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"the fibers' switch is x86-64 assembly, this is {platform.machine()}"
-    if shutil.which("g++") is None:
-        return "g++ is not installed"
+    if shutil.which("g++") is None or shutil.which("nm") is None:
+        return "g++ or nm (binutils) is not installed"
     probe = subprocess.run(["g++", "-std=c++20", "-fsyntax-only", "-x", "c++", "-"], capture_output=True, text=True,
                            input="#include <atomic>\nint i; std::atomic_ref<int> r(i);\n")
     return f"g++ lacks C++20's std::atomic_ref: {probe.stderr.strip()[:200]}" if probe.returncode else None
