@@ -175,6 +175,8 @@ class Stats:
 
     @property
     def acceptance_rate(self):
+        """Drafts accepted of drafts made. Not the papers' alpha (cost_model.estimate_alpha): the
+        drafts after a row's first rejection are never tested, and count here as not accepted."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property

@@ -9,13 +9,13 @@ model; they follow picoGPT (https://github.com/jaymody/picoGPT), extended to a
 batch [B, T] of rows of different lengths, and to a KV cache: given a pass's state
 (kv_cache.py), `gpt2` runs only the tokens it is given while each attention layer
 reads the earlier ones' keys and values from the cache. Every decoder's every pass is
-a call of `gpt2`.
+a call of `gpt2`; picoGPT's `generate`, the loop around it, is batching.generate.
 
 Activations keep the weights' dtype (float32 on the CPU): a float64 scalar such
 as np.sqrt(d) would silently promote them to float64 and halve the speed, so
 constants are Python floats, which NumPy keeps at the array's precision.
 
-Nothing here says which hardware runs it: the arrays do. An array type can take over
+Hardware (skip on a first read). Nothing here says which hardware runs it: the arrays do. An array type can take over
 NumPy's functions and operators (its protocols `__array_function__` and `__array_ufunc__`,
 NEPs 18 and 13). CuPy's arrays do, so with the weights on a GPU every step runs there. On
 a CPU each weight matrix is laid out at load as a `Matrix` (README section 4; weights.py),
@@ -108,6 +108,7 @@ def gpt2(inputs, wte, wpe, blocks, ln_f, n_head, state=None):
     kv_cache.Pass (section 3), also holds each token's position, each layer's attend, and
     the layer norm and transformer_block the pass runs."""
     if state is None:  # picoGPT: the whole text, no cache
+        assert inputs.shape[1] <= len(wpe), "at most n_ctx tokens without a cache (kv_cache.py: its window)"
         positions, attends = np.arange(inputs.shape[1]), [None] * len(blocks)  # [T]
         norm, run_block = layer_norm, transformer_block
     else:  # a pass over the cache (kv_cache.py)

@@ -4,7 +4,7 @@ the target model, and speculative decoding with a draft model (or prompt lookup)
     python main.py --draft_model_size 124M --target_model_size 355M --K 4
 
 Downloads whatever is missing into --models_dir, then prints each decoder's text,
-time and tokens/s, and for speculative decoding its acceptance rate, tokens per
+time and tokens/s, and for speculative decoding its acceptance (alpha), tokens per
 target pass and speedup. With --temperature 0 both decoders are greedy and must
 print the same text: speculative decoding changes the speed, never the output.
 
@@ -123,7 +123,11 @@ def tokenize(encoder, prompts, n_ctx):
 
 def beam_settings(args):
     """--num_beams > 1: the beam search settings, after refusing what beam search cannot combine with."""
+    defaults = parse_args([])
+    sampled = [f"--{name}" for name in ("temperature", "top_k", "top_p", "min_p", "seed")
+               if getattr(args, name) != getattr(defaults, name)]  # beam search draws nothing: they would change nothing
     clash = [flag for flag, on in (("--mode speculative/both", args.mode not in (None, "autoregressive")),
+                                   (", ".join(sampled), sampled),
                                    ("--stream", args.stream), ("--max_batch", args.max_batch is not None),
                                    ("--no_kv_cache", args.no_kv_cache),
                                    ("--presence_penalty", args.presence_penalty != 0),

@@ -50,7 +50,8 @@ from kernels import cuda_decode_loop, cuda_sampling
 
 def verify(p, q, drafts, k, u, v):
     """Accept/reject K drafted tokens per row, then draw one more from the target. The
-    papers' names: p is the target's, q the draft's (not attention's query), k counts drafts.
+    names are Leviathan et al.'s (Chen et al. swap them): p is the target's, q the draft's (not
+    attention's query), k counts drafts.
 
     p [B, K+1, n_vocab]: target distributions; p[:, i] is for the token after d_1..d_i.
     q [B, K, n_vocab]: draft distributions the drafts were sampled from (None: one-hot at the
@@ -66,16 +67,16 @@ def verify(p, q, drafts, k, u, v):
     q, drafts, k, u = (np.asarray(a, like=p) for a in (q, drafts, k, u))  # to p's device (NumPy: no copy)
     rows = np.arange(B, like=p)  # [B]
     i = np.arange(K, like=p)  # [K]
-    p_d = p[rows[:, None], i, drafts]  # [B, K]: p_i(d_i)
-    q_d = q[rows[:, None], i, drafts]  # [B, K]: q_i(d_i)
+    p_d = p[rows[:, None], i, drafts]  # [B, K]: p_{i+1}(d_{i+1}), i counting from 0
+    q_d = q[rows[:, None], i, drafts]  # [B, K]: q_{i+1}(d_{i+1})
     accept = (u * q_d < p_d) & (i < k[:, None])  # [B, K]: u < p/q without dividing by q = 0
     n = np.cumprod(accept, axis=1).sum(axis=1)  # [B]: accepted before the first rejection
-    p_n = p[rows, n]  # [B, n_vocab]
+    p_n = p[rows, n]  # [B, n_vocab]: p_{n+1}, at the first rejection or the bonus
     q_n = np.where((n < k)[:, None], q[rows, np.minimum(n, K - 1)] if K else 0.0, 0.0)  # [B, n_vocab]
     residual = np.maximum(p_n - q_n, 0.0)  # [B, n_vocab]: equals p_n where all drafts passed
     mass = residual.sum(axis=-1, keepdims=True)  # [B, 1]
     residual = np.where(mass > 0, residual, p_n)  # p == q up to rounding: rejection had ~0 chance
-    return n, sampling.sample(residual, v)
+    return n, sampling.sample(residual, v)  # sample scales u by the row's sum: norm() needs no division
 
 
 def speculative_step(batch, target, drafter, config):

@@ -10,6 +10,7 @@ import sys
 from tqdm import tqdm
 
 import batching
+import cost_model
 from cli import flags
 from kernels import rowwise
 from serving import prefix_cache, scheduler
@@ -54,7 +55,9 @@ def decode(title, generate, encoder, prompts, args):
           f"(first token after {stats.ttft_s * 1e3:.0f} ms; KV cache {stats.kv_cache_bytes / 2**20:.1f} MiB)")
     say_compile_time(compiled_before)
     if stats.target_passes:
-        print(f"acceptance rate {stats.acceptance_rate:.1%} (by draft position: {stats.acceptance_by_position}), "
+        alpha = cost_model.estimate_alpha(stats.accepted, stats.rejected)
+        print(f"acceptance alpha {alpha:.2f} (the papers': tests passed of tests made); drafts accepted "
+              f"{stats.acceptance_rate:.1%} (by draft position: {stats.acceptance_by_position}), "
               f"{stats.tokens_per_target_pass:.2f} tokens per target pass, "
               f"time drafting {stats.draft_s:.2f}s / verifying {stats.verify_s:.2f}s")
     return {"texts": texts, "tokens": out, "tokens_per_s": stats.tokens_per_s, "stats": stats}

@@ -45,7 +45,7 @@ def test_greedy_autoregressive_and_speculative_print_the_same_text(capsys, model
                             "--target_model_size", "355M", "--K", "4", *GREEDY)
     assert rc == 0, err
     assert out.count(main.DEFAULT_PROMPT) == 2 and "greedy texts identical: yes" in out
-    assert "acceptance rate" in out and "speedup" in out
+    assert "acceptance alpha 1.00" in out and "drafts accepted 100.0%" in out and "speedup" in out
     # alpha = 1 (the tiny draft is the target): (K + 1) / (0.1 (K + 0.5) + 1 + 0.2 K) grows with K, so K_max = 7
     assert "advice: at this run's acceptance (alpha = 1.00)" in out
     assert f"K = 7 is expected fastest: {cost_model.speedup(1.0, 7, costs):.2f}x plain decoding" in out
@@ -374,6 +374,7 @@ def odd_vocab_models(tmp_path_factory):
     (["--num_beams", "2", "--mode", "speculative"], "leave out --mode speculative/both"),
     (["--num_beams", "2", "--stream", "--presence_penalty", "0.5"], "leave out --stream, --presence_penalty"),
     (["--num_beams", "2", "--early_stopping", "sometimes"], "argument --early_stopping: invalid choice"),
+    (["--num_beams", "2", "--temperature", "0.5", "--seed", "3"], "leave out --temperature, --seed"),
     (["--no_repeat_ngram_size", "-1"], "--no_repeat_ngram_size must be an integer >= 0"),
 ])
 def test_bad_input_is_one_clear_line_before_anything_loads(capsys, tmp_path, argv, message):
