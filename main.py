@@ -123,9 +123,9 @@ def tokenize(encoder, prompts, n_ctx):
 
 def beam_settings(args):
     """--num_beams > 1: the beam search settings, after refusing what beam search cannot combine with."""
-    defaults = parse_args([])
+    defaults = parse_args([])  # beam search draws nothing: a sampling flag set would change nothing
     sampled = [f"--{name}" for name in ("temperature", "top_k", "top_p", "min_p", "seed")
-               if getattr(args, name) != getattr(defaults, name)]  # beam search draws nothing: they would change nothing
+               if getattr(args, name) != getattr(defaults, name)]
     clash = [flag for flag, on in (("--mode speculative/both", args.mode not in (None, "autoregressive")),
                                    (", ".join(sampled), sampled),
                                    ("--stream", args.stream), ("--max_batch", args.max_batch is not None),
