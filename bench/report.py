@@ -239,8 +239,11 @@ def self_draft_tables(s):
     lines = ["", f"### The self-draft: target {s['target']} drafted by its own {s['dtype']} copy "
              f"(converted in {s['convert_s']:.1f} s)"]
     lines += speculative_costs_table(s)[1:] + end_to_end_table(dict(s, coverage=None))
-    lines += ["", f"The acceptance rate the {s['dtype']} copy really gets on greedy text of these "
-              f"{s['weights']} weights (K = {s['K']}): {s['natural_acceptance']:.1%}"
+    # runs before natural_alpha kept drafts accepted of drafts made, which count untested drafts as rejected
+    got = (f"alpha {s['natural_alpha']:.2f}" if "natural_alpha" in s
+           else f"{s['natural_acceptance']:.1%} of drafts accepted")
+    lines += ["", f"The acceptance the {s['dtype']} copy really gets on greedy text of these "
+              f"{s['weights']} weights (K = {s['K']}): {got}"
               + (" (random weights: not what a trained GPT-2 gets)." if s["weights"] == "random" else ".")]
     return lines
 

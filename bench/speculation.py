@@ -227,7 +227,7 @@ def bench_speculative_end_to_end(draft, target, costs, args):
 def bench_self_draft(target, args, weights):
     """The target's own copy in args.self_draft (int8) as its draft: the costs and the
     controlled end-to-end speedups as for the other draft (at args.self_draft_alphas), and
-    the acceptance rate the copy really gets on greedy text. On random weights that rate
+    the acceptance alpha the copy really gets on greedy text. On random weights that alpha
     says little about a trained GPT-2 (it is labelled with the weights it came from)."""
     draft, convert_s = in_format(target, args.self_draft)
     label = f"{args.target} {args.self_draft}"
@@ -239,7 +239,8 @@ def bench_self_draft(target, args, weights):
     natural = speculative.speculative_generate(reqs, target, speculative.model_drafter(draft),
                                                speculative.SpeculativeConfig(K=args.K))[1]
     return dict(costs, end_to_end=end_to_end, K=args.K, draft_vocab=args.draft_vocab, dtype=args.self_draft,
-                convert_s=convert_s, natural_acceptance=natural.acceptance_rate, weights=weights)
+                convert_s=convert_s, weights=weights,
+                natural_alpha=cost_model.estimate_alpha(natural.accepted, natural.rejected))
 
 
 def bench_breakdown(draft, target, args):

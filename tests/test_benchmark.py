@@ -76,7 +76,7 @@ def test_quick_benchmark_writes_every_measurement(tmp_path, capsys):
         assert fallback["int8_over_float32"] == pytest.approx(fallback["float32_gemv_s"]
                                                               / fallback["int8_widened_gemv_s"])
         self_draft = r["self_draft"]
-        assert self_draft["draft"] == "tiny int8" and 0 < self_draft["natural_acceptance"] <= 1
+        assert self_draft["draft"] == "tiny int8" and 0 < self_draft["natural_alpha"] <= 1
         assert [e["a"] for e in self_draft["end_to_end"][1:]] == [0.9] * len(self_draft["end_to_end"][1:])
         assert "### Weight formats" in open(tmp_path / "results.md").read()
         assert set(f["llama_cpp"]) == {"skipped"}  # the test shapes have no GPT-2 tokenizer for llama.cpp
