@@ -15,9 +15,10 @@ Activations keep the weights' dtype (float32 on the CPU): a float64 scalar such
 as np.sqrt(d) would silently promote them to float64 and halve the speed, so
 constants are Python floats, which NumPy keeps at the array's precision.
 
-Hardware (skip on a first read). Nothing here says which hardware runs it: the arrays do. An array type can take over
-NumPy's functions and operators (its protocols `__array_function__` and `__array_ufunc__`,
-NEPs 18 and 13). CuPy's arrays do, so with the weights on a GPU every step runs there. On
+Hardware (skip on a first read). Nothing here says which hardware runs it: the arrays
+do. An array type can take over NumPy's functions and operators (its protocols
+`__array_function__` and `__array_ufunc__`, NEPs 18 and 13). CuPy's arrays do, so with
+the weights on a GPU every step runs there. On
 a CPU each weight matrix is laid out at load as a `Matrix` (README section 4; weights.py),
 whose `x @ w` runs a compiled loop (NumPy hands `x @ w` to `w.__rmatmul__`), and wte as an
 `Embedding`, whose `wte[tokens]` and `wte.T` read that one stored matrix. float16 appears

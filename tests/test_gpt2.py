@@ -1,5 +1,6 @@
 """The forward pass against transformers' reference logits, and its float32 hot path."""
 import numpy as np
+import pytest
 
 import batching
 import gpt2
@@ -34,6 +35,13 @@ def test_logits_only_where_asked_equal_full_logits(tiny, reference):
     np.testing.assert_allclose(last[0, 0], full[0, -1], atol=1e-5)
     last3 = kv_cache.next_logits((params, hparams), None, [ids], n_logits=3)  # [1, 3, n_vocab]
     np.testing.assert_allclose(last3[0], full[0, -3:], atol=1e-5)
+
+
+def test_no_more_tokens_than_n_ctx_without_a_cache(tiny):
+    _, hparams, params = tiny
+    gpt2.gpt2(np.zeros((1, hparams["n_ctx"]), np.int64), **params, n_head=hparams["n_head"])  # the whole window runs
+    with pytest.raises(AssertionError, match="at most n_ctx tokens"):
+        gpt2.gpt2(np.zeros((1, hparams["n_ctx"] + 1), np.int64), **params, n_head=hparams["n_head"])
 
 
 def test_hot_path_stays_float32(tiny, reference):
