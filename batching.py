@@ -38,6 +38,9 @@ class Request:
     seed: int = 0  # this request's own random stream: same seed, same text
     eos_id: int = None  # stop after this token (GPT-2's <|endoftext|> is 50256); None: never early
     arrival_s: float = 0.0  # serving: when the request arrives, in seconds after the start
+    # the callback reads the logits each of its tokens was drawn after (a server's logprobs): on
+    # a GPU its steps then make a token each (without, up to cuda_decode_loop.STEPS, keeping none)
+    wants_logits: bool = False
 
 
 def requests(prompts, max_new_tokens, settings=sampling.SamplingSettings(), seed=0, eos_id=None):
@@ -196,7 +199,9 @@ class Batch:
     prompt_counts: np.ndarray  # [max_rows, n_vocab] occurrences in each row's prompt
     caches: dict  # model name ("target", "draft") -> KV cache with max_rows rows; empty without caches
     stats: Stats
-    callback: object = None  # callback(seq, token, accepted, logits) sees each token as it is emitted
+    # callback(seq, token, accepted, logits) sees each token as it is emitted; logits: the row's [n_vocab]
+    # that the token was drawn after where its request wants_logits, else None
+    callback: object = None
     done: list = field(default_factory=list)  # finished sequences
     # model name -> chunks of other rows' prompts that the step's first pass of that model caches
     # too (kv_cache.ride_along: chunked prefill, serving/scheduler.py); a pass takes them
@@ -235,10 +240,11 @@ def join(batch, request, index):
 def emit(batch, b, tokens, n_accepted=0, logits=None):
     """Append tokens to row b's text (the first n_accepted of them were accepted drafts),
     stopping exactly at max_new_tokens or at EOS. logits [B, len(tokens), n_vocab]: the batch's
-    logits, row b's that each token was drawn after, for the callback (a server's logprobs);
-    read only for one (on a GPU a row's view is a call into CuPy)."""
+    logits, row b's that each token was drawn after, for the callback where the row's request
+    wants_logits (a server's logprobs; on a GPU a row's view is a call into CuPy)."""
     seq = batch.seqs[b]
     r = seq.request
+    logits = logits if r.wants_logits else None
     tokens = tokens[:r.max_new_tokens - seq.n_generated]
     if r.eos_id in tokens:
         tokens = tokens[:tokens.index(r.eos_id) + 1]  # EOS ends the row right there
@@ -310,6 +316,11 @@ def rows(batch, lo, hi):
                  batch.callback)
 
 
+def wants_logits(batch):
+    """Whether a callback reads the logits of some row's tokens (Request.wants_logits)."""
+    return batch.callback is not None and any(seq.request.wants_logits for seq in batch.seqs)
+
+
 def penalized(batch):
     """Whether any row's settings read the penalty counts."""
     return any(seq.request.settings.uses_counts for seq in batch.seqs)
@@ -371,15 +382,16 @@ def uniforms(batch, n):
 
 def autoregressive_step(batch, model):
     """Every row gains one token, sampled from the model's next-token distribution (on a GPU
-    where no callback reads each token, up to cuda_decode_loop.STEPS tokens: the same tokens)."""
+    where no callback reads each token's logits, up to cuda_decode_loop.STEPS tokens: the same
+    tokens)."""
     texts = token_ids(batch)
     settings = [seq.request.settings for seq in batch.seqs]
     most = [seq.request.max_new_tokens - seq.n_generated if seq.n_generated else 1  # a first token comes alone
             for seq in batch.seqs]
     drawn = cuda_decode_loop.step(model, cache(batch, "target"), texts, settings, lambda k: uniforms(batch, k),
-                                  batch.riders.get("target", ()), want_logits=batch.callback is not None, most=most)
+                                  batch.riders.get("target", ()), want_logits=wants_logits(batch), most=most)
     if drawn is not None:  # a GPU's kernels: passes and their draws recorded as one CUDA graph
-        tokens, logits = drawn  # [B] lists of tokens, [B, n_vocab] (None: no callback to read them)
+        tokens, logits = drawn  # [B] lists of tokens, [B, n_vocab] (None: no callback reads them)
     else:
         logits = kv_cache.next_logits(model, cache(batch, "target"), texts,
                                       riders=batch.riders.pop("target", ()))[:, 0]  # [B, n_vocab]

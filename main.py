@@ -204,7 +204,7 @@ def run(args):
     if "speculative" in results and not args.max_batch:
         resolved = speculative.resolve(config, target, drafter.model)
         timing.advise_K(results["speculative"]["stats"], target, drafter, resolved,
-                        args.draft_model_size == args.target_model_size, args.stream)
+                        args.draft_model_size == args.target_model_size)
     if len(results) == 2:
         ar, sp = results["autoregressive"], results["speculative"]
         print(f"\nspeedup of speculative over autoregressive: {sp['tokens_per_s'] / ar['tokens_per_s']:.2f}x")

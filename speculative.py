@@ -264,10 +264,11 @@ def verify_with_target(batch, model, drafts, q, d, k, u, v):
     """Steps 2-4: the target's logits [B, K+1, n_vocab] after each prefix of every row's
     drafts, from ONE pass, its p_1..p_{k+1}, and `verify`'s n and token (lists: only these
     leave a GPU). On a GPU's kernels the pass, p and the verification are one CUDA graph
-    (cuda_decode_loop.verify; None elsewhere), and the logits None if no callback reads them."""
+    (cuda_decode_loop.verify; None elsewhere), and the logits None if no callback reads them
+    (batching.wants_logits)."""
     looped = cuda_decode_loop.verify(model, batching.cache(batch, "target"), batching.token_ids(batch, drafts), q, d,
                                      k, u, v, [seq.request.settings for seq in batch.seqs], verify,
-                                     batch.riders.get("target", ()), want_logits=batch.callback is not None)
+                                     batch.riders.get("target", ()), want_logits=batching.wants_logits(batch))
     if looped is not None:
         return looped
     logits, p = score_with_target(batch, model, drafts)

@@ -45,12 +45,12 @@ def draft_seconds(model, context, K=4, reps=3):
     return min(times[2:]) / K
 
 
-def step_seconds(model, context, reps=3, tokens=cuda_decode_loop.STEPS):
+def step_seconds(model, context, reps=3):
     """Seconds of one decode step (a token a row) as plain decoding runs it (the best of reps):
     where passes and their draws are one recorded graph (a GPU's kernels, cuda_decode_loop.step),
-    a replay of `tokens` tokens (STEPS; 1 where a callback reads each token) and the ids out,
-    over `tokens`; elsewhere a pass (pass_seconds), the draw the host's."""
-    return draft_seconds(model, context, tokens, reps) or pass_seconds(model, context, reps=reps)
+    a replay of STEPS tokens and the ids out, over STEPS (a step whose callback reads each token's
+    logits, a server's logprobs, makes one); elsewhere a pass (pass_seconds), the draw the host's."""
+    return draft_seconds(model, context, cuda_decode_loop.STEPS, reps) or pass_seconds(model, context, reps=reps)
 
 
 def verify_seconds(model, context, K=4, reps=3, one_hot=False):
@@ -90,12 +90,11 @@ CONTEXT = 32  # cached tokens before each timed pass of the advice
 REPS = 2  # timed passes a cost, the best kept (after a warm-up): a run with advice pays for 10 costs x 3 passes
 
 
-def measure_costs(target, draft, K_max, draft_vocab=0, context=CONTEXT, K=4, streamed=False):
+def measure_costs(target, draft, K_max, draft_vocab=0, context=CONTEXT, K=4):
     """Costs measured on this machine: a draft token (drafting K at a time) and verify(K+1)
-    for K = 0..K_max, in target decode steps (streamed: plain decoding's steps as a callback
-    makes them, a token each). A few passes of each model; used to advise, never to decide (a
-    decision on the clock would change the text from run to run)."""
-    step = step_seconds(target, context, REPS, 1 if streamed else cuda_decode_loop.STEPS)
+    for K = 0..K_max, in target decode steps. A few passes of each model; used to advise,
+    never to decide (a decision on the clock would change the text from run to run)."""
+    step = step_seconds(target, context, REPS)
     verify = (1.0,) + tuple((verify_seconds(target, context, K, REPS, one_hot=draft is None)
                              or pass_seconds(target, context, K + 1, reps=REPS)) / step for K in range(1, K_max + 1))
     if draft is None:
@@ -106,14 +105,14 @@ def measure_costs(target, draft, K_max, draft_vocab=0, context=CONTEXT, K=4, str
     return cost_model.Costs((draft_seconds(draft, context, K, reps=REPS) or draft_pass) / step, verify, catch_up)
 
 
-def advise_K(stats, target, drafter, config, self_draft=False, streamed=False):
+def advise_K(stats, target, drafter, config, self_draft=False):
     """After a run: the K that this run's acceptance and costs measured now recommend, and a
-    narrower draft where it drafts in float32 (streamed: the run streamed its tokens)."""
+    narrower draft where it drafts in float32."""
     if not stats.drafted:
         return
     alpha = cost_model.estimate_alpha(stats.accepted, stats.rejected)
     draft = drafter.model
-    costs = measure_costs(target, draft, config.K_max, config.draft_vocab, K=config.K, streamed=streamed)
+    costs = measure_costs(target, draft, config.K_max, config.draft_vocab, K=config.K)
     K = cost_model.best_K(alpha, costs, config.K_max)
     print(f"advice: at this run's acceptance (alpha = {alpha:.2f}) and costs measured now (a draft token "
           f"{costs.draft:.2f} of a target step; verifying K+1 tokens {min(costs.verify[1:]):.2f}-"

@@ -37,10 +37,11 @@ import sampling
 from kernels import cuda_graphs, cuda_sampling
 
 GREEDY = sampling.SamplingSettings(temperature=0.0)  # the padding rows': the cheapest to draw
-# tokens a row a plain step makes in one replay where no callback reads each (a server's rows,
-# which stream, stay a token a step, and requests join between steps): the host's share of a
-# token (its Python, and 3 calls into CuPy) falls to 1 / STEPS; a row that ends early (EOS)
-# wastes at most STEPS - 1 passes
+# tokens a row a plain step makes in one replay where no callback reads each token's logits (a
+# server's rows stay a token a step only while one asks for logprobs): the host's share of a
+# token (its Python, and 3 calls into CuPy) falls to 1 / STEPS; a row that ends early (EOS, a
+# stop a server finds) wastes at most STEPS - 1 passes, and a request waits at most one replay
+# of STEPS tokens for its turn to join
 STEPS = 4
 
 
@@ -58,8 +59,9 @@ def draft(model, cache, texts, k, settings, draws, riders=()):
 def step(model, cache, texts, settings, draws, riders=(), want_logits=True, most=None):
     """batching.autoregressive_step's next tokens of each text from one replay of the loop: a
     pass and its draw, k[b] times for row b. k[b] is 1 where a callback reads each token's
-    logits (want_logits: the loop keeps only its last pass's); else STEPS, or fewer where the
-    row may make fewer tokens (most[b]; default 1) or its window has fewer free slots.
+    logits (want_logits: batching.wants_logits; the loop keeps only its last pass's); else
+    STEPS, or fewer where the row may make fewer tokens (most[b]; default 1) or its window has
+    fewer free slots.
     Returns (each row's k[b] tokens, the logits [B, n_vocab] its last was drawn from: a copy,
     None unless want_logits; on a GPU the copy is two calls into CuPy), or None where the
     loop cannot be recorded (then the step runs as on the CPU). draws(k): each row's k[b]

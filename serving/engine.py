@@ -183,7 +183,8 @@ def submit(engine, reqs, logprobs=None):
             engine["metrics"]["prompt_tokens_total"] += len(r.prompt)
     arrival = time.perf_counter() - engine["stats"].start
     for i, r in zip(box["indices"], reqs):
-        engine["inbox"].put(("request", i, batching.Request(**{**vars(r), "arrival_s": arrival})))
+        engine["inbox"].put(("request", i, batching.Request(**{**vars(r), "arrival_s": arrival,
+                                                                "wants_logits": logprobs is not None})))
     return box
 
 

@@ -45,7 +45,7 @@ def random_requests(n, seed, n_ctx):
 
 def run(reqs, dec, **kw):
     """{index: (new tokens, the logits each was drawn after)}."""
-    events = list(scheduler.serve(reqs, dec, **kw))
+    events = list(scheduler.serve([dataclasses.replace(r, wants_logits=True) for r in reqs], dec, **kw))
     logits = {}
     for e in events:
         if e.kind == "token":

@@ -7,6 +7,7 @@ in for the device (layout.device_layout(params, numpy)). Then the whole step on 
 replayed as a GPU would, tests/cuda_on_cpu.py): the CPU's logits and text, and replay equal
 to eager bit for bit."""
 import collections
+import dataclasses
 import struct
 import sys
 
@@ -41,6 +42,11 @@ def both(tiny):
 
 def generate(params, hparams, n, settings=GREEDY, seed=0, prompts=PROMPTS):
     return batching.generate(batching.requests(prompts, n, settings, seed), (params, hparams))[0]
+
+
+def reading_logits(reqs):
+    """reqs whose callback reads each token's logits (a server's logprobs): a token a step."""
+    return [dataclasses.replace(r, wants_logits=True) for r in reqs]
 
 
 def spec(params, hparams, n, K, settings=GREEDY, seed=0, adaptive=False):
@@ -309,8 +315,9 @@ def test_a_step_drawn_inside_its_graph_gives_the_tokens_and_logits_of_a_step_dra
             return drawn[-1]
         with monkeypatch.context() as m:
             m.setattr(cuda_decode_loop, "step", stepped)
-            texts = batching.generate(batching.requests(PROMPTS, 60, settings, 3), (dev, hparams), callback=lambda
-                                      seq, token, accepted, logits: seen.append((seq.index, token, logits.tolist())))[0]
+            texts = batching.generate(reading_logits(batching.requests(PROMPTS, 60, settings, 3)), (dev, hparams),
+                                      callback=lambda seq, token, accepted, logits: seen.append(
+                                          (seq.index, token, logits.tolist())))[0]
         runs.append((texts, seen))
         assert sum(d is not None for d in drawn) > (40 if looped else -1) and (looped or not any(drawn))
     assert runs[0] == runs[1]
@@ -319,14 +326,15 @@ def test_a_step_drawn_inside_its_graph_gives_the_tokens_and_logits_of_a_step_dra
 @pytest.mark.parametrize("settings", [GREEDY, UNPENALIZED, sampling.SamplingSettings(temperature=1.5)],
                          ids=["greedy", "sampled", "flat"])  # flat: the tiny model's text depends on every draw
 def test_a_plain_step_of_several_tokens_gives_the_tokens_of_one_a_step(both, monkeypatch, settings):
-    """Where no callback reads each token, a plain step on the recorded loop makes up to
-    cuda_decode_loop.STEPS tokens a row: the tokens of one a step (a callback asks for those),
-    bit for bit, with rows of several lengths (max_new_tokens no multiple of STEPS), one row
-    ending at EOS inside a step, and windows restarting on the way; and most steps make STEPS."""
+    """Where no callback reads each token's logits, a plain step on the recorded loop makes up to
+    cuda_decode_loop.STEPS tokens a row: the tokens of one a step (a callback reading logits asks
+    for those), bit for bit, with rows of several lengths (max_new_tokens no multiple of STEPS),
+    one row ending at EOS inside a step, and windows restarting on the way; and most steps make
+    STEPS. A callback that reads only the tokens (a stream) sees each, in order, and no logits."""
     hparams, _, dev = both
-    lengths, made = [61, 58, 70], []  # (row 0's window fills in a step where row 2 makes STEPS tokens)
+    lengths, made, streamed = [61, 58, 70], [], []  # (row 0's window fills in a step where row 2 makes STEPS)
     one_a_step = [batching.generate([r], (dev, hparams), callback=lambda *_: None)[0][0]
-                  for r in batching.requests(PROMPTS, 70, settings, 3)]  # each row alone
+                  for r in reading_logits(batching.requests(PROMPTS, 70, settings, 3))]  # each row alone
     eos = next(t for i, t in enumerate(one_a_step[1]) if i % cuda_decode_loop.STEPS == 2 and t not in one_a_step[1][:i])
     step = cuda_decode_loop.step
 
@@ -336,8 +344,10 @@ def test_a_plain_step_of_several_tokens_gives_the_tokens_of_one_a_step(both, mon
     monkeypatch.setattr(cuda_decode_loop, "step", counted)
     reqs = [batching.Request(tuple(p), n, settings, 3 + b, eos if b == 1 else None)
             for b, (p, n) in enumerate(zip(PROMPTS, lengths))]
-    got = batching.generate(reqs, (dev, hparams))[0]
+    got = batching.generate(reqs, (dev, hparams), callback=lambda seq, token, accepted, logits: streamed.append(
+        (seq.index, token, logits)))[0]
     assert got == [one_a_step[0][:61], one_a_step[1][:one_a_step[1].index(eos) + 1], one_a_step[2]]
+    assert [[t for i, t, _ in streamed if i == b] for b in range(3)] == got and all(x is None for *_, x in streamed)
     assert (len(got[1]) - 1) % cuda_decode_loop.STEPS  # inside a step (a first token comes alone, then STEPS)
     sizes = [max(map(len, m[0])) for m in made if m is not None]
     assert sizes.count(cuda_decode_loop.STEPS) > 0.6 * len(made) and set(sizes) > {1, cuda_decode_loop.STEPS}
@@ -486,6 +496,43 @@ def test_rows_joining_and_leaving_mid_run_keep_their_texts(both):
     events = list(scheduler.serve(reqs, scheduler.autoregressive((dev, hparams)), max_batch=3))
     finished = {e.index: e.tokens for e in events if e.kind == "finished"}
     assert finished == {i: batching.generate([r], (params, hparams))[0][0] for i, r in enumerate(reqs)}
+
+
+def test_a_servers_rows_make_several_tokens_a_step_unless_one_reads_its_logits(both, monkeypatch):
+    """The scheduler's rows (a server's: its events are the batch's callback) on the recorded
+    loop make up to STEPS tokens a step, unless a request in the batch wants_logits (a server's
+    logprobs): then every step makes one, and that request's every event carries the logits of
+    a step drawn after its pass, bit for bit; the others' events carry none. Each text is the
+    CPU's for that request alone, whichever requests read their logits."""
+    hparams, params, dev = both
+    rng = np.random.default_rng(3)
+    reqs = [batching.Request(tuple(rng.integers(0, 50000, rng.integers(1, 12)).tolist()), int(rng.integers(6, 30)),
+                             UNPENALIZED if i % 2 else GREEDY, seed=i) for i in range(8)]
+    alone = {i: batching.generate([r], (params, hparams))[0][0] for i, r in enumerate(reqs)}
+    step, made = cuda_decode_loop.step, []
+
+    def counted(model, cache, texts, *args, looped=True, **kwargs):  # (request 2 in the batch, tokens a row)
+        drawn = step(model, cache, texts, *args, **kwargs) if looped else None
+        made.append((any(text[:len(reqs[2].prompt)] == list(reqs[2].prompt) for text in texts),
+                     drawn and max(map(len, drawn[0]))))
+        return drawn
+    runs = {}
+    for reading, looped in ((False, True), (True, True), (True, False)):
+        made.clear()
+        monkeypatch.setattr(cuda_decode_loop, "step", lambda *args, looped=looped, **kw: counted(*args, looped=looped,
+                                                                                                  **kw))
+        served = [dataclasses.replace(r, wants_logits=reading and i == 2) for i, r in enumerate(reqs)]
+        events = list(scheduler.serve(served, scheduler.autoregressive((dev, hparams)), max_batch=3))
+        assert {e.index: e.tokens for e in events if e.kind == "finished"} == alone
+        tokens = [e for e in events if e.kind == "token"]
+        assert all((e.logits is not None) == (reading and e.index == 2) for e in tokens)
+        runs[reading, looped] = [e.logits.tolist() for e in tokens if e.index == 2 and reading]
+        if looped:
+            sizes = collections.Counter(made)
+            assert not reading or set(size for (with_2, size) in sizes if with_2) == {1}
+            assert sizes[False, cuda_decode_loop.STEPS] > 3  # (once request 2 has left, or before it came)
+            assert reading or sizes[True, cuda_decode_loop.STEPS] > 3
+    assert runs[True, True] == runs[True, False] and len(runs[True, True]) == len(alone[2])
 
 
 def test_a_speculative_batch_whose_rows_come_and_go_drafts_through_the_recorded_loop(both, monkeypatch):
@@ -749,7 +796,7 @@ def test_the_costs_on_the_device_are_timed_as_decoding_runs_them(cupy, small, mo
 
 def test_rows_of_their_own_settings_moving_under_one_recorded_graph_keep_their_texts(cupy, small, monkeypatch):
     """Four requests, each with settings of its own, decoded in the bucket of 4 a token a step
-    (a callback's): as they finish, the last row moves into the freed one (batching.remove)
+    (their callback reads logits): as they finish, the last row moves into the freed one (batching.remove)
     and the same graph replays with other settings in a row. Each text is the CPU's text alone."""
     monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
     hparams, params = small
@@ -757,8 +804,8 @@ def test_rows_of_their_own_settings_moving_under_one_recorded_graph_keep_their_t
     monkeypatch.setattr(cuda_graphs, "run", lambda static: replayed.append(
         "q" in static and static["replay"] is not None) or run(static))
     each = [GREEDY, UNPENALIZED, MIN_P, sampling.SamplingSettings(temperature=0.7, top_k=5)]
-    reqs = [batching.Request(tuple(p), n, s, seed=b) for b, (p, n, s) in
-            enumerate(zip(SMALL_PROMPTS + [[7, 8]], [12, 4, 7, 9], each))]
+    reqs = reading_logits([batching.Request(tuple(p), n, s, seed=b) for b, (p, n, s) in
+                           enumerate(zip(SMALL_PROMPTS + [[7, 8]], [12, 4, 7, 9], each))])
     got = batching.generate(reqs, model, callback=lambda *_: None)[0]
     assert got == [batching.generate([r], (params, hparams))[0][0] for r in reqs] and sum(replayed) > 4
 
@@ -824,8 +871,9 @@ def test_chunked_prefill_and_the_prefix_cache_on_the_device_change_no_bit(cupy, 
         draft = speculative.model_drafter((dict(model[0], blocks=model[0]["blocks"][:1]), dict(hparams, n_layer=1)))
         dec = scheduler.speculative_decoder(model, draft, speculative.SpeculativeConfig(K=3))
     shared = rng.integers(0, V, 40).tolist()
-    reqs = [batching.Request(tuple((shared if i % 2 else [])[:n] + rng.integers(0, V, n).tolist())[:n], 6,
-                             SAMPLED if i % 3 else GREEDY, seed=i) for i, n in enumerate([100, 45, 12, 170, 3, 52])]
+    reqs = reading_logits([batching.Request(tuple((shared if i % 2 else [])[:n] + rng.integers(0, V, n).tolist())[:n],
+                                            6, SAMPLED if i % 3 else GREEDY, seed=i)
+                           for i, n in enumerate([100, 45, 12, 170, 3, 52])])
 
     def served(**kw):
         events = list(scheduler.serve(reqs, dec, max_batch=3, **kw))
@@ -971,7 +1019,8 @@ def test_a_recorded_step_launches_five_kernels_a_layer(monkeypatch):
         model = (layout.device_layout(layout.plain_layout(dict(params, blocks=params["blocks"][:n_layer])), cupy),
                  dict(hparams, n_layer=n_layer))
         recorded.clear()
-        batching.generate(batching.requests([[1, 2, 3]], 4, GREEDY), model, callback=lambda *_: None)  # a token a step
+        batching.generate(reading_logits(batching.requests([[1, 2, 3]], 4, GREEDY)), model,
+                          callback=lambda *_: None)  # a token a step
         kernels[n_layer] = recorded[0]
     layer = kernels[2] - kernels[1]
     assert layer == {"row_times_columns_ln_f32": 2, "row_times_columns_f32": 2, "attend_f32": 1}, layer  # (a row)

@@ -2,6 +2,7 @@
 beginning was computed already gets, bit for bit, the tokens and logits it gets alone, in
 both decoders, greedy and sampled, under eviction and at the window's edge; the choices of
 one prompt compute it once; the cache stays within its budget; the server reports it."""
+import dataclasses
 import os
 
 import numpy as np
@@ -41,6 +42,7 @@ def decoders(model):
 def served(reqs, decoder, prefix, max_batch=4):
     """{index: (tokens, [logits of each token], cached_tokens)} of one continuous-batching run."""
     logits, out = {}, {}
+    reqs = [dataclasses.replace(r, wants_logits=True) for r in reqs]  # the callback reads their logits
     for e in scheduler.serve(reqs, decoder, max_batch=max_batch, prefix=prefix):
         assert e.kind != "error", e.error
         if e.kind == "token":
