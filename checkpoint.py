@@ -18,7 +18,9 @@ The checkpoint's names are then mapped to picoGPT's nested dict
 (`params["blocks"][i]["attn"]["c_attn"]["w"]`), and every shape is checked.
 """
 import json
+import math
 import os
+import re
 import struct
 
 import numpy as np
@@ -36,6 +38,8 @@ def read_varint(buf, pos):
     while True:
         if pos >= len(buf):
             raise ValueError("varint runs past the end of the buffer")
+        if shift > 63:  # a 64-bit value takes at most 10 bytes
+            raise ValueError("varint longer than 10 bytes")
         byte = buf[pos]
         value |= (byte & 0x7F) << shift
         pos += 1
@@ -89,13 +93,30 @@ def parse_proto(buf):
 TF_DTYPES = {1: np.float32, 19: np.float16}  # DataType enum: DT_FLOAT, DT_HALF
 
 
+MOST_ELEMENTS = 1 << 40  # a dimension, or a tensor, past this is a corrupt index, not a GPT-2
+
+
+def field(fields, number, kind, default):
+    """The last value of a protobuf field, checked to be of the kind its schema says (an int
+    for a varint, bytes for a message or a fixed32): a ValueError names what is wrong."""
+    value = fields.get(number, [default])[-1]
+    if not isinstance(value, kind):
+        raise ValueError(f"field {number} of a tensor's entry has the wrong wire type")
+    return value
+
+
 def parse_bundle_entry(value):
     """BundleEntryProto -> dict(dtype, shape, shard, offset, size, crc32c)."""
     f = parse_proto(value)
-    dims = [parse_proto(d).get(1, [0])[0] for d in parse_proto(f.get(2, [b""])[0]).get(2, [])]
-    return {"dtype": f.get(1, [0])[0], "shape": tuple(dims), "shard": f.get(3, [0])[0],
-            "offset": f.get(4, [0])[0], "size": f.get(5, [0])[0],
-            "crc32c": struct.unpack("<I", f[6][0])[0] if 6 in f else None}
+    dims = [field(parse_proto(d), 1, int, 0) for d in parse_proto(field(f, 2, bytes, b"")).get(2, [])]
+    if any(not 0 <= d < MOST_ELEMENTS for d in dims) or math.prod(dims) >= MOST_ELEMENTS:
+        raise ValueError(f"a tensor's shape {dims} is not a shape")
+    crc = field(f, 6, bytes, None) if 6 in f else None
+    if crc is not None and len(crc) != 4:
+        raise ValueError("a tensor's crc32c is not 4 bytes")
+    return {"dtype": field(f, 1, int, 0), "shape": tuple(dims), "shard": field(f, 3, int, 0),
+            "offset": field(f, 4, int, 0), "size": field(f, 5, int, 0),
+            "crc32c": struct.unpack("<I", crc)[0] if crc is not None else None}
 
 
 def read_tf_index(index_path):
@@ -115,6 +136,8 @@ def read_tf_index(index_path):
         size, _ = read_varint(handle, pos)
         for key, value in read_block(data, offset, size):
             if key:  # the empty key holds the BundleHeaderProto, not a tensor
+                if key.decode() in entries:
+                    raise ValueError(f"tensor {key.decode()!r} is listed twice")
                 entries[key.decode()] = parse_bundle_entry(value)
     return entries
 
@@ -157,6 +180,7 @@ def load_tf_checkpoint(model_dir, verify_crc=False):
     except (ValueError, IndexError, KeyError, struct.error) as e:
         raise LoadError(f"{index_path} is corrupt ({e}): delete it and run again to re-download")
     data_size = os.path.getsize(data_path)
+    check_extents(data_path, data_size, [(e["offset"], e["offset"] + e["size"], name) for name, e in entries.items()])
     tensors = {}
     for name, e in entries.items():
         if e["shard"] != 0:
@@ -164,15 +188,28 @@ def load_tf_checkpoint(model_dir, verify_crc=False):
         if e["dtype"] not in TF_DTYPES:
             raise LoadError(f"{name} has TensorFlow dtype {e['dtype']}, which this reader does not handle")
         dtype = np.dtype(TF_DTYPES[e["dtype"]]).newbyteorder("<")
-        if e["size"] != int(np.prod(e["shape"])) * dtype.itemsize:
+        if e["size"] != math.prod(e["shape"]) * dtype.itemsize:
             raise LoadError(f"{index_path} is corrupt: {name} has shape {e['shape']} but {e['size']} bytes")
-        if e["offset"] + e["size"] > data_size:
-            raise LoadError(f"{data_path} is truncated: {name} needs bytes up to {e['offset'] + e['size']} "
-                            f"but the file has {data_size}; delete it and run again to re-download")
         tensors[name] = np.memmap(data_path, dtype=dtype, mode="r", offset=e["offset"], shape=e["shape"])
         if verify_crc and masked_crc32c(tensors[name].tobytes()) != e["crc32c"]:
             raise LoadError(f"{data_path} is corrupt: crc32c of {name} does not match the index")
     return tensors
+
+
+def check_extents(path, size, extents):
+    """The tensors' byte ranges [(begin, end, name)] tile a data region of `size` bytes, in some
+    order, with no gap, overlap or byte left over (as both formats write it): a file that
+    is cut short, or longer (bytes before the first tensor would shift every one), or an
+    index that points two tensors at the same bytes, is a LoadError."""
+    at = 0
+    for begin, end, name in sorted(extents):
+        if begin != at or end < begin:
+            raise LoadError(f"{path} does not match its index at {name} (bytes {begin}-{end}, expected from {at}): "
+                            "delete it and run again to re-download")
+        at = end
+    if at != size:
+        raise LoadError(f"{path} is {'truncated' if size < at else 'longer than its index says'}: {size} bytes where "
+                        f"its index describes {at}; delete it and run again to re-download")
 
 
 # ------------------------------------------------------------- safetensors --
@@ -188,21 +225,40 @@ def load_safetensors(path):
         if n > size - 8:
             raise LoadError(f"{path} is truncated or not safetensors: delete it and run again to re-download")
         try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
+            header = json.loads(f.read(n), object_pairs_hook=unique_keys)
+        except (ValueError, RecursionError) as e:
             raise LoadError(f"{path} has a corrupt header ({e}): delete it and run again to re-download")
+    entries = {name: info for name, info in header.items() if name != "__metadata__"} if isinstance(header, dict) \
+        else None
+    if entries is None or not all(is_safetensors_entry(info) for info in entries.values()):
+        raise LoadError(f"{path} has a header that is not safetensors': delete it and run again to re-download")
+    check_extents(path, size - 8 - n, [(*info["data_offsets"], name) for name, info in entries.items()])
     tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
+    for name, info in entries.items():
         if info["dtype"] not in SAFETENSORS_DTYPES:
             raise LoadError(f"{name} in {path} has dtype {info['dtype']}, which this reader does not handle")
         begin, end = info["data_offsets"]
         dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]]).newbyteorder("<")
-        if end - begin != int(np.prod(info["shape"])) * dtype.itemsize or 8 + n + end > size:
-            raise LoadError(f"{path} is truncated or corrupt at {name}: delete it and run again to re-download")
+        if end - begin != math.prod(info["shape"]) * dtype.itemsize:
+            raise LoadError(f"{path} is corrupt at {name}: delete it and run again to re-download")
         tensors[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + n + begin, shape=tuple(info["shape"]))
     return tensors
+
+
+def unique_keys(pairs):
+    """json's object_pairs_hook: a dict, or a ValueError where a key comes twice."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("a name is listed twice")
+    return out
+
+
+def is_safetensors_entry(info):
+    """A tensor's header entry: {"dtype": str, "shape": [ints], "data_offsets": [begin, end]}."""
+    ints = lambda xs, n=None: (isinstance(xs, list) and (n is None or len(xs) == n)
+                               and all(type(x) is int and 0 <= x < MOST_ELEMENTS for x in xs))
+    return (isinstance(info, dict) and isinstance(info.get("dtype"), str) and ints(info.get("shape"))
+            and ints(info.get("data_offsets"), 2) and math.prod(info["shape"]) < MOST_ELEMENTS)
 
 
 # ------------------------------------------------ names -> picoGPT's nested dict --
@@ -212,8 +268,10 @@ def params_from_openai_names(tensors, n_layer):
     params = {"blocks": [{} for _ in range(n_layer)]}
     for name, array in tensors.items():
         parts = name.split("/")[1:]  # drop "model"
-        if parts[0].startswith("h"):
-            node = params["blocks"][int(parts[0][1:])]
+        if name.split("/")[0] != "model" or not all(parts):
+            raise ValueError(f"tensor {name!r} is not a GPT-2 tensor's name")
+        if re.fullmatch(r"h[0-9]+", parts[0]):
+            node = params["blocks"][block_index(parts[0][1:], n_layer, name)]
             parts = parts[1:]
         else:
             node = params
@@ -238,15 +296,24 @@ def params_from_hf_names(tensors, n_layer):
         if parts[0] in ("wte", "wpe"):
             params[parts[0]] = array
             continue
-        if parts[0] == "h":
-            node, parts = params["blocks"][int(parts[1])], parts[2:]
+        if parts[0] == "h" and len(parts) > 2:
+            node, parts = params["blocks"][block_index(parts[1], n_layer, name)], parts[2:]
         else:
             node = params
+        if len(parts) < 2 or parts[-1] not in HF_LEAF:
+            raise ValueError(f"tensor {name!r} is not a GPT-2 tensor's name")
         for p in parts[:-1]:
             node = node.setdefault(p, {})
         leaf = HF_LEAF[parts[-1]]
         node[leaf.get(parts[-2], leaf["*"])] = array
     return params
+
+
+def block_index(digits, n_layer, name):
+    """The block a tensor's name points into: digits below n_layer, or a ValueError."""
+    if not re.fullmatch(r"[0-9]+", digits) or int(digits) >= n_layer:
+        raise ValueError(f"tensor {name!r} names a block past the {n_layer} of hparams' n_layer")
+    return int(digits)
 
 
 def load_params(model_dir, n_layer, verify_crc=False):
@@ -267,6 +334,9 @@ def check_params(params, hparams):
                                     ("mlp", "c_fc"): (E, 4 * E), ("mlp", "c_proj"): (4 * E, E)}.items():
             want[("blocks", i) + path + ("w",)] = (n_in, n_out)
             want[("blocks", i) + path + ("b",)] = (n_out,)
+    extra = sorted(set(leaf_paths(params)) - set(want))
+    if extra:
+        raise LoadError(f"checkpoint has a tensor GPT-2 does not: {'/'.join(map(str, extra[0]))}")
     for path, shape in want.items():
         node = params
         try:
@@ -274,5 +344,16 @@ def check_params(params, hparams):
                 node = node[key]
         except (KeyError, IndexError, TypeError):
             raise LoadError(f"checkpoint has no tensor for {'/'.join(map(str, path))}")
+        if isinstance(node, dict):
+            raise LoadError(f"checkpoint has no tensor for {'/'.join(map(str, path))}, only tensors below it")
         if tuple(node.shape) != shape:
             raise LoadError(f"tensor {'/'.join(map(str, path))} has shape {tuple(node.shape)}, expected {shape}")
+
+
+def leaf_paths(node, path=()):
+    """Every path to a tensor (a leaf that is not a dict or list) in the nested params."""
+    if isinstance(node, dict):
+        return [p for key, child in node.items() for p in leaf_paths(child, path + (key,))]
+    if isinstance(node, list):
+        return [p for i, child in enumerate(node) for p in leaf_paths(child, path + (i,))]
+    return [path]

@@ -7,6 +7,7 @@ checkpoint.py (which parses the formats). The weight matrices are then copied
 once, into the layout that the kernels read fastest (kernels/layout.py: `decode_layout`;
 its `to_backend` moves the params to a GPU with CuPy when asked).
 """
+import contextlib
 import functools
 import hashlib
 import json
@@ -66,30 +67,39 @@ class _Retry(Exception):
     """A transient failure: the download is tried again after a pause."""
 
 
+MOST_BYTES = 8 << 30  # more than any GPT-2 file (1558M's data: 6.2 GB): a server promising more is not one
+
+
 def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0):
     """Stream `url` to `path`, atomically: bytes go to `path.part`, which is resumed
     with an HTTP Range request after an interruption and renamed to `path` only
-    when its size equals the server's Content-Length."""
+    when its size equals the server's Content-Length. Bytes come as stored
+    (Accept-Encoding: identity: a compressed body's length is not the file's), and a
+    resumed body must start where the .part ends (its Content-Range), else it starts over."""
     part = path + ".part"
     error = None
     for attempt in range(retries):
         if attempt:
             time.sleep(backoff_s * 2 ** (attempt - 1))
         have = os.path.getsize(part) if os.path.exists(part) else 0
-        headers = {"Range": f"bytes={have}-"} if have else {}
+        headers = {"Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
         try:
             with requests.get(url, stream=True, headers=headers, timeout=timeout_s) as r:
-                if r.status_code == 416:  # nothing left to send: the .part is not trustworthy
-                    os.remove(part)
-                    raise _Retry("server refused to resume; starting over")
+                resumed = r.status_code == 206
+                if r.status_code == 416 or resumed and not r.headers.get("Content-Range", "").startswith(
+                        f"bytes {have}-"):  # the .part is not what the server would continue
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(part)
+                    raise _Retry("server did not resume where the download stopped; starting over")
                 if r.status_code in (401, 403, 404):
                     raise LoadError(f"{url} answered HTTP {r.status_code}: check --base_url / ${BASE_URL_ENV}")
                 if r.status_code >= 400:
                     raise _Retry(f"HTTP {r.status_code}")
-                if "Content-Length" not in r.headers:
-                    raise LoadError(f"{url} sent no Content-Length, so the download cannot be verified")
-                resumed = r.status_code == 206
-                total = (have if resumed else 0) + int(r.headers["Content-Length"])
+                length = r.headers.get("Content-Length", "")
+                if not length.isdigit() or int(length) > MOST_BYTES:
+                    raise LoadError(f"{url} sent Content-Length {length or 'none'}, so the download cannot be "
+                                    "verified: check --base_url / $" + BASE_URL_ENV)
+                total = (have if resumed else 0) + int(length)
                 with open(part, "ab" if resumed else "wb") as f, tqdm(
                         total=total, initial=have if resumed else 0, unit="B", unit_scale=True,
                         desc=os.path.basename(path), leave=False) as bar:
@@ -104,6 +114,11 @@ def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0):
         except (_Retry, requests.ConnectionError, requests.Timeout,
                 requests.exceptions.ChunkedEncodingError) as e:
             error = e
+        except requests.RequestException as e:  # a redirect loop, a body that does not decode...
+            raise LoadError(f"could not download {url} ({type(e).__name__}): check --base_url / ${BASE_URL_ENV}")
+        except OSError as e:
+            raise LoadError(f"cannot write {part} ({e.strerror}): free some space or pass another --models_dir, "
+                            "then run again to resume")
     reason = {requests.ConnectionError: "cannot connect", requests.Timeout: "timed out",
               requests.exceptions.ChunkedEncodingError: "connection dropped"}.get(type(error), str(error))
     raise LoadError(f"could not download {url} after {retries} tries ({reason}); "
@@ -140,16 +155,31 @@ def download_model(model_size, models_dir="models", source="openai", base_url=No
 
 # ------------------------------------------------------------------ loading --
 
+HPARAMS_MOST = {"n_vocab": 1 << 24, "n_ctx": 1 << 20, "n_embd": 1 << 16, "n_head": 1 << 10, "n_layer": 1 << 10}
+
+
 def load_hparams(model_dir):
-    """GPT-2's hparams (n_vocab, n_ctx, n_embd, n_head, n_layer) from either layout."""
+    """GPT-2's hparams (n_vocab, n_ctx, n_embd, n_head, n_layer) from either layout, each
+    checked (an int of a sane size, n_head dividing n_embd): a LoadError names the wrong one."""
     hparams_path = os.path.join(model_dir, "hparams.json")
-    if os.path.exists(hparams_path):
-        with open(hparams_path) as f:
-            return json.load(f)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        c = json.load(f)
-    return {"n_vocab": c["vocab_size"], "n_ctx": c["n_positions"], "n_embd": c["n_embd"],
-            "n_head": c["n_head"], "n_layer": c["n_layer"]}
+    path = hparams_path if os.path.exists(hparams_path) else os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        try:
+            h = json.load(f)
+        except RecursionError:
+            raise ValueError("nested too deeply")
+    if path != hparams_path and isinstance(h, dict):
+        h = {name: h.get(key) for name, key in (("n_vocab", "vocab_size"), ("n_ctx", "n_positions"),
+                                                ("n_embd", "n_embd"), ("n_head", "n_head"), ("n_layer", "n_layer"))}
+    for name, most in HPARAMS_MOST.items():
+        value = h.get(name) if isinstance(h, dict) else None
+        if type(value) is not int or not 1 <= value <= most:
+            raise LoadError(f"{path}: {name} must be an integer from 1 to {most}, got {value!r}; delete the file "
+                            "and run again to re-download")
+    if h["n_embd"] % h["n_head"]:
+        raise LoadError(f"{path}: n_head {h['n_head']} does not divide n_embd {h['n_embd']}; delete the file and "
+                        "run again to re-download")
+    return {name: h[name] for name in HPARAMS_MOST}
 
 
 @functools.lru_cache(maxsize=None)  # main.py reads it before the weights, to know the prompts' lengths
@@ -160,8 +190,11 @@ def load_encoder(model_dir):
     for bpe, enc in names:
         bpe_path, enc_path = os.path.join(model_dir, bpe), os.path.join(model_dir, enc)
         if os.path.exists(bpe_path) and os.path.exists(enc_path):
-            # hashing our own files lets tiktoken's cache tell one file from another
-            ranks = data_gym_to_mergeable_bpe_ranks(bpe_path, enc_path, sha256_of(bpe_path), sha256_of(enc_path))
+            try:  # hashing our own files lets tiktoken's cache tell one file from another
+                ranks = data_gym_to_mergeable_bpe_ranks(bpe_path, enc_path, sha256_of(bpe_path), sha256_of(enc_path))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, AssertionError, RecursionError) as e:
+                raise LoadError(f"{bpe_path} and {enc_path} are not GPT-2's tokenizer ({type(e).__name__}: {e}); "
+                                "delete them and run again to re-download")
             return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                                      special_tokens={EOT_TOKEN: len(ranks)})
     raise LoadError(f"no tokenizer files (vocab.bpe + encoder.json) in {model_dir}")
@@ -187,6 +220,9 @@ def load_model_dir(model_dir, verify_crc=False, dtype="float32"):
     except (OSError, ValueError, KeyError) as e:
         raise LoadError(f"cannot read hparams.json / config.json in {model_dir} ({e})")
     encoder = load_encoder(model_dir)
+    if hparams["n_vocab"] > encoder.n_vocab:
+        raise LoadError(f"{model_dir}: the model has {hparams['n_vocab']} tokens, its tokenizer {encoder.n_vocab}: "
+                        "delete the directory and run again to re-download")
     try:
         params = checkpoint.load_params(model_dir, hparams["n_layer"], verify_crc)
     except (OSError, ValueError, KeyError, IndexError) as e:

@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 
@@ -174,3 +175,138 @@ def test_to_backend_numpy_keeps_the_params_and_refuses_float16(tiny):
     assert layout.to_backend(params) is params  # still memory-mapped: no copy on the CPU
     with pytest.raises(utils.LoadError, match="--dtype float16 needs --backend cupy"):
         layout.to_backend(params, "numpy", "float16")
+
+
+def rewrite_safetensors(path, change):
+    """The file at path with its JSON header replaced by change(header) (a str: written as is)."""
+    raw = open(path, "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    header = change(json.loads(raw[8:8 + n]))
+    text = header if isinstance(header, str) else json.dumps(header)
+    open(path, "wb").write(len(text.encode()).to_bytes(8, "little") + text.encode() + raw[8 + n:])
+
+
+def first_tensor(h):
+    return min((name for name in h if name != "__metadata__"), key=lambda name: h[name]["data_offsets"][0])
+
+
+SAFETENSORS_CORRUPTIONS = {
+    # offsets before the data: the header's own bytes read as weights
+    "offsets into the header": lambda h: {**h, first_tensor(h): {**h[first_tensor(h)], "data_offsets": [
+        h[first_tensor(h)]["data_offsets"][0] - 64, h[first_tensor(h)]["data_offsets"][1] - 64]}},
+    "two tensors on the same bytes": lambda h: {**h, **{name: {**h[name], "data_offsets": h[first_tensor(h)][
+        "data_offsets"]} for name in h if name != "__metadata__" and h[name]["shape"] == h[first_tensor(h)]["shape"]}},
+    "not a dict": lambda h: list(h),
+    "an entry not a dict": lambda h: {**h, first_tensor(h): 7},
+    "a dtype not a string": lambda h: {**h, first_tensor(h): {**h[first_tensor(h)], "dtype": ["F32"]}},
+    "offsets as strings": lambda h: {**h, first_tensor(h): {**h[first_tensor(h)], "data_offsets": ["0", "8"]}},
+    "a float in a shape": lambda h: {**h, first_tensor(h): {**h[first_tensor(h)], "shape": [1.5]}},
+    "a shape past 2**64": lambda h: {**h, first_tensor(h): {**h[first_tensor(h)], "shape": [2 ** 64 - 1, 16]}},
+    "a name twice": lambda h: json.dumps(h)[:-1] + ', "wpe.weight": ' + json.dumps(h["wpe.weight"]) + "}",
+    "nested past the parser": lambda h: "[" * 100_000 + "]" * 100_000,
+}
+
+
+@pytest.mark.parametrize("how", SAFETENSORS_CORRUPTIONS)
+def test_a_safetensors_header_that_does_not_describe_its_bytes_is_one_clear_error(tmp_path, how):
+    """The header's entries must be well formed and tile the data exactly: otherwise one line
+    that says to download again, never weights read from the header's bytes or a traceback."""
+    d = make_model_dir(str(tmp_path / "m"), "tiny-hf")
+    rewrite_safetensors(os.path.join(d, "model.safetensors"), SAFETENSORS_CORRUPTIONS[how])
+    with pytest.raises(utils.LoadError, match="re-download") as e:
+        utils.load_model_dir(d)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("layout_name, data", [("tiny-openai", "model.ckpt.data-00000-of-00001"),
+                                               ("tiny-hf", "model.safetensors")])
+def test_a_data_file_longer_than_its_index_says_is_refused(tmp_path, layout_name, data):
+    """Bytes added before the tensors (a resumed download that started over inside its .part)
+    would shift every weight: the data must end where its last tensor does."""
+    d = make_model_dir(str(tmp_path / "m"), layout_name)
+    path = os.path.join(d, data)
+    raw = open(path, "rb").read()
+    if layout_name == "tiny-hf":
+        n = int.from_bytes(raw[:8], "little")
+        raw = raw[:8 + n] + bytes(1000) + raw[8 + n:]
+    else:
+        raw = bytes(1000) + raw
+    open(path, "wb").write(raw)
+    with pytest.raises(utils.LoadError, match="longer than its index says.*re-download"):
+        utils.load_model_dir(d)
+
+
+def varint(n):
+    out = b""
+    while True:
+        out += bytes([n & 0x7F | (0x80 if n > 0x7F else 0)])
+        n >>= 7
+        if not n:
+            return out
+
+
+def entry(*fields):
+    """A BundleEntryProto from (field number, wire type, payload) triples."""
+    return b"".join(varint(number << 3 | wire) + (varint(value) if wire == 0 else varint(len(value)) + value)
+                    for number, wire, value in fields)
+
+
+def shape(*dims):
+    return entry(*[(2, 2, entry((1, 0, d))) for d in dims])
+
+
+@pytest.mark.parametrize("fields", [
+    [(1, 0, 1), (2, 2, shape(4)), (4, 2, b"\x00\x01"), (5, 0, 16)],  # an offset as bytes
+    [(1, 0, 1), (2, 0, 3), (4, 0, 0), (5, 0, 16)],  # a shape as a varint
+    [(1, 0, 1), (2, 2, shape(2 ** 63 + 5, 2 ** 63 + 5)), (4, 0, 0), (5, 0, 16)],  # wraps to 16 in 64 bits
+    [(1, 0, 1), (2, 2, shape(2 ** 41)), (4, 0, 0), (5, 0, 2 ** 43)],  # no GPT-2's
+    [(1, 0, 1), (2, 2, shape(4)), (4, 0, 0), (5, 0, 16), (6, 0, 5)],  # a crc32c as a varint
+], ids=["offset bytes", "shape varint", "dims wrapping", "dims huge", "crc varint"])
+def test_a_tensor_entry_with_fields_of_the_wrong_kind_is_a_value_error(fields):
+    """What load_tf_checkpoint turns into one line naming the corrupt index."""
+    assert checkpoint.parse_bundle_entry(entry((1, 0, 1), (2, 2, shape(4)), (4, 0, 0), (5, 0, 16)))["size"] == 16
+    with pytest.raises(ValueError):
+        checkpoint.parse_bundle_entry(entry(*fields))
+
+
+def test_a_varint_longer_than_ten_bytes_is_refused_at_once():
+    with pytest.raises(ValueError, match="longer than 10 bytes"):
+        checkpoint.read_varint(b"\xff" * 1_000_000 + b"\x01", 0)
+
+
+@pytest.mark.parametrize("name", ["model/h-1/ln_1/g", "model/h9/ln_1/g", "model/h٣/ln_1/g", "other/wte",
+                                  "model/ln_f/g/x", "model/extra"])
+def test_a_tensor_name_that_is_not_gpt2s_is_refused(tmp_path, tiny, name):
+    """Block indices in ASCII digits below n_layer; every name one that GPT-2 has."""
+    _, hparams, _ = tiny
+    plain = checkpoint.load_tf_checkpoint(make_model_dir(str(tmp_path / "m"), "tiny-openai"))
+    tensors = dict(plain, **{name: plain["model/ln_f/g"]})
+    with pytest.raises((ValueError, utils.LoadError)):
+        checkpoint.check_params(checkpoint.params_from_openai_names(tensors, hparams["n_layer"]), hparams)
+
+
+HPARAMS_CORRUPTIONS = {"a list": [1, 2], "a key missing": {"n_vocab": 50257, "n_ctx": 64, "n_embd": 16, "n_head": 2},
+                       "a string": {"n_layer": "2"}, "a bool": {"n_layer": True}, "zero": {"n_ctx": 0},
+                       "n_head not dividing n_embd": {"n_head": 3}, "n_layer past any model": {"n_layer": 10 ** 12},
+                       "a float": {"n_embd": 16.0}, "more tokens than the tokenizer": {"n_vocab": 50258}}
+
+
+@pytest.mark.parametrize("how", HPARAMS_CORRUPTIONS)
+def test_bad_hparams_are_one_clear_error_before_anything_is_allocated(tmp_path, how):
+    d = make_model_dir(str(tmp_path / "m"), "tiny-openai")
+    path = os.path.join(d, "hparams.json")
+    good, change = json.load(open(path)), HPARAMS_CORRUPTIONS[how]
+    json.dump({**good, **change} if isinstance(change, dict) and how != "a key missing" else change, open(path, "w"))
+    with pytest.raises(utils.LoadError) as e:
+        utils.load_model_dir(d)
+    assert "\n" not in str(e.value) and ("hparams.json" in str(e.value) or "tokenizer" in str(e.value))
+
+
+def test_a_tokenizer_file_that_is_not_one_is_one_clear_error(tmp_path):
+    """An HTML page saved as encoder.json (a mirror's error page served with HTTP 200)."""
+    d = make_model_dir(str(tmp_path / "m"), "tiny-openai")
+    open(os.path.join(d, "encoder.json"), "w").write("<html><body>Not here</body></html>")
+    utils.load_encoder.cache_clear()
+    with pytest.raises(utils.LoadError, match="encoder.json.*delete them") as e:
+        utils.load_model_dir(d)
+    assert "\n" not in str(e.value)
