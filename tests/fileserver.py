@@ -1,9 +1,13 @@
 """A local HTTP file server on 127.0.0.1 for download tests, with Range support and
 scripted faults. Bounded: it serves only files under its root and stops with the test."""
+import gzip
 import http.server
 import os
 import re
 import threading
+
+
+STICKY = ("always_short", "redirect_loop", "gzip", "endless")  # faults on every request, not just the next
 
 
 class FaultyHandler(http.server.BaseHTTPRequestHandler):
@@ -19,10 +23,26 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
             self.send_error(404)
             return
         data = open(path, "rb").read()
-        fault = server.faults.pop(name, None) if server.faults.get(name) != "always_short" else "always_short"
+        fault = server.faults.pop(name, None) if server.faults.get(name) not in STICKY else server.faults[name]
+        if fault == "redirect_loop":  # to itself, forever
+            self.send_response(302)
+            self.send_header("Location", self.path)
+            self.end_headers()
+            return
+        if fault == "gzip" and "gzip" in (self.headers.get("Accept-Encoding") or ""):  # as a CDN may
+            body = gzip.compress(data)
+            self.send_response(200)
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         start = 0
         m = re.match(r"bytes=(\d+)-", self.headers.get("Range") or "")
-        if m and server.ranges:
+        if m and fault == "range_ignored":  # says 206, sends the whole file again
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes 0-{len(data) - 1}/{len(data)}")
+        elif m and server.ranges:
             start = int(m.group(1))
             if start >= len(data):
                 self.send_response(416)
@@ -33,7 +53,7 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
         else:
             self.send_response(200)
         body = data[start:]
-        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Length", str(10 ** 15 if fault == "endless" else len(body)))
         self.end_headers()
         if fault in ("drop", "always_short"):  # promise everything, send half, hang up
             self.wfile.write(body[:len(body) // 2])

@@ -127,3 +127,33 @@ def test_unwritable_models_dir_is_a_clear_error(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(utils.LoadError, match="cannot write"):
         utils.download_model("124M", str(blocker / "models"))
+
+
+def test_a_resume_the_server_answers_from_the_start_starts_over(server, tmp_path):
+    """A 206 whose Content-Range does not begin where the .part ends would be appended to it
+    (the weights shifted, silently): the download starts over instead."""
+    name = "model.ckpt.data-00000-of-00001"
+    whole = served(server, name)
+    (tmp_path / (name + ".part")).write_bytes(whole[:1000])
+    server.faults[f"124M/{name}"] = "range_ignored"
+    utils.download_file(f"{server.url}/124M/{name}", str(tmp_path / name), **FAST)
+    assert (tmp_path / name).read_bytes() == whole
+
+
+def test_a_server_that_would_compress_sends_the_bytes_as_stored(server, tmp_path):
+    """requests asks for gzip unless told otherwise, and a compressed body's length is not the
+    file's: every try would fail its size check."""
+    server.faults["124M/encoder.json"] = "gzip"
+    utils.download_file(f"{server.url}/124M/encoder.json", str(tmp_path / "encoder.json"), **FAST)
+    assert (tmp_path / "encoder.json").read_bytes() == served(server, "encoder.json")
+
+
+@pytest.mark.parametrize("fault, says", [("endless", "Content-Length 1000000000000000"),
+                                         ("redirect_loop", "TooManyRedirects")])
+def test_a_server_that_is_not_a_checkpoints_is_one_clear_error(server, tmp_path, fault, says):
+    """A length no GPT-2 file has (refused before a byte is written) and a redirect loop: one
+    line naming the URL and --base_url, no traceback, nothing under the file's name."""
+    server.faults["124M/hparams.json"] = fault
+    with pytest.raises(utils.LoadError, match=f"{says}.*--base_url") as e:
+        utils.download_file(f"{server.url}/124M/hparams.json", str(tmp_path / "hparams.json"), **FAST)
+    assert "\n" not in str(e.value) and not (tmp_path / "hparams.json").exists()
