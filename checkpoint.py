@@ -94,6 +94,7 @@ TF_DTYPES = {1: np.float32, 19: np.float16}  # DataType enum: DT_FLOAT, DT_HALF
 
 
 MOST_ELEMENTS = 1 << 40  # a dimension, or a tensor, past this is a corrupt index, not a GPT-2
+MOST_TENSORS = 4096  # GPT-2 1558M has 580 (the Hugging Face layout 48 mask buffers more)
 
 
 def field(fields, number, kind, default):
@@ -201,6 +202,9 @@ def check_extents(path, size, extents):
     order, with no gap, overlap or byte left over (as both formats write it): a file that
     is cut short, or longer (bytes before the first tensor would shift every one), or an
     index that points two tensors at the same bytes, is a LoadError."""
+    if len(extents) > MOST_TENSORS:
+        raise LoadError(f"{path}'s index lists {len(extents)} tensors, more than any GPT-2 has: delete it and run "
+                        "again to re-download")
     at = 0
     for begin, end, name in sorted(extents):
         if begin != at or end < begin:

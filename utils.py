@@ -218,7 +218,8 @@ def load_model_dir(model_dir, verify_crc=False, dtype="float32"):
     try:
         hparams = load_hparams(model_dir)
     except (OSError, ValueError, KeyError) as e:
-        raise LoadError(f"cannot read hparams.json / config.json in {model_dir} ({e})")
+        raise LoadError(f"cannot read hparams.json / config.json in {model_dir} ({e}): delete it and run again "
+                        "to re-download")
     encoder = load_encoder(model_dir)
     if hparams["n_vocab"] > encoder.n_vocab:
         raise LoadError(f"{model_dir}: the model has {hparams['n_vocab']} tokens, its tokenizer {encoder.n_vocab}: "

@@ -52,7 +52,8 @@ def tokenizer(args):
     try:
         return utils.load_encoder(model_dir), utils.load_hparams(model_dir)["n_ctx"]
     except (OSError, ValueError, KeyError) as e:
-        raise utils.LoadError(f"cannot read the tokenizer or hparams.json / config.json in {model_dir} ({e})")
+        raise utils.LoadError(f"cannot read the tokenizer or hparams.json / config.json in {model_dir} ({e}): "
+                              "delete it and run again to re-download")
 
 
 def separate_draft(args):

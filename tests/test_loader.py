@@ -288,7 +288,8 @@ def test_a_tensor_name_that_is_not_gpt2s_is_refused(tmp_path, tiny, name):
 HPARAMS_CORRUPTIONS = {"a list": [1, 2], "a key missing": {"n_vocab": 50257, "n_ctx": 64, "n_embd": 16, "n_head": 2},
                        "a string": {"n_layer": "2"}, "a bool": {"n_layer": True}, "zero": {"n_ctx": 0},
                        "n_head not dividing n_embd": {"n_head": 3}, "n_layer past any model": {"n_layer": 10 ** 12},
-                       "a float": {"n_embd": 16.0}, "more tokens than the tokenizer": {"n_vocab": 50258}}
+                       "a float": {"n_embd": 16.0}, "more tokens than the tokenizer": {"n_vocab": 50258},
+                       "an HTML page": "<html><body>Moved</body></html>"}
 
 
 @pytest.mark.parametrize("how", HPARAMS_CORRUPTIONS)
@@ -296,8 +297,12 @@ def test_bad_hparams_are_one_clear_error_before_anything_is_allocated(tmp_path, 
     d = make_model_dir(str(tmp_path / "m"), "tiny-openai")
     path = os.path.join(d, "hparams.json")
     good, change = json.load(open(path)), HPARAMS_CORRUPTIONS[how]
-    json.dump({**good, **change} if isinstance(change, dict) and how != "a key missing" else change, open(path, "w"))
-    with pytest.raises(utils.LoadError) as e:
+    if isinstance(change, str):
+        open(path, "w").write(change)
+    else:
+        json.dump({**good, **change} if isinstance(change, dict) and how != "a key missing" else change,
+                  open(path, "w"))
+    with pytest.raises(utils.LoadError, match="re-download") as e:
         utils.load_model_dir(d)
     assert "\n" not in str(e.value) and ("hparams.json" in str(e.value) or "tokenizer" in str(e.value))
 
