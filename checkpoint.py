@@ -180,12 +180,13 @@ def load_tf_checkpoint(model_dir, verify_crc=False):
         entries = read_tf_index(index_path)
     except (ValueError, IndexError, KeyError, struct.error) as e:
         raise LoadError(f"{index_path} is corrupt ({e}): delete it and run again to re-download")
+    for name, e in entries.items():
+        if e["shard"] != 0:
+            raise LoadError(f"{name} lives in shard {e['shard']}, but GPT-2 checkpoints have one shard")
     data_size = os.path.getsize(data_path)
     check_extents(data_path, data_size, [(e["offset"], e["offset"] + e["size"], name) for name, e in entries.items()])
     tensors = {}
     for name, e in entries.items():
-        if e["shard"] != 0:
-            raise LoadError(f"{name} lives in shard {e['shard']}, but GPT-2 checkpoints have one shard")
         if e["dtype"] not in TF_DTYPES:
             raise LoadError(f"{name} has TensorFlow dtype {e['dtype']}, which this reader does not handle")
         dtype = np.dtype(TF_DTYPES[e["dtype"]]).newbyteorder("<")
@@ -219,6 +220,7 @@ def check_extents(path, size, extents):
 # ------------------------------------------------------------- safetensors --
 
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16}
+MOST_HEADER = 100_000_000  # bytes: the safetensors library's own limit
 
 
 def load_safetensors(path):
@@ -226,7 +228,7 @@ def load_safetensors(path):
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8)) if size >= 8 else (size,)
-        if n > size - 8:
+        if n > min(size - 8, MOST_HEADER):
             raise LoadError(f"{path} is truncated or not safetensors: delete it and run again to re-download")
         try:
             header = json.loads(f.read(n), object_pairs_hook=unique_keys)
@@ -235,7 +237,7 @@ def load_safetensors(path):
     entries = {name: info for name, info in header.items() if name != "__metadata__"} if isinstance(header, dict) \
         else None
     if entries is None or not all(is_safetensors_entry(info) for info in entries.values()):
-        raise LoadError(f"{path} has a header that is not safetensors': delete it and run again to re-download")
+        raise LoadError(f"{path} has a header that is not safetensors: delete it and run again to re-download")
     check_extents(path, size - 8 - n, [(*info["data_offsets"], name) for name, info in entries.items()])
     tensors = {}
     for name, info in entries.items():
@@ -279,10 +281,20 @@ def params_from_openai_names(tensors, n_layer):
             parts = parts[1:]
         else:
             node = params
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = np.squeeze(array, axis=0) if array.ndim == 3 else array
+        place(node, parts, np.squeeze(array, axis=0) if array.ndim == 3 else array, name)
     return params
+
+
+def place(node, parts, array, name):
+    """node[parts[0]][parts[1]]... = array, the dicts on the way made as needed; a ValueError
+    where the name ends at a block, runs through a tensor or the block list, or comes twice."""
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"tensor {name!r} is not a GPT-2 tensor's name")
+    if not parts or parts[-1] in node:
+        raise ValueError(f"tensor {name!r} is not a GPT-2 tensor's name, or comes twice")
+    node[parts[-1]] = array
 
 
 HF_LEAF = {"weight": {"ln_1": "g", "ln_2": "g", "ln_f": "g", "*": "w"}, "bias": {"*": "b"}}
@@ -306,17 +318,15 @@ def params_from_hf_names(tensors, n_layer):
             node = params
         if len(parts) < 2 or parts[-1] not in HF_LEAF:
             raise ValueError(f"tensor {name!r} is not a GPT-2 tensor's name")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
         leaf = HF_LEAF[parts[-1]]
-        node[leaf.get(parts[-2], leaf["*"])] = array
+        place(node, parts[:-1] + [leaf.get(parts[-2], leaf["*"])], array, name)
     return params
 
 
 def block_index(digits, n_layer, name):
     """The block a tensor's name points into: digits below n_layer, or a ValueError."""
     if not re.fullmatch(r"[0-9]+", digits) or int(digits) >= n_layer:
-        raise ValueError(f"tensor {name!r} names a block past the {n_layer} of hparams' n_layer")
+        raise ValueError(f"tensor {name!r} names no block of GPT-2's {n_layer} (hparams' n_layer)")
     return int(digits)
 
 

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import time
 
 import requests
@@ -86,9 +87,8 @@ def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0):
         try:
             with requests.get(url, stream=True, headers=headers, timeout=timeout_s) as r:
                 resumed = r.status_code == 206
-                if r.status_code == 416 or resumed and not r.headers.get("Content-Range", "").startswith(
-                        f"bytes {have}-"):  # the .part is not what the server would continue
-                    with contextlib.suppress(FileNotFoundError):
+                if r.status_code == 416 or resumed and not continues(r.headers, have):
+                    with contextlib.suppress(FileNotFoundError):  # the .part is not what the server would continue
                         os.remove(part)
                     raise _Retry("server did not resume where the download stopped; starting over")
                 if r.status_code in (401, 403, 404):
@@ -96,7 +96,7 @@ def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0):
                 if r.status_code >= 400:
                     raise _Retry(f"HTTP {r.status_code}")
                 length = r.headers.get("Content-Length", "")
-                if not length.isdigit() or int(length) > MOST_BYTES:
+                if not re.fullmatch(r"[0-9]+", length) or int(length) > MOST_BYTES:
                     raise LoadError(f"{url} sent Content-Length {length or 'none'}, so the download cannot be "
                                     "verified: check --base_url / $" + BASE_URL_ENV)
                 total = (have if resumed else 0) + int(length)
@@ -123,6 +123,17 @@ def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0):
               requests.exceptions.ChunkedEncodingError: "connection dropped"}.get(type(error), str(error))
     raise LoadError(f"could not download {url} after {retries} tries ({reason}); "
                     f"check your network or --base_url, then run again to resume")
+
+
+def continues(headers, have):
+    """Whether a 206's body is the rest of a file whose first `have` bytes the .part holds:
+    its Content-Range runs from `have` to the file's last byte (of a length it names), as long
+    as its Content-Length."""
+    m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", headers.get("Content-Range", "").strip(), re.IGNORECASE)
+    if not m or not re.fullmatch(r"[0-9]+", headers.get("Content-Length", "")):
+        return False
+    first, last, whole = int(m[1]), int(m[2]), m[3]
+    return first == have and last - first + 1 == int(headers["Content-Length"]) and last + 1 == int(whole)
 
 
 def is_complete(model_dir):
@@ -227,6 +238,7 @@ def load_model_dir(model_dir, verify_crc=False, dtype="float32"):
     try:
         params = checkpoint.load_params(model_dir, hparams["n_layer"], verify_crc)
     except (OSError, ValueError, KeyError, IndexError) as e:
-        raise LoadError(f"cannot read the checkpoint in {model_dir} ({type(e).__name__}: {e})")
+        raise LoadError(f"cannot read the checkpoint in {model_dir} ({type(e).__name__}: {e}); delete it and run "
+                        "again to re-download")
     checkpoint.check_params(params, hparams)
     return encoder, hparams, layout.decode_layout(params, dtype=dtype)

@@ -7,7 +7,7 @@ import re
 import threading
 
 
-STICKY = ("always_short", "redirect_loop", "gzip", "endless")  # faults on every request, not just the next
+STICKY = ("always_short", "redirect_loop", "gzip", "endless", "superscript")  # faults on every request, not just the next
 
 
 class FaultyHandler(http.server.BaseHTTPRequestHandler):
@@ -42,6 +42,11 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
         if m and fault == "range_ignored":  # says 206, sends the whole file again
             self.send_response(206)
             self.send_header("Content-Range", f"bytes 0-{len(data) - 1}/{len(data)}")
+        elif m and fault == "range_short":  # the next 100 bytes only, and says so
+            start = int(m.group(1))
+            data = data[:start + 100]
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data) + 1000}")
         elif m and server.ranges:
             start = int(m.group(1))
             if start >= len(data):
@@ -53,7 +58,7 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
         else:
             self.send_response(200)
         body = data[start:]
-        self.send_header("Content-Length", str(10 ** 15 if fault == "endless" else len(body)))
+        self.send_header("Content-Length", {"endless": str(10 ** 15), "superscript": "\xb2"}.get(fault, str(len(body))))
         self.end_headers()
         if fault in ("drop", "always_short"):  # promise everything, send half, hang up
             self.wfile.write(body[:len(body) // 2])

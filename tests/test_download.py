@@ -129,13 +129,15 @@ def test_unwritable_models_dir_is_a_clear_error(tmp_path):
         utils.download_model("124M", str(blocker / "models"))
 
 
-def test_a_resume_the_server_answers_from_the_start_starts_over(server, tmp_path):
+@pytest.mark.parametrize("fault", ["range_ignored", "range_short"])
+def test_a_resume_that_is_not_the_rest_of_the_file_starts_over(server, tmp_path, fault):
     """A 206 whose Content-Range does not begin where the .part ends would be appended to it
-    (the weights shifted, silently): the download starts over instead."""
+    (the weights shifted, silently), and one that ends before the file does would leave it
+    short under its final name: the download starts over instead."""
     name = "model.ckpt.data-00000-of-00001"
     whole = served(server, name)
     (tmp_path / (name + ".part")).write_bytes(whole[:1000])
-    server.faults[f"124M/{name}"] = "range_ignored"
+    server.faults[f"124M/{name}"] = fault
     utils.download_file(f"{server.url}/124M/{name}", str(tmp_path / name), **FAST)
     assert (tmp_path / name).read_bytes() == whole
 
@@ -149,7 +151,7 @@ def test_a_server_that_would_compress_sends_the_bytes_as_stored(server, tmp_path
 
 
 @pytest.mark.parametrize("fault, says", [("endless", "Content-Length 1000000000000000"),
-                                         ("redirect_loop", "TooManyRedirects")])
+                                         ("superscript", "Content-Length \xb2"), ("redirect_loop", "TooManyRedirects")])
 def test_a_server_that_is_not_a_checkpoints_is_one_clear_error(server, tmp_path, fault, says):
     """A length no GPT-2 file has (refused before a byte is written) and a redirect loop: one
     line naming the URL and --base_url, no traceback, nothing under the file's name."""

@@ -275,14 +275,26 @@ def test_a_varint_longer_than_ten_bytes_is_refused_at_once():
 
 
 @pytest.mark.parametrize("name", ["model/h-1/ln_1/g", "model/h9/ln_1/g", "model/h٣/ln_1/g", "other/wte",
-                                  "model/ln_f/g/x", "model/extra"])
+                                  "model/ln_f/g/x", "model/extra", "model/blocks/x", "model/h0"])
 def test_a_tensor_name_that_is_not_gpt2s_is_refused(tmp_path, tiny, name):
-    """Block indices in ASCII digits below n_layer; every name one that GPT-2 has."""
+    """Block indices in ASCII digits below n_layer; every name one that GPT-2 has (in memory:
+    no read-only memmap stops a write in its place). load_model_dir makes a ValueError one line."""
     _, hparams, _ = tiny
-    plain = checkpoint.load_tf_checkpoint(make_model_dir(str(tmp_path / "m"), "tiny-openai"))
+    plain = {k: np.array(v) for k, v in checkpoint.load_tf_checkpoint(
+        make_model_dir(str(tmp_path / "m"), "tiny-openai")).items()}
     tensors = dict(plain, **{name: plain["model/ln_f/g"]})
     with pytest.raises((ValueError, utils.LoadError)):
         checkpoint.check_params(checkpoint.params_from_openai_names(tensors, hparams["n_layer"]), hparams)
+
+
+@pytest.mark.parametrize("name", ["blocks.x.weight", "h.0.weight", "h.7.ln_1.weight", "ln_f.weight.x", "h.0"])
+def test_a_safetensors_name_that_is_not_gpt2s_is_one_clear_error(tmp_path, name):
+    d = make_model_dir(str(tmp_path / "m"), "tiny-hf")
+    rewrite_safetensors(os.path.join(d, "model.safetensors"), lambda h: {
+        (name if key == "ln_f.bias" else key): value for key, value in h.items()})
+    with pytest.raises(utils.LoadError, match="GPT-2.*re-download") as e:
+        utils.load_model_dir(d)
+    assert "\n" not in str(e.value)
 
 
 HPARAMS_CORRUPTIONS = {"a list": [1, 2], "a key missing": {"n_vocab": 50257, "n_ctx": 64, "n_embd": 16, "n_head": 2},
