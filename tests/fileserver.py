@@ -7,7 +7,7 @@ import re
 import threading
 
 
-STICKY = ("always_short", "redirect_loop", "gzip", "endless", "superscript")  # faults on every request, not just the next
+STICKY = ("always_short", "redirect_loop", "gzip", "endless", "superscript")  # on every request, not the next only
 
 
 class FaultyHandler(http.server.BaseHTTPRequestHandler):
