@@ -274,7 +274,7 @@ def params_from_openai_names(tensors, n_layer):
     params = {"blocks": [{} for _ in range(n_layer)]}
     for name, array in tensors.items():
         parts = name.split("/")[1:]  # drop "model"
-        if name.split("/")[0] != "model" or not all(parts):
+        if name.split("/")[0] != "model" or not parts or not all(parts):
             raise ValueError(f"tensor {name!r} is not a GPT-2 tensor's name")
         if re.fullmatch(r"h[0-9]+", parts[0]):
             node = params["blocks"][block_index(parts[0][1:], n_layer, name)]

@@ -275,7 +275,7 @@ def test_a_varint_longer_than_ten_bytes_is_refused_at_once():
 
 
 @pytest.mark.parametrize("name", ["model/h-1/ln_1/g", "model/h9/ln_1/g", "model/h٣/ln_1/g", "other/wte",
-                                  "model/ln_f/g/x", "model/extra", "model/blocks/x", "model/h0"])
+                                  "model/ln_f/g/x", "model/extra", "model/blocks/x", "model/h0", "model"])
 def test_a_tensor_name_that_is_not_gpt2s_is_refused(tmp_path, tiny, name):
     """Block indices in ASCII digits below n_layer; every name one that GPT-2 has (in memory:
     no read-only memmap stops a write in its place). load_model_dir makes a ValueError one line."""
