@@ -39,7 +39,7 @@ class Request:
     eos_id: int = None  # stop after this token (GPT-2's <|endoftext|> is 50256); None: never early
     arrival_s: float = 0.0  # serving: when the request arrives, in seconds after the start
     # the callback reads the logits each of its tokens was drawn after (a server's logprobs): on
-    # a GPU its steps then make a token each (without, up to cuda_decode_loop.STEPS, keeping none)
+    # a GPU its batch's steps then keep every pass's (without, none leave the device)
     wants_logits: bool = False
 
 
@@ -382,8 +382,7 @@ def uniforms(batch, n):
 
 def autoregressive_step(batch, model):
     """Every row gains one token, sampled from the model's next-token distribution (on a GPU
-    where no callback reads each token's logits, up to cuda_decode_loop.STEPS tokens: the same
-    tokens)."""
+    up to cuda_decode_loop.STEPS tokens: the same tokens, and the same logits)."""
     texts = token_ids(batch)
     settings = [seq.request.settings for seq in batch.seqs]
     most = [seq.request.max_new_tokens - seq.n_generated if seq.n_generated else 1  # a first token comes alone
@@ -391,7 +390,7 @@ def autoregressive_step(batch, model):
     drawn = cuda_decode_loop.step(model, cache(batch, "target"), texts, settings, lambda k: uniforms(batch, k),
                                   batch.riders.get("target", ()), want_logits=wants_logits(batch), most=most)
     if drawn is not None:  # a GPU's kernels: passes and their draws recorded as one CUDA graph
-        tokens, logits = drawn  # [B] lists of tokens, [B, n_vocab] (None: no callback reads them)
+        tokens, logits = drawn  # [B] lists of tokens, [B, max k, n_vocab] (None: no callback reads them)
     else:
         logits = kv_cache.next_logits(model, cache(batch, "target"), texts,
                                       riders=batch.riders.pop("target", ()))[:, 0]  # [B, n_vocab]
@@ -400,7 +399,7 @@ def autoregressive_step(batch, model):
             tokens = np.argmax(logits, axis=-1)[:, None].tolist()  # [B, 1]: one launch on a GPU; only ids leave
         else:
             tokens = sampling.sample(distributions(batch, logits), u)[:, None].tolist()  # [B, 1]: only ids leave a GPU
-    logits = None if logits is None else logits[:, None]  # [B, 1, n_vocab]
+        logits = logits[:, None]  # [B, 1, n_vocab]
     for b, row in enumerate(tokens):
         emit(batch, b, row, logits=logits)
     batch.stats.step_done(max(len(row) for row in tokens))

@@ -37,11 +37,11 @@ import sampling
 from kernels import cuda_graphs, cuda_sampling
 
 GREEDY = sampling.SamplingSettings(temperature=0.0)  # the padding rows': the cheapest to draw
-# tokens a row a plain step makes in one replay where no callback reads each token's logits (a
-# server's rows stay a token a step only while one asks for logprobs): the host's share of a
-# token (its Python, and 3 calls into CuPy) falls to 1 / STEPS; a row that ends early (EOS, a
-# stop a server finds) wastes at most STEPS - 1 passes, and a request waits at most one replay
-# of STEPS tokens for its turn to join
+# tokens a row a plain step makes in one replay: the host's share of a token (its Python, and 3
+# calls into CuPy) falls to 1 / STEPS; a row that ends early (EOS, a stop a server finds) wastes
+# at most STEPS - 1 passes, and a request waits at most one replay of STEPS tokens for its turn
+# to join. Where a callback reads each token's logits (a server's logprobs), the loop also keeps
+# every pass's: one more launch a pass, in a graph of its own
 STEPS = 4
 
 
@@ -58,20 +58,19 @@ def draft(model, cache, texts, k, settings, draws, riders=()):
 
 def step(model, cache, texts, settings, draws, riders=(), want_logits=True, most=None):
     """batching.autoregressive_step's next tokens of each text from one replay of the loop: a
-    pass and its draw, k[b] times for row b. k[b] is 1 where a callback reads each token's
-    logits (want_logits: batching.wants_logits; the loop keeps only its last pass's); else
-    STEPS, or fewer where the row may make fewer tokens (most[b]; default 1) or its window has
-    fewer free slots.
-    Returns (each row's k[b] tokens, the logits [B, n_vocab] its last was drawn from: a copy,
-    None unless want_logits; on a GPU the copy is two calls into CuPy), or None where the
-    loop cannot be recorded (then the step runs as on the CPU). draws(k): each row's k[b]
+    pass and its draw, k[b] times for row b: STEPS, or fewer where the row may make fewer
+    tokens (most[b]; default 1) or its window has fewer free slots.
+    Returns (each row's k[b] tokens, the logits [B, max k, n_vocab] each was drawn from: a
+    copy, None unless want_logits (batching.wants_logits: a callback reads them; on a GPU the
+    copy is two calls into CuPy); row b's past k[b] are padding), or None where the loop
+    cannot be recorded (then the step runs as on the CPU). draws(k): each row's k[b]
     uniforms [B, max k]."""
     if not recordable(model, cache, settings, riders):  # (the CPU's every step: before each row's window is read)
         return None
     n_ctx = model[1]["n_ctx"]
-    k = [1 if want_logits or most is None else max(1, min(STEPS, m, kv_cache.room(len(text), n_ctx)))
+    k = [1 if most is None else max(1, min(STEPS, m, kv_cache.room(len(text), n_ctx)))
          for text, m in zip(texts, most or [1] * len(texts))]
-    ran = run_loop(model, cache, texts, k, settings, lambda: draws(k), riders)
+    ran = run_loop(model, cache, texts, k, settings, lambda: draws(k), riders, keep_logits=want_logits)
     if ran is None:
         return None
     drafted, _, logits = ran
@@ -122,10 +121,11 @@ def verify(model, cache, texts, q, drafts, k, u, v, settings, accept, riders=(),
     return logits[:B].copy() if want_logits else None, n.tolist(), token.tolist()
 
 
-def run_loop(model, cache, texts, k, settings, draws, riders):
+def run_loop(model, cache, texts, k, settings, draws, riders, keep_logits=False):
     """The loop over texts drafting k[b] tokens for row b: (the drafted ids [B, K] on the host,
-    and the graph's buffers q [K, B', n_vocab] and the last pass's logits [B', n_vocab]),
-    the cache advanced as K passes a pass at a time would; or None where it cannot be
+    and the graph's buffers q [K, B', n_vocab] and the last pass's logits [B', n_vocab], or
+    with keep_logits every pass's [B', K, n_vocab]: the graph of static_loop's that keeps
+    them), the cache advanced as K passes a pass at a time would; or None where it cannot be
     recorded: a row's settings reading its counts or text (penalties, an n-gram ban), riders,
     a model or cache without static steps, no drafts, drafts past this model's window (a
     draft whose n_ctx is the target's or larger never has them), or a pass 0 too long for a
@@ -140,14 +140,14 @@ def run_loop(model, cache, texts, k, settings, draws, riders):
     if inputs is None:
         return None
     k, T, Bp = np.asarray(k), inputs.shape[1], cuda_graphs.bucket(B)
-    loop = static_loop(model, cache, Bp, T, K)
+    loop = static_loop(model, cache, Bp, T, K, keep_logits)
     loop["layers"] = cache["layers"]  # (the rows of this step: cuda_graphs.step says why a view serves)
     loop["settings"] = list(settings) + [GREEDY] * (Bp - B)  # [B']
     u = np.ones((K, Bp))  # [K, B']
     u[:, :B] = draws().T
     numbers = np.array([cuda_sampling.kernel_settings(s, hparams["n_vocab"]) for s in loop["settings"]])  # [B', 5]
     cuda_graphs.copy_in(loop["inputs"], flat_inputs(cache["lengths"], inputs, n_new, k, u, numbers))
-    logits = cuda_graphs.run(loop)  # [B', n_vocab]
+    logits = cuda_graphs.run(loop)  # [B', n_vocab], or [B', K, n_vocab] kept
     tokens = loop["tokens"]  # [K, B']
     drafted = (tokens if isinstance(tokens, np.ndarray) else tokens.get())[:, :B].T  # [B, K]: the one copy out
     cuda_sampling.checked(drafted[np.arange(K) < k[:, None]])  # a row that was not a distribution: -1
@@ -202,13 +202,14 @@ def flat_inputs(lengths, inputs, n_new, k, u, settings):
                            settings.ravel().view(np.int64)])
 
 
-def static_loop(model, cache, Bp, T, K):
+def static_loop(model, cache, Bp, T, K, keep_logits=False):
     """The loop for B' rows, T tokens in pass 0 and K passes, made at first use
     (cuda_graphs.run records and replays it): {"inputs" (flat_inputs), "q" [K, B', n_vocab],
     "tokens" [K, B'] (the drafted ids), "forward" (writes q and tokens, returns the last
-    pass's logits [B', n_vocab]), "layers" and "settings" (run_loop sets them), ...}."""
+    pass's logits [B', n_vocab], or with keep_logits every pass's [B', K, n_vocab], a buffer
+    of this graph's), "layers" and "settings" (run_loop sets them), ...}."""
     params, hparams = model
-    key = ("decode loop", id(params), cuda_graphs.pointer(cache["layers"][0]["k"]), Bp, T, K)
+    key = ("decode loop", id(params), cuda_graphs.pointer(cache["layers"][0]["k"]), Bp, T, K, keep_logits)
     if key not in cache["graphs"]:
         wpe = params["wpe"]
         buffer = np.zeros(2 * Bp * T + 2 * Bp * K + 5 * Bp, np.int64, like=wpe)  # flat_inputs
@@ -219,6 +220,7 @@ def static_loop(model, cache, Bp, T, K):
         settings = buffer[2 * Bp * T + 2 * Bp * K:].view(np.float64).reshape(Bp, 5)  # [B', 5]
         q = np.zeros((K, Bp, hparams["n_vocab"]), np.float32, like=wpe)  # [K, B', n_vocab]
         tokens = np.zeros((K, Bp), np.int64, like=wpe)  # [K, B']: draft i + 1 of each row in row i
+        kept = np.zeros((Bp, K, hparams["n_vocab"]), wpe.dtype, like=wpe) if keep_logits else None  # [B', K, V]
         loop = cache["graphs"][key] = {"inputs": buffer, "q": q, "tokens": tokens, "layers": cache["layers"],
                                        "settings": None, "uses": 0, "replay": None, "output": None, "graph": None,
                                        "params": params}
@@ -233,7 +235,9 @@ def static_loop(model, cache, Bp, T, K):
                     logits = cuda_graphs.pass_over(model, loop["layers"], tokens[i - 1][:, None], later[i - 1],
                                                    None)[:, 0]  # [B', n_vocab]
                 draw(logits, settings, loop["settings"], u[i], q[i], tokens[i])
-            return logits
+                if kept is not None:
+                    kept[:, i] = logits  # [B', n_vocab]: one copy
+            return logits if kept is None else kept
         loop["forward"] = forward
     return cache["graphs"][key]
 

@@ -45,7 +45,7 @@ def generate(params, hparams, n, settings=GREEDY, seed=0, prompts=PROMPTS):
 
 
 def reading_logits(reqs):
-    """reqs whose callback reads each token's logits (a server's logprobs): a token a step."""
+    """reqs whose callback reads each token's logits (a server's logprobs)."""
     return [dataclasses.replace(r, wants_logits=True) for r in reqs]
 
 
@@ -260,7 +260,7 @@ def test_the_decode_loop_leaves_what_it_cannot_record_and_records_a_graph_whatev
         assert list(cache["lengths"]) == [len(texts[0]) + 2, len(texts[1]) + 1]  # pass 0, then the drafts read
         assert ((q[1, 0] == 0) | (q[1, 0] == 1)).all() and (q[0, 0] < 1).all()  # greedy one-hot, the other not
         kv_cache.rollback(cache, [len(text) - 1 for text in texts])
-    assert [key[3:] for key in cache["graphs"] if key[0] == "decode loop"] == [(2, 4, 3), (2, 1, 3)]  # (B', T, K)
+    assert [key[3:6] for key in cache["graphs"] if key[0] == "decode loop"] == [(2, 4, 3), (2, 1, 3)]  # (B', T, K)
 
 
 def verification_args(model, drafts, q_dtype=np.float32):
@@ -302,9 +302,10 @@ def test_text_through_recorded_steps_equals_the_cpu_path(both, settings):
 
 @pytest.mark.parametrize("settings", [GREEDY, UNPENALIZED], ids=["greedy", "sampled"])
 def test_a_step_drawn_inside_its_graph_gives_the_tokens_and_logits_of_a_step_drawn_after(both, monkeypatch, settings):
-    """Plain decoding's pass and draw as one recorded loop (cuda_decode_loop.step), and the
-    draw after the pass: every token and every logits row a callback sees (a server's
-    logprobs), bit for bit, windows restarting on the way."""
+    """Plain decoding's passes and draws as one recorded loop (cuda_decode_loop.step), STEPS
+    tokens a row a step, and a pass at a time with the draw after it: every token and every
+    logits row a callback sees (a server's logprobs), bit for bit, windows restarting on the
+    way."""
     hparams, _, dev = both
     runs = []
     for looped in (True, False):
@@ -318,23 +319,26 @@ def test_a_step_drawn_inside_its_graph_gives_the_tokens_and_logits_of_a_step_dra
             texts = batching.generate(reading_logits(batching.requests(PROMPTS, 60, settings, 3)), (dev, hparams),
                                       callback=lambda seq, token, accepted, logits: seen.append(
                                           (seq.index, token, logits.tolist())))[0]
-        runs.append((texts, seen))
-        assert sum(d is not None for d in drawn) > (40 if looped else -1) and (looped or not any(drawn))
-    assert runs[0] == runs[1]
+        runs.append((texts, sorted(seen, key=lambda event: event[0])))  # each row's events in order
+        sizes = [max(map(len, d[0])) for d in drawn if d is not None]  # tokens a row of each step
+        assert (sizes.count(cuda_decode_loop.STEPS) > 8 and sum(sizes) > 40) if looped else not any(drawn)
+    assert runs[0] == runs[1] and len(runs[0][1]) == 3 * 60
 
 
 @pytest.mark.parametrize("settings", [GREEDY, UNPENALIZED, sampling.SamplingSettings(temperature=1.5)],
                          ids=["greedy", "sampled", "flat"])  # flat: the tiny model's text depends on every draw
 def test_a_plain_step_of_several_tokens_gives_the_tokens_of_one_a_step(both, monkeypatch, settings):
-    """Where no callback reads each token's logits, a plain step on the recorded loop makes up to
-    cuda_decode_loop.STEPS tokens a row: the tokens of one a step (a callback reading logits asks
-    for those), bit for bit, with rows of several lengths (max_new_tokens no multiple of STEPS),
-    one row ending at EOS inside a step, and windows restarting on the way; and most steps make
-    STEPS. A callback that reads only the tokens (a stream) sees each, in order, and no logits."""
+    """A plain step on the recorded loop makes up to cuda_decode_loop.STEPS tokens a row: the
+    tokens of one a step (STEPS = 1), bit for bit, with rows of several lengths (max_new_tokens
+    no multiple of STEPS), one row ending at EOS inside a step, and windows restarting on the
+    way; and most steps make STEPS. A callback that reads only the tokens (a stream) sees each,
+    in order, and no logits."""
     hparams, _, dev = both
     lengths, made, streamed = [61, 58, 70], [], []  # (row 0's window fills in a step where row 2 makes STEPS)
-    one_a_step = [batching.generate([r], (dev, hparams), callback=lambda *_: None)[0][0]
-                  for r in reading_logits(batching.requests(PROMPTS, 70, settings, 3))]  # each row alone
+    with monkeypatch.context() as m:
+        m.setattr(cuda_decode_loop, "STEPS", 1)
+        one_a_step = [batching.generate([r], (dev, hparams))[0][0]
+                      for r in batching.requests(PROMPTS, 70, settings, 3)]  # each row alone
     eos = next(t for i, t in enumerate(one_a_step[1]) if i % cuda_decode_loop.STEPS == 2 and t not in one_a_step[1][:i])
     step = cuda_decode_loop.step
 
@@ -368,8 +372,8 @@ def watch_verify(monkeypatch, looped=True):
     (not in a recorded graph of its own: test_the_recorded_verification_...)."""
     seen, loops, verify, draft, static_loop = [], [], speculative.verify, cuda_decode_loop.draft, \
         cuda_decode_loop.static_loop
-    monkeypatch.setattr(cuda_decode_loop, "static_loop", lambda model, cache, Bp, T, K: loops.append(T) or
-                        static_loop(model, cache, Bp, T, K))
+    monkeypatch.setattr(cuda_decode_loop, "static_loop", lambda model, cache, Bp, T, K, *keep: loops.append(T) or
+                        static_loop(model, cache, Bp, T, K, *keep))
 
     def watched(p, q, drafts, k, u, v):
         q_host = speculative.one_hot(drafts, k, p.shape[-1]) if q is None else q if isinstance(q, np.ndarray) else \
@@ -498,12 +502,12 @@ def test_rows_joining_and_leaving_mid_run_keep_their_texts(both):
     assert finished == {i: batching.generate([r], (params, hparams))[0][0] for i, r in enumerate(reqs)}
 
 
-def test_a_servers_rows_make_several_tokens_a_step_unless_one_reads_its_logits(both, monkeypatch):
+def test_a_servers_rows_make_several_tokens_a_step_and_the_logits_a_request_reads(both, monkeypatch):
     """The scheduler's rows (a server's: its events are the batch's callback) on the recorded
-    loop make up to STEPS tokens a step, unless a request in the batch wants_logits (a server's
-    logprobs): then every step makes one, and that request's every event carries the logits of
-    a step drawn after its pass, bit for bit; the others' events carry none. Each text is the
-    CPU's for that request alone, whichever requests read their logits."""
+    loop make up to STEPS tokens a step, also while a request in the batch wants_logits (a
+    server's logprobs): that request's every event carries the logits of a step drawn after its
+    pass, bit for bit; the others' events carry none. Each text is the CPU's for that request
+    alone, whichever requests read their logits."""
     hparams, params, dev = both
     rng = np.random.default_rng(3)
     reqs = [batching.Request(tuple(rng.integers(0, 50000, rng.integers(1, 12)).tolist()), int(rng.integers(6, 30)),
@@ -529,9 +533,8 @@ def test_a_servers_rows_make_several_tokens_a_step_unless_one_reads_its_logits(b
         runs[reading, looped] = [e.logits.tolist() for e in tokens if e.index == 2 and reading]
         if looped:
             sizes = collections.Counter(made)
-            assert not reading or set(size for (with_2, size) in sizes if with_2) == {1}
             assert sizes[False, cuda_decode_loop.STEPS] > 3  # (once request 2 has left, or before it came)
-            assert reading or sizes[True, cuda_decode_loop.STEPS] > 3
+            assert sizes[True, cuda_decode_loop.STEPS] > 3
     assert runs[True, True] == runs[True, False] and len(runs[True, True]) == len(alone[2])
 
 
@@ -796,17 +799,18 @@ def test_the_costs_on_the_device_are_timed_as_decoding_runs_them(cupy, small, mo
 
 def test_rows_of_their_own_settings_moving_under_one_recorded_graph_keep_their_texts(cupy, small, monkeypatch):
     """Four requests, each with settings of its own, decoded in the bucket of 4 a token a step
-    (their callback reads logits): as they finish, the last row moves into the freed one (batching.remove)
-    and the same graph replays with other settings in a row. Each text is the CPU's text alone."""
+    (STEPS = 1): as they finish, the last row moves into the freed one (batching.remove) and the
+    same graph replays with other settings in a row. Each text is the CPU's text alone."""
     monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
+    monkeypatch.setattr(cuda_decode_loop, "STEPS", 1)
     hparams, params = small
     model, replayed, run = on_device(cupy, small), [], cuda_graphs.run
     monkeypatch.setattr(cuda_graphs, "run", lambda static: replayed.append(
         "q" in static and static["replay"] is not None) or run(static))
     each = [GREEDY, UNPENALIZED, MIN_P, sampling.SamplingSettings(temperature=0.7, top_k=5)]
-    reqs = reading_logits([batching.Request(tuple(p), n, s, seed=b) for b, (p, n, s) in
-                           enumerate(zip(SMALL_PROMPTS + [[7, 8]], [12, 4, 7, 9], each))])
-    got = batching.generate(reqs, model, callback=lambda *_: None)[0]
+    reqs = [batching.Request(tuple(p), n, s, seed=b) for b, (p, n, s) in
+            enumerate(zip(SMALL_PROMPTS + [[7, 8]], [12, 4, 7, 9], each))]
+    got = batching.generate(reqs, model)[0]
     assert got == [batching.generate([r], (params, hparams))[0][0] for r in reqs] and sum(replayed) > 4
 
 
@@ -1004,9 +1008,9 @@ def test_a_recorded_step_launches_five_kernels_a_layer(monkeypatch):
     c_proj with its residual add), counted in the recording itself with 1 and with 2 layers;
     then the embeddings (CuPy's two gathers and their sum), the final layer norm, the head, and
     the draw (its distribution, then the token): no gather of the tokens that need logits,
-    which are all (CuPy's would be five launches). A speculative step's graphs, the draft
-    loop's K passes and the verification, add one take at most (the logits at the tokens
-    wanted, when a pass has more)."""
+    which are all (CuPy's would be five launches). Where a callback reads the logits, one copy
+    more a pass keeps them. A speculative step's graphs, the draft loop's K passes and the
+    verification, add one take at most (the logits at the tokens wanted, when a pass has more)."""
     cupy, params, hparams = emulated_with_our_kernels(monkeypatch)
     recorded, end_capture = [], cupy.cuda.Stream.end_capture
 
@@ -1015,17 +1019,20 @@ def test_a_recorded_step_launches_five_kernels_a_layer(monkeypatch):
         return end_capture(stream)
     monkeypatch.setattr(cupy.cuda.Stream, "end_capture", kept)
     kernels = {}
-    for n_layer in (1, 2):
+    for n_layer, reading in ((1, False), (2, False), (1, True)):
         model = (layout.device_layout(layout.plain_layout(dict(params, blocks=params["blocks"][:n_layer])), cupy),
                  dict(hparams, n_layer=n_layer))
         recorded.clear()
-        batching.generate(reading_logits(batching.requests([[1, 2, 3]], 4, GREEDY)), model,
-                          callback=lambda *_: None)  # a token a step
-        kernels[n_layer] = recorded[0]
-    layer = kernels[2] - kernels[1]
+        with monkeypatch.context() as m:
+            m.setattr(cuda_decode_loop, "STEPS", 1)  # a pass a graph
+            reqs = batching.requests([[1, 2, 3]], 4, GREEDY)
+            batching.generate(reading_logits(reqs) if reading else reqs, model, callback=lambda *_: None)
+        kernels[n_layer, reading] = recorded[0]
+    layer = kernels[2, False] - kernels[1, False]
     assert layer == {"row_times_columns_ln_f32": 2, "row_times_columns_f32": 2, "attend_f32": 1}, layer  # (a row)
-    assert kernels[1] - layer == {"operation": 3, "row_times_columns_f32": 1, "layer_norm_f32": 1,
-                                  "distribution_rows": 1, "sample": 1}, kernels[1] - layer
+    assert kernels[1, False] - layer == {"operation": 3, "row_times_columns_f32": 1, "layer_norm_f32": 1,
+                                         "distribution_rows": 1, "sample": 1}, kernels[1, False] - layer
+    assert kernels[1, True] - kernels[1, False] == {"operation": 1} and not kernels[1, False] - kernels[1, True]
     recorded.clear()
     speculative.speculative_generate(batching.requests([[1, 2, 3]], 24, GREEDY), model,
                                      speculative.model_drafter(model), speculative.SpeculativeConfig(K=4))
