@@ -246,13 +246,16 @@ def one_hot(drafts, k, n_vocab):
 
 def prompt_lookup_draft(text, K, max_ngram=3):
     """Prompt lookup decoding (Saxena 2023): find the last n-gram of text earlier in
-    text (longest n first, latest match) and propose the up to K tokens after it."""
+    text (longest n first) and propose the up to K tokens after it: after the latest match
+    that K tokens follow, else after the earliest (in repeating text the latest match ends
+    just before the text does, with little after it)."""
     arr = np.asarray(text)  # [len]
     for size in range(min(max_ngram, len(arr) - 1), 0, -1):
         windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], size)  # [len-size, size]
-        hits = np.nonzero((windows == arr[-size:]).all(axis=1))[0]  # [n_hits]: where the n-gram occurs
-        if hits.size:
-            start = hits[-1] + size
+        starts = np.nonzero((windows == arr[-size:]).all(axis=1))[0] + size  # [n_hits]: what follows each match
+        if starts.size:
+            followed = starts[starts + K <= len(arr)]  # [n]: the matches K tokens follow
+            start = followed[-1] if followed.size else starts[0]
             return arr[start:start + K].tolist()
     return []
 

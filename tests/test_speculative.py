@@ -222,6 +222,9 @@ def test_prompt_lookup_draft_copies_what_followed_the_last_ngram():
     assert speculative.prompt_lookup_draft([1, 2, 3, 4, 5, 9, 2, 3], 2) == [4, 5]
     assert speculative.prompt_lookup_draft([1, 2, 3, 4, 5, 9, 2, 3], 10) == [4, 5, 9, 2, 3]
     assert speculative.prompt_lookup_draft([7, 1, 8, 1, 9, 1], 2) == [9, 1]  # latest match wins
+    assert speculative.prompt_lookup_draft([7, 1, 8, 1, 9, 1], 3) == [8, 1, 9]  # ... that K tokens follow
+    assert speculative.prompt_lookup_draft([7] * 20, 4) == [7] * 4  # repeating text: not the match at its end
+    assert speculative.prompt_lookup_draft([5, 6, 5], 4) == [6, 5]  # none with K after: the longest continuation
     assert speculative.prompt_lookup_draft([1, 2, 3], 4) == []
 
 
