@@ -95,8 +95,11 @@ def measure_costs(target, draft, K_max, draft_vocab=0, context=CONTEXT, K=4):
     for K = 0..K_max, in target decode steps. A few passes of each model; used to advise,
     never to decide (a decision on the clock would change the text from run to run)."""
     step = step_seconds(target, context, REPS)
-    verify = (1.0,) + tuple((verify_seconds(target, context, K, REPS, one_hot=draft is None)
-                             or pass_seconds(target, context, K + 1, reps=REPS)) / step for K in range(1, K_max + 1))
+    verify = [1.0] + [(verify_seconds(target, context, K, REPS, one_hot=draft is None)
+                       or pass_seconds(target, context, K + 1, reps=REPS)) / step for K in range(1, K_max + 1)]
+    # a pass over more tokens is never cheaper than one over fewer: a timing below that (the best of
+    # REPS on a busy machine, or a step timed slow) is noise, and the advice would follow it
+    verify = tuple(np.maximum.accumulate(verify).tolist())
     if draft is None:
         return cost_model.Costs(0.0, verify)
     draft = speculative.vocab_subset(draft, [list(range(context))], draft_vocab)
@@ -114,10 +117,11 @@ def advise_K(stats, target, drafter, config, self_draft=False):
     draft = drafter.model
     costs = measure_costs(target, draft, config.K_max, config.draft_vocab, K=config.K)
     K = cost_model.best_K(alpha, costs, config.K_max)
+    speedup = cost_model.speedup(alpha, K, costs)
     print(f"advice: at this run's acceptance (alpha = {alpha:.2f}) and costs measured now (a draft token "
           f"{costs.draft:.2f} of a target step; verifying K+1 tokens {min(costs.verify[1:]):.2f}-"
-          f"{max(costs.verify[1:]):.2f} steps), K = {K} is expected fastest: "
-          f"{cost_model.speedup(alpha, K, costs):.2f}x plain decoding")
+          f"{max(costs.verify[1:]):.2f} steps), " + (f"K = {K} is expected fastest: {speedup:.2f}x plain decoding"
+          if speedup >= 1 else f"plain decoding is expected fastest (K = {K}: {speedup:.2f}x)"))
     if draft and rowwise.in_blocks(draft[0]) and cost_model.weight_bytes(draft) == 4:
         how = "--draft_dtype int8" if self_draft else "the default: leave out --draft_dtype"
         print(f"advice: a draft in int8 ({how}) reads a quarter of its float32 bytes, so each draft "
