@@ -127,7 +127,8 @@ class Stats:
 
     def step_done(self, n=1):
         """A step of the decoder ended, n tokens a row long (plain decoding's on a GPU: several):
-        its tokens are counted; when is kept for the latencies, the time between tokens."""
+        the time since the last step is kept for the latencies as n equal gaps between tokens
+        (emit counts the tokens)."""
         now = time.perf_counter()
         if self.n_steps == 0:
             self.first_step_at, self.first_step_tokens = now, self.n_tokens

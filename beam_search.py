@@ -5,10 +5,10 @@ less likely token is never found. Beam search keeps num_beams hypotheses per pro
 step extends every beam by every token, scores each continuation by its summed log
 probability, and keeps the best: the likeliest 2N continuations of all N beams are looked
 at, those that end (EOS, or the length limit) become finished hypotheses, and the best N
-that go on are the next beams. A finished hypothesis scores sum(log p) / length^alpha (the
-length penalty alpha: > 0 favours longer texts, < 0 shorter ones). Search stops when no
-running beam can still beat the worst of the N best finished ones (`early_stopping`
-decides how that is judged), or at the length limit. The result: the N best finished
+that go on are the next beams. A finished hypothesis scores sum(log p) / length^length_penalty
+(> 0 favours longer texts, < 0 shorter ones). Search stops when no running beam can still
+beat the worst of the N best finished ones (`early_stopping` decides how that is judged),
+or at the length limit. The result: the N best finished
 hypotheses, best first.
 
 This follows Hugging Face transformers' `_beam_search` (generation/utils.py, v5.23) step

@@ -92,6 +92,10 @@ def check_args(args):
                              "leave out --stream and --no_kv_cache")
     flags.check_prefix_cache(args)
     flags.check_prefill(args)
+    beam_only = changed(args, ONLY_FOR_BEAMS)
+    if args.num_beams == 1 and beam_only:
+        raise ValueError(f"{', '.join(beam_only)}: only beam search reads them: add --num_beams N (N > 1), "
+                         "or leave them out")
     return settings, config, prompts
 
 
@@ -121,17 +125,24 @@ def tokenize(encoder, prompts, n_ctx):
     return ids
 
 
+# the flags only sampling, speculative decoding and serving read (beam search draws nothing, drafts
+# nothing, and runs its prompts together), and those only beam search reads: set for the other
+# decoder, each would change nothing
+NOT_FOR_BEAMS = ("temperature", "top_k", "top_p", "min_p", "seed", "stream", "max_batch", "no_kv_cache",
+                 "presence_penalty", "frequency_penalty", "penalize_prompt", "prefix_cache_mib", "max_prefill_tokens",
+                 "K", "adaptive_K", "K_max", "drafter", "draft_vocab", "draft_dtype", "draft_model_size")
+ONLY_FOR_BEAMS = ("length_penalty", "early_stopping", "num_return_sequences")
+
+
+def changed(args, names):
+    """The flags of these names set to other than their defaults."""
+    defaults = parse_args([])
+    return [f"--{name}" for name in names if getattr(args, name) != getattr(defaults, name)]
+
+
 def beam_settings(args):
     """--num_beams > 1: the beam search settings, after refusing what beam search cannot combine with."""
-    defaults = parse_args([])  # beam search draws nothing: a sampling flag set would change nothing
-    sampled = [f"--{name}" for name in ("temperature", "top_k", "top_p", "min_p", "seed")
-               if getattr(args, name) != getattr(defaults, name)]
-    clash = [flag for flag, on in (("--mode speculative/both", args.mode not in (None, "autoregressive")),
-                                   (", ".join(sampled), sampled),
-                                   ("--stream", args.stream), ("--max_batch", args.max_batch is not None),
-                                   ("--no_kv_cache", args.no_kv_cache),
-                                   ("--presence_penalty", args.presence_penalty != 0),
-                                   ("--frequency_penalty", args.frequency_penalty != 0)) if on]
+    clash = ["--mode speculative/both"] * (args.mode not in (None, "autoregressive")) + changed(args, NOT_FOR_BEAMS)
     if clash:
         raise ValueError(f"--num_beams {args.num_beams} runs beam search alone: leave out {', '.join(clash)}")
     beams = beam_search.BeamSettings(

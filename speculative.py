@@ -69,7 +69,9 @@ def verify(p, q, drafts, k, u, v):
     i = np.arange(K, like=p)  # [K]
     p_d = p[rows[:, None], i, drafts]  # [B, K]: p_{i+1}(d_{i+1}), i counting from 0
     q_d = q[rows[:, None], i, drafts]  # [B, K]: q_{i+1}(d_{i+1})
-    accept = (u * q_d < p_d) & (i < k[:, None])  # [B, K]: u < p/q without dividing by q = 0
+    # [B, K]: u < p/q without dividing by q = 0 (Algorithm 1 tests r <= p/q; a tie has chance 0, and
+    # < refuses a token that p and q both give 0)
+    accept = (u * q_d < p_d) & (i < k[:, None])
     n = np.cumprod(accept, axis=1).sum(axis=1)  # [B]: accepted before the first rejection
     p_n = p[rows, n]  # [B, n_vocab]: p_{n+1}, at the first rejection or the bonus
     q_n = np.where((n < k)[:, None], q[rows, np.minimum(n, K - 1)] if K else 0.0, 0.0)  # [B, n_vocab]

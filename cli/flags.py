@@ -31,7 +31,8 @@ def add_decoder_flags(ap, modes, default):
     ap.add_argument("--draft_model_size", default="124M", choices=utils.MODEL_SIZES,
                     help="the model that drafts for it (speculative decoding; the same size: a self-draft)")
     ap.add_argument("--mode", choices=modes, default=default,
-                    help="how to decode" + ("" if default else " (default: both, compared; beams with --num_beams)"))
+                    help="how to decode" + (f" (default: {default})" if default else
+                                            " (default: both, compared; beams with --num_beams)"))
     ap.add_argument("--K", type=int, default=4, help="draft tokens per target pass")
     ap.add_argument("--adaptive_K", action="store_true",
                     help="each row picks its K before each step from its acceptance so far (up to --K_max)")

@@ -266,8 +266,9 @@ def stop(httpd, engine):
 
 
 def check(args):
-    if args.max_batch < 1 or args.max_queue < 1:
-        raise ValueError("--max_batch and --max_queue must be >= 1")
+    for name in ("max_batch", "max_queue"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_model_len is not None and args.max_model_len < 2:

@@ -386,6 +386,11 @@ def odd_vocab_models(tmp_path_factory):
     (["--num_beams", "2", "--stream", "--presence_penalty", "0.5"], "leave out --stream, --presence_penalty"),
     (["--num_beams", "2", "--early_stopping", "sometimes"], "argument --early_stopping: invalid choice"),
     (["--num_beams", "2", "--temperature", "0.5", "--seed", "3"], "leave out --temperature, --seed"),
+    (["--num_beams", "2", "--K", "6", "--drafter", "prompt_lookup"], "leave out --K, --drafter"),
+    (["--num_beams", "3", "--draft_dtype", "int8", "--max_prefill_tokens", "32"],
+     "leave out --max_prefill_tokens, --draft_dtype"),
+    (["--num_return_sequences", "0"], "--num_return_sequences: only beam search reads them: add --num_beams N"),
+    (["--length_penalty", "2", "--early_stopping", "never"], "--length_penalty, --early_stopping: only beam search"),
     (["--no_repeat_ngram_size", "-1"], "--no_repeat_ngram_size must be an integer >= 0"),
 ])
 def test_bad_input_is_one_clear_line_before_anything_loads(capsys, tmp_path, argv, message):
