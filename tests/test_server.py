@@ -432,6 +432,13 @@ def test_a_prefill_budget_below_max_batch_is_one_line_before_anything_loads(caps
                            f"one token of it), got {budget}") and not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize("flag", ["--max_batch", "--max_queue"])
+def test_a_batch_or_queue_below_one_is_one_line_naming_it_before_anything_loads(capsys, tmp_path, flag):
+    assert server.entry([flag, "0", "--models_dir", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == f"error: {flag} must be >= 1, got 0" and not os.listdir(tmp_path)
+
+
 def test_a_negative_prefix_cache_is_one_line_before_anything_loads(capsys, tmp_path):
     assert server.entry(["--prefix_cache_mib", "-1", "--models_dir", str(tmp_path)]) == 2
     out, err = capsys.readouterr()
