@@ -79,8 +79,8 @@ class Sequence:
     tokens: list  # the text so far: the prompt, then each generated token
     rng: np.random.Generator
     times: list = field(default_factory=list)  # time.perf_counter() when each new token was emitted
-    accepted: int = 0  # speculative decoding: drafts accepted, and steps that rejected one
-    rejected: int = 0
+    accepted: int = 0  # speculative decoding: drafts accepted
+    rejected: int = 0  # speculative decoding: steps that rejected a draft
     finished: bool = False
     cached_tokens: int = 0  # prompt tokens whose keys and values were copied, not computed (a shared prefix)
 

@@ -48,7 +48,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="same seed, same text; prompt i of a batch uses seed + i")
     ap.add_argument("--ignore_eos", action="store_true", help="keep going past <|endoftext|>")
     ap.add_argument("--no_kv_cache", action="store_true", help="recompute the whole window every token")
-    ap.add_argument("--stream", action="store_true", help="print tokens as they come (one prompt)")
+    ap.add_argument("--stream", action="store_true",
+                    help="print tokens as they come (one prompt; on a terminal, accepted drafts in green)")
     ap.add_argument("--max_batch", type=int,
                     help="serve the prompts with continuous batching, at most this many at once, and print each "
                          "request with its timings as it finishes")

@@ -47,6 +47,7 @@ class BadSetting(ValueError):
 
 @dataclass(frozen=True)
 class SamplingSettings:
+    """How one request turns logits into its next token's distribution (`probabilities`)."""
     temperature: float = 1.0  # 0 (or below GREEDY_BELOW) means greedy
     top_k: int = 0  # 0 means off
     top_p: float = 1.0
@@ -108,6 +109,7 @@ def is_int(x):
 
 
 def is_real(x):
+    """Whether x is a real number (an int or a float; a bool is neither here)."""
     return (is_int(x) or isinstance(x, (float, np.floating))) and not isinstance(x, (bool, np.bool_))
 
 
@@ -122,24 +124,28 @@ def token_counts(histories, n_vocab):
 def banned_tokens(text, n):
     """Tokens that would repeat an n-gram of text (transformers' no_repeat_ngram_size): those
     that followed an earlier occurrence of its last n - 1 tokens, the prompt included."""
-    if len(text) + 1 < n:
+    if len(text) < n:  # no earlier n-gram to repeat
         return []
     tail = tuple(text[len(text) - n + 1:])
     return [text[i + n - 1] for i in range(len(text) - n + 1) if tuple(text[i:i + n - 1]) == tail]
 
 
 def apply_repetition_penalty(logits, counts, penalty):
+    """transformers': each token seen (counts > 0) gets a positive logit divided by penalty,
+    a negative one multiplied, so > 1 makes it less likely either way."""
     seen = counts > 0
     penalized = np.where(logits > 0, logits / penalty, logits * penalty)
     return np.where(seen, penalized, logits)
 
 
 def apply_presence_frequency_penalty(logits, counts, presence, frequency):
+    """OpenAI's: logit -= frequency * count + presence * (count > 0)."""
     counts = counts.astype(logits.dtype)  # int or bool times a float would promote to float64
     return logits - counts * frequency - (counts > 0).astype(logits.dtype) * presence
 
 
 def apply_temperature(logits, temperature):
+    """logits / temperature: below 1 sharpens the softmax, above 1 flattens it."""
     return logits / temperature
 
 

@@ -20,7 +20,8 @@ So each step:
 This is rejection sampling, so every emitted token is distributed exactly as if
 sampled from p alone: P(emit x) = q(x) min(1, p(x)/q(x)) + (1 - sum_y min(q(y),
 p(y))) * max(0, p(x) - q(x)) / sum_y max(0, p(y) - q(y)) = min(q(x), p(x)) +
-max(0, p(x) - q(x)) = p(x). With n of the K drafts accepted, each step emits n+1 tokens
+max(0, p(x) - q(x)) = p(x), since 1 - sum_y min(q(y), p(y)) = sum_y max(0, p(y) - q(y))
+(both distributions sum to 1). With n of the K drafts accepted, each step emits n+1 tokens
 (the n, then 1 from the target) for one target pass. Every cache (the target's, and the
 draft model's if one drafts) is rolled back to all of the accepted text except its last
 token, which is the next pass's input. After a step that accepted all K, the draft's cache
@@ -57,7 +58,8 @@ def verify(p, q, drafts, k, u, v):
     q [B, K, n_vocab]: draft distributions the drafts were sampled from (None: one-hot at the
       drafts, a deterministic drafter's).
     drafts [B, K], k [B]: row b drafted k[b] <= K real tokens.
-    u [B, K], v [B]: uniform draws in (0, 1] for the acceptance tests and the last token.
+    u [B, K], v [B]: uniform draws in (0, 1] for the acceptance tests (Leviathan et al.'s r,
+      their K being gamma) and the last token.
     Returns (n [B] accepted drafts, token [B] the target's own next token).
     """
     if cuda_sampling.takes(p):  # a GPU's kernels of our own: the same n and token in two launches
