@@ -153,6 +153,7 @@ def download_model(model_size, models_dir="models", source="openai", base_url=No
     if is_complete(model_dir):
         return model_dir
     missing = [f for f in urls if not os.path.exists(os.path.join(model_dir, f)) and (only is None or f in only)]
+    made = [d for d in (models_dir, model_dir) if not os.path.isdir(d)]  # the folders this call makes
     try:
         os.makedirs(model_dir, exist_ok=True)
         probe = os.path.join(model_dir, ".write-test")
@@ -160,8 +161,14 @@ def download_model(model_size, models_dir="models", source="openai", base_url=No
         os.remove(probe)
     except OSError as e:
         raise LoadError(f"cannot write to {model_dir} ({e.strerror}): pass a writable --models_dir")
-    for f in missing:
-        download_file(urls[f], os.path.join(model_dir, f), **download_kw)
+    try:
+        for f in missing:
+            download_file(urls[f], os.path.join(model_dir, f), **download_kw)
+    except LoadError:
+        for d in reversed(made):  # a download that wrote nothing leaves no empty folder (a .part stays, to resume)
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        raise
     return model_dir
 
 # ------------------------------------------------------------------ loading --

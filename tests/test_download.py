@@ -86,6 +86,19 @@ def test_404_is_one_clear_error_and_leaves_nothing(server, tmp_path):
     assert os.listdir(tmp_path / "dl") == []
 
 
+def test_a_download_that_wrote_nothing_leaves_no_folder(server, tmp_path):
+    """A refused connection makes neither models_dir nor its model's folder; one that wrote a
+    .part keeps it (and so its folder), for the next run to resume."""
+    models = tmp_path / "models"
+    with pytest.raises(utils.LoadError, match="cannot connect"):
+        utils.download_model("124M", str(models), base_url="http://127.0.0.1:9", retries=1, **FAST)
+    assert not models.exists()
+    server.faults["124M/vocab.bpe"] = "always_short"
+    with pytest.raises(utils.LoadError, match="after 1 tries"):
+        utils.download_model("124M", str(models), base_url=server.url, only=["vocab.bpe"], retries=1, **FAST)
+    assert os.listdir(models / "124M") == ["vocab.bpe.part"]
+
+
 def test_wrong_size_never_becomes_a_complete_file(server, tmp_path):
     name = "vocab.bpe"
     server.faults[f"124M/{name}"] = "always_short"
