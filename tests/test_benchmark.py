@@ -2,6 +2,7 @@
 import collections
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -452,3 +453,38 @@ def test_a_long_prompt_is_timed_from_when_its_client_sent_it(tiny, monkeypatch):
     monkeypatch.setattr(scheduler, "autoregressive", lambda model: (slow_first_long_prefill, {"target": model}))
     gaps, ttft, tokens, seconds = chunked.run_turn(model, [0.0, 0.05], None, 0, 40, 4, 1)
     assert slept and len(ttft) == 2 and min(ttft) >= 0.25
+
+
+def test_the_gpu_sessions_prepared_run_asks_only_for_what_exists(tmp_path):
+    """benchmark_results/gpu_check.sh is a GPU session's one run: a flag the benchmark no longer
+    takes, a -k that selects no test, or a probe that does not parse would cost that session its
+    15 minutes. Run with `timeout` played by a script that records each command instead, every
+    command it would run is checked here: the benchmark's flags parse, each test file exists and
+    each -k selects tests, each python -c compiles."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bin_dir.mkdir()
+    fake = bin_dir / "timeout"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                    f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"))
+    done = subprocess.run(["bash", os.path.join(root, "benchmark_results", "gpu_check.sh")], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    commands = [json.loads(line)[3:] for line in calls.read_text().splitlines()]  # less "-k", N, the cap
+    probes = [c for c in commands if c[:2] == ["python3", "-c"]]
+    for command in probes:
+        compile(command[2], "python3 -c", "exec")
+    commands = [c for c in commands if c not in probes and c[0] != "nvidia-smi"]
+    benches = [c[2:] for c in commands if c[:2] == ["python3", "benchmark.py"]]
+    tests = [c[c.index("pytest") + 1:] for c in commands if "pytest" in c]
+    assert len(benches) == 2 and len(tests) == 4 and len(benches) + len(tests) == len(commands), commands
+    for argv in benches:
+        assert benchmark.parse_args(argv).backend == "cupy"
+    for argv in tests:
+        assert all(os.path.isfile(os.path.join(root, a)) for a in argv if a.endswith(".py")), argv
+        if "-k" in argv:  # (test_cupy.py, which runs whole, skips itself here: no CuPy)
+            collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *argv], cwd=root,
+                                       capture_output=True, text=True, timeout=120)
+            assert collected.returncode == 0, (argv, collected.stdout[-2000:])
