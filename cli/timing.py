@@ -49,7 +49,8 @@ def step_seconds(model, context, reps=3):
     """Seconds of one decode step (a token a row) as plain decoding runs it (the best of reps):
     where passes and their draws are one recorded graph (a GPU's kernels, cuda_decode_loop.step),
     a replay of STEPS tokens and the ids out, over STEPS (a step whose callback reads each token's
-    logits, a server's logprobs, makes one); elsewhere a pass (pass_seconds), the draw the host's."""
+    logits, a server's logprobs, also copies them out of a graph that keeps them); elsewhere a pass
+    (pass_seconds), the draw the host's."""
     return draft_seconds(model, context, cuda_decode_loop.STEPS, reps) or pass_seconds(model, context, reps=reps)
 
 

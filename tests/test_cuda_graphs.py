@@ -844,6 +844,37 @@ def test_sampled_text_on_the_device_equals_the_cpus(cupy, small, monkeypatch, se
     assert any(drawn_inside) == (settings is UNPENALIZED)
 
 
+@pytest.mark.parametrize("settings", [GREEDY, UNPENALIZED], ids=["greedy", "sampled"])
+def test_the_logits_a_request_reads_come_through_the_devices_replays_as_a_pass_at_a_times(cupy, small, monkeypatch,
+                                                                                           settings):
+    """Plain decoding reading every token's logits (a server's logprobs) through the recorded
+    loop that keeps each pass's, replayed STEPS tokens at a time, and a pass at a time with the
+    draw after (the loop refused): every token and logits row bit for bit, one row ending at
+    EOS inside a step."""
+    monkeypatch.setenv(layout.GPU_KERNELS_ENV, "1")
+    hparams, params = small
+    model, replayed, loop = on_device(cupy, small), replays(monkeypatch), cuda_decode_loop.step
+    alone = generate(params, hparams, 30, settings, seed=5, prompts=SMALL_PROMPTS)
+    eos = next(t for i, t in enumerate(alone[0]) if i >= 9 and i % cuda_decode_loop.STEPS and t not in alone[0][:i])
+    reqs = reading_logits(batching.requests(SMALL_PROMPTS, 30, settings, 5))
+    reqs[0] = dataclasses.replace(reqs[0], eos_id=eos)  # row 0 ends inside a step, the others make all 30 tokens
+    runs = []
+    for looped in (True, False):
+        seen, sizes = [], []
+
+        def stepped(*args, **kwargs):
+            ran = loop(*args, **kwargs) if looped else None
+            sizes.append(ran and max(map(len, ran[0])))
+            return ran
+        monkeypatch.setattr(cuda_decode_loop, "step", stepped)
+        texts = batching.generate(reqs, model,
+                                  callback=lambda seq, token, accepted, logits: seen.append(
+                                      (seq.index, token, cupy.asnumpy(logits).tolist())))[0]
+        runs.append((texts, sorted(seen, key=lambda event: event[0])))
+        assert sizes.count(cuda_decode_loop.STEPS) > 4 and replayed if looped else not any(sizes)
+    assert runs[0] == runs[1] and runs[0][0] == [alone[0][:alone[0].index(eos) + 1], alone[1], alone[2]]
+
+
 def test_requests_joining_and_leaving_rows_on_the_device_keep_their_texts(cupy, small, monkeypatch):
     """Continuous batching on the device: 8 requests through 3 rows of the scheduler, rows
     and shapes coming and going, each text the CPU's for that request alone."""
