@@ -140,7 +140,8 @@ def test_a_step_token_out_of_its_rows_run_of_slots_gets_nan_not_another_tokens_k
 def sampling_cases():
     """(logits [R, n_vocab], settings): GPT-2's vocabulary, logits like a model's; a draft
     head's -inf columns; a top-p cut inside a run of tied tokens (ids scattered, lower ids
-    dropped first); a top-p no token's mass reaches (the last of two tied tokens stays)."""
+    dropped first); a top-p no token's mass reaches (the last of two tied tokens stays); cuts
+    exactly at a boundary (top-p's cumulative sum, min-p's fraction of the top)."""
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((5, 50257), dtype=np.float32) * 3
     cut = logits.copy()
@@ -149,11 +150,14 @@ def sampling_cases():
     ties[:, rng.choice(1000, 10, replace=False)] = 5.0  # 10 tokens of 6.0% each over 990 of 0.04%
     two = np.full((1, 1000), -200.0, np.float32)  # exp(-200) is 0 in float32
     two[0, [100, 900]] = 0.0
+    flat = np.zeros((1, 1024), np.float32)  # 2**-10 each: every sum exact, a top-p cut exactly at a token's
+    halves = np.log(np.full((1, 1024), 0.01, np.float32))
+    halves[0, [3, 500, 1000]] = np.log(np.float32([1.0, 0.5, 0.5]))  # exactly half the top's: min-p's boundary
     S = sampling.SamplingSettings
     return [(logits, S(temperature=0.8, top_p=0.9)), (logits, S(top_k=40)), (logits, S(temperature=0.7, min_p=0.05)),
             (logits, S(temperature=1.3, top_k=200, top_p=0.5, min_p=0.01)), (logits, S(temperature=0.0)),
             (cut, S(temperature=0.8, top_p=0.95, top_k=50000)), (ties, S(top_p=0.33)), (ties, S(top_k=5, top_p=0.55)),
-            (two, S(top_p=1e-9))]
+            (two, S(top_p=1e-9)), (flat, S(top_p=0.5)), (halves, S(min_p=0.5))]
 
 
 @pytest.mark.parametrize("case", range(len(sampling_cases())))

@@ -34,6 +34,24 @@ def test_min_p_keeps_tokens_at_least_min_p_times_the_top():
     assert np.isfinite(out).tolist() == [[True, True, True, False, False]]
 
 
+def test_cutoffs_at_a_tie_keep_and_remove_what_transformers_does():
+    """Exact boundaries, in probabilities a float holds exactly. Top-p removes a token whose
+    ascending cumulative sum is <= 1 - top_p (transformers' TopPLogitsWarper): four equal
+    logits (0.25 each) at 0.5 keep 2. Min-p removes only those below min_p times the top
+    (MinPLogitsWarper): tokens of exactly half the top's probability stay at min_p 0.5."""
+    assert np.isfinite(sampling.apply_top_p(np.zeros((1, 4), np.float32), 0.5)).sum() == 2
+    halves = np.log(np.array([[1.0, 0.5, 0.5, 0.01]], np.float32))  # exp gives 1, 0.5, 0.5 exactly
+    assert np.isfinite(sampling.apply_min_p(halves, 0.5)).tolist() == [[True, True, True, False]]
+
+
+def test_banned_tokens_are_those_that_would_repeat_an_ngram():
+    """transformers' no_repeat_ngram_size: the text's own n-grams, a text of exactly n tokens
+    included (5, 5 bans a third 5 at n = 2)."""
+    assert sampling.banned_tokens([5, 5], 2) == [5]
+    assert sampling.banned_tokens([5], 2) == [] and sampling.banned_tokens([1, 2, 3, 1, 2], 3) == [3]
+    assert sorted(sampling.banned_tokens([7, 1, 7, 2, 7], 2)) == [1, 2]
+
+
 def test_greedy_is_argmax_of_penalized_logits():
     s = sampling.SamplingSettings(temperature=0.0, repetition_penalty=1.3)
     p = sampling.probabilities(REF["logits"], COUNTS, s)

@@ -269,6 +269,36 @@ def test_verify_emits_tokens_distributed_as_p(name):
     assert abs(acceptance - want) < 6 * np.sqrt(want * (1 - want) / N) + 1e-9
 
 
+def test_verify_emits_every_position_distributed_as_its_p():
+    """K = 3 drafts with their own p_i and q_i at each position (p not depending on the
+    prefix, a case the theorem covers), rows drafting k = 1, 2 or 3: the token a row emits at
+    position j, wherever it has one (n >= j), is distributed as p_j: an accepted draft, the
+    residual of the first rejection (its own position's q), or the bonus from p_k after all
+    k; a row never accepts more than its k; P(n >= j) is the product of the papers' rates."""
+    P = np.array([[0.3, 0.25, 0.2, 0.15, 0.1], [0.5, 0.5, 0.0, 0.0, 0.0],
+                  [0.1, 0.6, 0.1, 0.1, 0.1], [0.0, 0.1, 0.2, 0.3, 0.4]], np.float32)  # p_0..p_3 [K+1, V]
+    Q = np.array([[0.25, 0.25, 0.25, 0.15, 0.1], [0.1, 0.1, 0.4, 0.4, 0.0],
+                  [0.0, 0.0, 1.0, 0.0, 0.0]], np.float32)  # q_0..q_2 [K, V]
+    (K, V), N = Q.shape, 300_000
+    rng = np.random.default_rng(7)
+    k = rng.integers(1, K + 1, N)  # [N]
+    q, p = np.tile(Q, (N, 1, 1)), np.tile(P, (N, 1, 1))  # [N, K, V], [N, K+1, V]
+    d = np.stack([sampling.sample(q[:, i], 1.0 - rng.random(N)) for i in range(K)], axis=1)  # [N, K]
+    n, token = speculative.verify(p, q, d, k, 1.0 - rng.random((N, K)), 1.0 - rng.random(N))
+    assert (n <= k).all()
+    emitted = np.where(np.arange(K + 1) < n[:, None], np.pad(d, ((0, 0), (0, 1))), token[:, None])  # [N, K+1]
+    for j in range(K + 1):
+        at = n >= j  # the rows that emit a token at position j
+        counts = np.bincount(emitted[at, j], minlength=V)
+        ok, chi2, dof = chi_square_ok(counts, P[j].astype(np.float64), int(at.sum()))
+        assert ok and counts[P[j] == 0].sum() == 0, (j, chi2, dof)
+    rate = np.minimum(P[:K], Q).sum(axis=1)  # [K]: 1 - TV(p_i, q_i)
+    for j in range(1, K + 1):
+        rows = k == K
+        want = np.prod(rate[:j])
+        assert abs((n[rows] >= j).mean() - want) < 6 * np.sqrt(want * (1 - want) / rows.sum()), j
+
+
 def test_verify_catches_a_wrong_residual():
     """The statistical test has teeth: drawing the replacement from p instead of the
     residual norm(max(0, p - q)) skews the output, and the test sees it."""
