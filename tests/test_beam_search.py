@@ -43,10 +43,16 @@ def test_same_tokens_and_scores_as_transformers(model, case):
 
 
 def test_the_fixtures_exercise_what_they_claim():
-    """Some beams end at EOS before the length limit, so hypotheses of different lengths compete."""
+    """Some beams end at EOS before the length limit, so hypotheses of different lengths compete;
+    and with early_stopping True one prompt of the batch is done while another runs to the limit."""
     early = [c for c in FIXTURES["cases"] if c["name"].startswith("eos early")]
     lengths = {len([t for t in o["tokens"] if t != c["eos_id"]]) for c in early for out in c["outputs"] for o in out}
     assert len(early) == 9 and len(lengths) > 1
+    apart = [c for c in FIXTURES["cases"] if "prompts ending apart" in c["name"]]
+    for c in apart:
+        ends = [max(len([t for t in o["tokens"] if t != c["eos_id"]]) for o in out) for out in c["outputs"]]
+        assert c["settings"]["early_stopping"] is not True or min(ends) < c["max_new_tokens"] == max(ends), c["name"]
+    assert len(apart) == 24
 
 
 def test_one_beam_is_greedy_decoding(model):
