@@ -147,9 +147,14 @@ def test_draft_equal_to_target_accepts_everything(models, greedy_reference):
     target, _ = models
     for K in (1, 3, 8):
         out, stats = spec(PROMPTS, target, target, 30, K)
-        assert out == greedy_reference and stats.acceptance_rate == 1.0
+        assert out == greedy_reference and stats.acceptance_rate == 1.0 and stats.rejected == 0
         passes = -(-30 // (K + 1))  # every pass emits K accepted + 1 bonus, the last one what is left
         assert stats.tokens_per_target_pass == 30 / passes and stats.target_passes == passes
+    rejected = []  # what adaptive K reads of each row: no step of a perfect draft rejected one
+    speculative.speculative_generate(batching.requests(PROMPTS, 30, GREEDY), target, speculative.model_drafter(target),
+                                     speculative.SpeculativeConfig(K=3),
+                                     callback=lambda seq, *_: rejected.append(seq.rejected))
+    assert len(rejected) == 3 * 30 and not any(rejected)
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
