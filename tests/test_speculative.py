@@ -230,6 +230,8 @@ def test_prompt_lookup_draft_copies_what_followed_the_last_ngram():
     assert speculative.prompt_lookup_draft([7, 1, 8, 1, 9, 1], 3) == [8, 1, 9]  # ... that K tokens follow
     assert speculative.prompt_lookup_draft([7] * 20, 4) == [7] * 4  # repeating text: not the match at its end
     assert speculative.prompt_lookup_draft([5, 6, 5], 4) == [6, 5]  # none with K after: the longest continuation
+    assert speculative.prompt_lookup_draft([1, 9, 1, 8, 1], 10) == [9, 1, 8, 1]  # ... after the earliest match
+    assert speculative.prompt_lookup_draft([1, 2, 3, 9, 3, 7, 1, 2, 3], 2) == [9, 3]  # the longest n-gram first
     assert speculative.prompt_lookup_draft([1, 2, 3], 4) == []
 
 
@@ -345,11 +347,11 @@ def test_vocabulary_subset_head_covers_the_subset_and_the_text(models):
     target, _ = models
     params, hparams = target
     x = np.random.default_rng(0).standard_normal((2, 1, 16)).astype(np.float32)
-    texts = [[5, 40000, 40000, 123], [7]]
+    texts = [[5, 40000, 40000, 123, 100], [7]]  # (100: the first token past the subset's 100)
     logits = x @ speculative.VocabSubset(params["wte"], 100, texts).T  # [2, 1, n_vocab]
     full = x @ params["wte"].T
     finite = np.isfinite(logits[:, 0])
-    assert finite[0].sum() == 102 and finite[0, 40000] and finite[0, 123] and finite[1].sum() == 100
+    assert finite[0].sum() == 103 and finite[0, [40000, 123, 100]].all() and finite[1].sum() == 100
     np.testing.assert_allclose(logits[finite[:, None]], full[finite[:, None]], rtol=1e-5, atol=1e-5)
 
 
