@@ -432,7 +432,7 @@ def test_no_network_and_no_local_files(capsys, tmp_path, monkeypatch):
     rc, out, err = run_main(capsys, "--models_dir", str(tmp_path), "--base_url", "http://127.0.0.1:9")
     assert rc == 2 and "could not download http://127.0.0.1:9/355M/encoder.json" in err  # the small files first
     assert err.count("\n") == 1
-    assert not [f for f in os.listdir(tmp_path / "355M")]  # nothing half-written
+    assert not (tmp_path / "355M").exists()  # nothing half-written, not even an empty folder
 
 
 def test_unwritable_models_dir(capsys, tmp_path):
