@@ -300,8 +300,8 @@ def test_verify_emits_every_position_distributed_as_its_p():
         ok, chi2, dof = chi_square_ok(counts, P[j].astype(np.float64), int(at.sum()))
         assert ok and counts[P[j] == 0].sum() == 0, (j, chi2, dof)
     rate = np.minimum(P[:K], Q).sum(axis=1)  # [K]: 1 - TV(p_i, q_i)
+    rows = k == K  # the rows that drafted all K
     for j in range(1, K + 1):
-        rows = k == K
         want = np.prod(rate[:j])
         assert abs((n[rows] >= j).mean() - want) < 6 * np.sqrt(want * (1 - want) / rows.sum()), j
 
