@@ -17,6 +17,7 @@ import time
 
 import requests
 import tiktoken
+import urllib3
 from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 from tiktoken_ext.openai_public import r50k_pat_str
 from tqdm import tqdm
@@ -68,15 +69,18 @@ class _Retry(Exception):
     """A transient failure: the download is tried again after a pause."""
 
 
+STALL_BYTES = 64 << 10  # a minute's: 1 KiB/s, at which 124M would take 6 days
 MOST_BYTES = 8 << 30  # more than any GPT-2 file (1558M's data: 6.2 GB): a server promising more is not one
 
 
-def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0):
+def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0, stall_s=60.0, stall_bytes=STALL_BYTES):
     """Stream `url` to `path`, atomically: bytes go to `path.part`, which is resumed
     with an HTTP Range request after an interruption and renamed to `path` only
     when its size equals the server's Content-Length. Bytes come as stored
     (Accept-Encoding: identity: a compressed body's length is not the file's), and a
-    resumed body must start where the .part ends (its Content-Range), else it starts over."""
+    resumed body must start where the .part ends (its Content-Range), else it starts over.
+    A try that brings under stall_bytes in stall_s seconds has stalled (timeout_s bounds
+    only each read, which a byte at a time resets) and the next try resumes it."""
     part = path + ".part"
     error = None
     for attempt in range(retries):
@@ -103,16 +107,22 @@ def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0):
                 with open(part, "ab" if resumed else "wb") as f, tqdm(
                         total=total, initial=have if resumed else 0, unit="B", unit_scale=True,
                         desc=os.path.basename(path), leave=False) as bar:
-                    for chunk in r.iter_content(chunk_size=1 << 20):
+                    since, got = time.monotonic(), 0  # the window the stall check counts over
+                    for chunk in arriving(r):
                         f.write(chunk)
                         bar.update(len(chunk))
+                        got += len(chunk)
+                        if time.monotonic() - since >= stall_s:
+                            if got < stall_bytes:
+                                raise _Retry(f"stalled: under {stall_bytes:,} bytes in {stall_s:g} s")
+                            since, got = time.monotonic(), 0
             size = os.path.getsize(part)
             if size != total:
                 raise _Retry(f"got {size} of {total} bytes")
             os.replace(part, path)
             return path
-        except (_Retry, requests.ConnectionError, requests.Timeout,
-                requests.exceptions.ChunkedEncodingError) as e:
+        except (_Retry, requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
+                urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError) as e:  # the latter two: arriving's
             error = e
         except requests.RequestException as e:  # a redirect loop, a body that does not decode...
             raise LoadError(f"could not download {url} ({type(e).__name__}): check --base_url / ${BASE_URL_ENV}")
@@ -120,9 +130,23 @@ def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0):
             raise LoadError(f"cannot write {part} ({e.strerror}): free some space or pass another --models_dir, "
                             "then run again to resume")
     reason = {requests.ConnectionError: "cannot connect", requests.Timeout: "timed out",
+              urllib3.exceptions.ReadTimeoutError: "timed out", urllib3.exceptions.ProtocolError: "connection dropped",
               requests.exceptions.ChunkedEncodingError: "connection dropped"}.get(type(error), str(error))
     raise LoadError(f"could not download {url} after {retries} tries ({reason}); "
                     f"check your network or --base_url, then run again to resume")
+
+
+def arriving(r, most=1 << 20):
+    """A streamed response's body as it arrives, at most `most` bytes a piece: urllib3's read1
+    returns what one read of the socket brings, where iter_content waits until `most` have come
+    (so a trickle would never reach the stall check). urllib3 before 2.3 has no read1: there,
+    iter_content's pieces."""
+    read1 = getattr(r.raw, "read1", None)
+    if read1 is None:
+        yield from r.iter_content(chunk_size=most)
+        return
+    while piece := read1(most, decode_content=True):
+        yield piece
 
 
 def continues(headers, have):

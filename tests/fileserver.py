@@ -5,9 +5,10 @@ import http.server
 import os
 import re
 import threading
+import time
 
 
-STICKY = ("always_short", "redirect_loop", "gzip", "endless", "superscript")  # on every request, not the next only
+STICKY = ("always_short", "redirect_loop", "gzip", "endless", "superscript", "trickle")  # on every request, not the next only
 
 
 class FaultyHandler(http.server.BaseHTTPRequestHandler):
@@ -65,12 +66,22 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
             self.wfile.flush()
             self.close_connection = True
             return
+        if fault == "trickle":  # a byte at a time, each well inside any read timeout
+            try:
+                for i in range(len(body)):
+                    self.wfile.write(body[i:i + 1])
+                    self.wfile.flush()
+                    time.sleep(server.trickle_s)
+            except (BrokenPipeError, ConnectionResetError):  # the client gave up on it
+                self.close_connection = True
+            return
         self.wfile.write(body)
 
 
 def start(root, ranges=True):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FaultyHandler)
     server.root, server.faults, server.requests, server.ranges = root, {}, [], ranges
+    server.trickle_s = 0.02
     threading.Thread(target=server.serve_forever, daemon=True).start()
     server.url = f"http://127.0.0.1:{server.server_address[1]}"
     return server

@@ -66,6 +66,28 @@ def test_connection_dropped_mid_file_is_retried_and_resumed(server, tmp_path):
     assert ranges[0] is None and ranges[1].startswith("bytes=") and len(ranges) == 2
 
 
+def test_a_server_that_trickles_has_stalled_and_each_try_resumes_it(server, tmp_path):
+    name = "hparams.json"  # ~80 bytes: at a byte every 20 ms, more than the two tries' 0.3 s bring
+    server.faults[f"124M/{name}"] = "trickle"
+    path = tmp_path / name
+    with pytest.raises(utils.LoadError, match=r"after 2 tries \(stalled: under 1,000 bytes in 0.3 s\).*run again to "
+                                              "resume"):
+        utils.download_file(f"{server.url}/124M/{name}", str(path), retries=2, stall_s=0.3, stall_bytes=1000, **FAST)
+    assert not path.exists()
+    kept = (tmp_path / f"{name}.part").read_bytes()
+    assert 0 < len(kept) < len(served(server, name)) and served(server, name).startswith(kept)
+    ranges = [r for p, r in server.requests if p.endswith(name)]
+    assert ranges[0] is None and ranges[1].startswith("bytes=") and len(ranges) == 2
+
+
+def test_a_slow_server_above_the_stall_floor_is_waited_for(server, tmp_path):
+    name = "hparams.json"
+    server.faults[f"124M/{name}"] = "trickle"
+    path = tmp_path / name
+    utils.download_file(f"{server.url}/124M/{name}", str(path), retries=1, stall_s=0.3, stall_bytes=3, **FAST)
+    assert path.read_bytes() == served(server, name)
+
+
 def test_server_without_range_support_restarts_cleanly(tmp_path):
     make_model_dir(str(tmp_path / "srv" / "124M"), "tiny-openai")
     s = fileserver.start(str(tmp_path / "srv"), ranges=False)
