@@ -27,7 +27,7 @@ from kernels import cuda, cuda_matmul  # noqa: E402
 def cubin(source, arch="sm_90"):
     program = nvrtc.createProgram(cuda.SHARED + source, "k.cu", [], [])
     try:
-        nvrtc.compileProgram(program, [f"--gpu-architecture={arch}", "-ftz=true"])  # (CuPy's -ftz)
+        nvrtc.compileProgram(program, [f"--gpu-architecture={arch}", *cuda.OPTIONS, "-ftz=true"])  # (CuPy's -ftz)
         elf = nvrtc.getCUBIN(program)
     finally:
         nvrtc.destroyProgram(program)

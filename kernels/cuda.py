@@ -21,6 +21,11 @@ import functools
 import numpy as np
 
 ARCH = "compute_80"  # the virtual architecture a check compiles for: A100, H100 and H200 run it
+# NVRTC fuses a * b + c into one rounding (an FMA) wherever it sees fit unless told not to, and
+# where it does may differ between a kernel's variants (a row alone, rows together) or from the
+# CPU's emulation of them. Every multiply-add a sum's order rests on is written as fmaf; nothing
+# else is fused, so each kernel rounds as its source reads, in every variant and on a CPU.
+OPTIONS = ("--fmad=false",)
 
 SHARED = r"""
 #define NEG_INF __int_as_float(0xff800000)  // -infinity, without math.h
@@ -89,7 +94,7 @@ def suffix(dtype):
 def module(source):
     """source (SHARED is prepended) compiled for this GPU: a cupy.RawModule."""
     import cupy
-    return cupy.RawModule(code=SHARED + source)
+    return cupy.RawModule(code=SHARED + source, options=OPTIONS)
 
 
 @functools.cache
@@ -105,7 +110,7 @@ def check(source):
     from cupy_backends.cuda.libs import nvrtc
     program = nvrtc.createProgram(SHARED + source, "check.cu", [], [])
     try:
-        nvrtc.compileProgram(program, [f"--gpu-architecture={ARCH}"])
+        nvrtc.compileProgram(program, [f"--gpu-architecture={ARCH}", *OPTIONS])
     except Exception as e:
         raise RuntimeError(f"{e}\n{nvrtc.getProgramLog(program)}") from None
     finally:

@@ -44,6 +44,7 @@ recorded and replayed) checks the kernels and the recording, as a GPU does.
 """
 import contextlib
 import functools
+import gc
 import types
 
 import numpy as np
@@ -161,6 +162,20 @@ def pointer(a):
     return a.data.ptr if hasattr(a.data, "ptr") else a.__array_interface__["data"][0]
 
 
+@contextlib.contextmanager
+def no_collection():
+    """Python's cyclic collector paused: the graphs of a dropped cache are freed by it (a
+    cache's steps and their forward hold each other), and freeing device memory while a
+    stream captures may lose the capture (CUDA counts cudaFree among the unsafe calls)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def record(forward, like):
     """(replay, output, what to keep alive): forward() recorded as a CUDA graph where `like`
     (an output it gave eagerly, so every kernel is compiled and loaded) is a CuPy array, on
@@ -174,7 +189,7 @@ def record(forward, like):
         return replay, out, None
     import cupy
     pool, stream = cupy.cuda.MemoryPool(), cupy.cuda.Stream(non_blocking=True)
-    with cupy.cuda.using_allocator(pool.malloc), stream:
+    with no_collection(), cupy.cuda.using_allocator(pool.malloc), stream:
         stream.begin_capture()
         try:
             out = forward()

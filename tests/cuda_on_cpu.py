@@ -4,7 +4,9 @@ fibers: each runs until it waits at a barrier; blocks one at a time, each kernel
 turns the last first and the first first). A machine without a GPU (CI) checks each kernel's
 numbers against NumPy with it, as tests/test_cuda_kernels.py does on a GPU; it cannot see
 speed, nor races that the GPU's weaker memory ordering alone would expose, nor the GPU's
-arithmetic where it differs (flush-to-zero, fused multiply-adds, the last bit of expf).
+arithmetic where it differs (flush-to-zero, the last bit of expf). Multiply-adds round as on
+the GPU: fused where the source says fmaf, nowhere else (a module must be compiled with
+--fmad=false, kernels/cuda.OPTIONS, which makes a GPU do the same).
 Where a GPU would stop a launch, it fails the launch: a block whose threads all wait at
 barriers that cannot open (a GPU hangs), a load at an address not a multiple of its type's
 alignment, a block over its __launch_bounds__ (or 1,024 threads) or over 48 KiB of dynamic
@@ -242,7 +244,21 @@ class Stream:
     def end_capture(self):
         global recording
         graph, recording = recording, None
+        if None in graph:
+            raise RuntimeError("cudaErrorStreamCaptureInvalidated: memory was freed (a MemoryPool) while capturing")
         return types.SimpleNamespace(launch=lambda: [run() for run in graph])
+
+
+class MemoryPool:
+    """cupy.cuda.MemoryPool: freeing one frees its memory (cudaFree), a call CUDA counts as
+    unsafe while a stream captures (PyTorch's allocator defers its frees until a capture ends):
+    here, as where it loses the capture, end_capture fails. A graph's pool is freed with its
+    graph, by Python's collector where a cycle holds it: a collection inside a capture would."""
+    malloc = None
+
+    def __del__(self):
+        if recording is not None:
+            recording.append(None)  # end_capture's cue: the capture was lost
 
 
 class Event:
@@ -264,7 +280,7 @@ def cupy():
     """A module standing in for cupy: what the model, the decoders and kernels/cuda*.py call of it."""
     module = types.ModuleType("cupy")
     cuda = types.SimpleNamespace(
-        Stream=Stream, MemoryPool=lambda: types.SimpleNamespace(malloc=None), Event=Event,
+        Stream=Stream, MemoryPool=MemoryPool, Event=Event,
         get_elapsed_time=get_elapsed_time,
         using_allocator=lambda malloc: contextlib.nullcontext(),
         runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, getDevice=lambda: 0, getDeviceProperties=lambda i: {
@@ -314,7 +330,9 @@ def for_cpu(source):
 class RawModule:
     """cupy.RawModule(code=...): compiled for the CPU, each kernel a ctypes function."""
 
-    def __init__(self, code):
+    def __init__(self, code, options=()):
+        if tuple(options) != ("--fmad=false",):  # (g++ here: -ffp-contract=off)
+            raise ValueError(f"the emulation rounds as NVRTC does with --fmad=false only, not with options {options}")
         code = for_cpu(code)
         self.kernels = kernels(code)
         launchers = [f'int turns_{name};  // its launches so far\nextern "C" int launch_{name}(int gx, int bx, '
@@ -433,8 +451,9 @@ def shared_statics(library, lib, exported):
     return [base + int(s[0], 16) for s in statics], [int(s[1], 16) for s in statics]
 
 
-# -fno-gnu-unique: a template's statics stay each library's own (unique ones bind across libraries)
-FLAGS = ["-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-fno-gnu-unique"]
+# -fno-gnu-unique: a template's statics stay each library's own (unique ones bind across libraries);
+# -ffp-contract=off: a * b + c rounded twice, as --fmad=false makes NVRTC (fmaf once, on both)
+FLAGS = ["-O1", "-std=c++20", "-pthread", "-shared", "-fPIC", "-fno-gnu-unique", "-ffp-contract=off"]
 
 
 @functools.cache

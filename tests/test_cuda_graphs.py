@@ -8,6 +8,7 @@ replayed as a GPU would, tests/cuda_on_cpu.py): the CPU's logits and text, and r
 to eager bit for bit."""
 import collections
 import dataclasses
+import gc
 import struct
 import sys
 
@@ -74,13 +75,13 @@ def test_a_typo_in_the_cuda_source_is_caught_without_a_gpu():
 
 def built_for(source, arch="sm_90"):
     """{kernel: [registers a thread, stack frame bytes, static shared memory bytes]} of source
-    as NVRTC builds it for arch (with CuPy's -ftz=true), read from the cubin: the .nv.info
+    as NVRTC builds it for arch (cuda.OPTIONS, and CuPy's -ftz=true), read from the cubin: the .nv.info
     sections' EIATTR_REGCOUNT (0x2f) and EIATTR_FRAME_SIZE (0x11), each an 8-byte value (the
     kernel's symbol, the number), and the size of its .nv.shared.<kernel> section."""
     from cupy_backends.cuda.libs import nvrtc
     program = nvrtc.createProgram(cuda.SHARED + source, "k.cu", [], [])
     try:
-        nvrtc.compileProgram(program, [f"--gpu-architecture={arch}", "-ftz=true"])
+        nvrtc.compileProgram(program, [f"--gpu-architecture={arch}", *cuda.OPTIONS, "-ftz=true"])
         elf = nvrtc.getCUBIN(program)
     finally:
         nvrtc.destroyProgram(program)
@@ -999,6 +1000,33 @@ def test_the_cpus_recording_runs_nothing_and_replays_the_device_arrays_of_now(mo
     assert "Invalidated" not in str(failed.value) and cuda_on_cpu.recording is None  # forward's error, not CUDA's
     cuda.module.cache_clear()
     cuda.function.cache_clear()
+
+
+def test_no_collection_inside_a_capture_frees_an_old_graphs_memory(monkeypatch):
+    """A dropped cache's graphs (each a pool of device memory) are freed by Python's collector,
+    and freeing memory while a stream captures loses the capture: none runs inside one."""
+    if cuda_on_cpu.unavailable():
+        pytest.skip(cuda_on_cpu.unavailable())
+    cupy = cuda_on_cpu.cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    x = cupy.asarray(np.ones(4, np.float32))
+
+    def forward():  # garbage, then a pass's many Python objects: a collection comes due inside it
+        old = {"pool": cupy.cuda.MemoryPool()}
+        old["itself"] = old  # held by a cycle only, as an old cache's graphs are
+        del old
+        return x * float(len([[i] for i in range(10_000)]))
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(1, 1, 1)  # collect at every allocation, every generation
+    try:
+        replay, out, _ = cuda_graphs.record(forward, x)
+        assert gc.isenabled()
+        gc.collect()  # (the old pool, now: outside the capture)
+    finally:
+        gc.set_threshold(*thresholds)
+    replay()
+    assert np.array_equal(cupy.asnumpy(out), [10_000.0] * 4)
 
 
 def emulated_with_our_kernels(monkeypatch):

@@ -19,7 +19,7 @@ def cupy():
 def kernel(cupy, body, name="k", bounds="", before=""):
     """extern "C" k(const float* x, float* y) with body, cuda.SHARED's helpers and `before` ahead."""
     source = cuda.SHARED + before + f'extern "C" __global__ void {bounds} {name}(const float* x, float* y) {{ {body} }}'
-    return cupy.RawModule(code=source).get_function(name)
+    return cupy.RawModule(code=source, options=cuda.OPTIONS).get_function(name)
 
 
 def launch(cupy, f, blocks, threads, x, shared_mem=0):
@@ -35,7 +35,8 @@ def test_a_vector_load_must_be_aligned_to_its_size(cupy):
     with pytest.raises(AssertionError, match="misaligned address"):
         launch(cupy, f, 1, 32, x[1:])  # 4 bytes past a 16-byte boundary
     half = cupy.RawModule(code=cuda.SHARED + 'extern "C" __global__ void k(const unsigned short* x, float* y) { '
-                          'float v[4]; load4(x + 4 * threadIdx.x, v); y[threadIdx.x] = v[3]; }').get_function("k")
+                          'float v[4]; load4(x + 4 * threadIdx.x, v); y[threadIdx.x] = v[3]; }',
+                          options=cuda.OPTIONS).get_function("k")
     h = cupy.asarray(np.arange(132, dtype=np.float16))  # [132]
     assert np.array_equal(launch(cupy, half, 1, 32, h), np.arange(3, 128, 4))
     for offset in (1, 2):  # float16 four at a time: 8 bytes
@@ -69,7 +70,7 @@ def test_a_read_of_what_another_thread_writes_without_a_barrier_fails_in_one_of_
     kernel's launches in between: each kernel takes its own turns."""
     module = cupy.RawModule(code=cuda.SHARED + 'extern "C" __global__ void other(float* y) { y[threadIdx.x] = 0; }\n'
                             'extern "C" __global__ void k(const float* x, float* y) { '
-                            f'int i = blockIdx.x * 64 + threadIdx.x; {body} }}')
+                            f'int i = blockIdx.x * 64 + threadIdx.x; {body} }}', options=cuda.OPTIONS)
     f, other = module.get_function("k"), module.get_function("other")
     x = cupy.asarray(np.ones(1, np.float32))
     runs = []
@@ -114,8 +115,8 @@ def test_a_block_over_its_launch_bounds_or_a_gpus_limits_is_not_launched(cupy):
 
 
 def test_a_kernels_arguments_must_be_of_its_parameters_types_as_cupy_passes_them(cupy):
-    f = cupy.RawModule(code='extern "C" __global__ void k(const float* x, int n, float* y) { y[0] = x[0] * n; }'
-                       ).get_function("k")
+    f = cupy.RawModule(code='extern "C" __global__ void k(const float* x, int n, float* y) { y[0] = x[0] * n; }',
+                       options=cuda.OPTIONS).get_function("k")
     x, y = cupy.asarray(np.full(1, 3, np.float32)), cupy.empty(1, np.float32)
     f((1,), (32,), (x, np.int32(2), y))
     assert y.get()[0] == 6
@@ -126,6 +127,18 @@ def test_a_kernels_arguments_must_be_of_its_parameters_types_as_cupy_passes_them
     with pytest.raises(TypeError, match="x is const float"):
         f((1,), (32,), (x.astype(np.float16), np.int32(2), y))
     wide = cupy.RawModule(code='extern "C" __global__ void k(unsigned long long n, unsigned short h, float* y) '
-                          '{ y[0] = n >> 32; y[1] = n & 0xffffffffull; y[2] = h; }').get_function("k")
+                          '{ y[0] = n >> 32; y[1] = n & 0xffffffffull; y[2] = h; }', options=cuda.OPTIONS
+                          ).get_function("k")
     wide((1,), (32,), (np.uint64(5 << 32 | 7), np.float16(1.0), y3 := cupy.empty(3, np.float32)))
     assert np.array_equal(y3.get(), [5, 7, 0x3c00])  # (float16's 1.0 is the bits 0x3c00)
+
+
+def test_a_multiply_add_rounds_twice_unless_the_source_says_fmaf(cupy):
+    """(1 + 2^-12)^2 = 1 + 2^-11 + 2^-24 rounds to 1 + 2^-11 (a tie, to even): less that, 0 when
+    rounded twice, 2^-24 when fused. NVRTC would fuse the first too but for --fmad=false."""
+    f = kernel(cupy, "y[0] = x[0] * x[1] + x[2]; y[1] = fmaf(x[0], x[1], x[2]);")
+    a = np.float32(1 + 2.0 ** -12)
+    x = cupy.asarray(np.array([a, a, -(a * a)], np.float32))
+    assert launch(cupy, f, 1, 32, x)[:2].tolist() == [0.0, 2.0 ** -24]
+    with pytest.raises(ValueError, match="--fmad=false only"):  # a module that a GPU would round otherwise
+        cupy.RawModule(code=cuda.SHARED + 'extern "C" __global__ void k(float* y) { }')
