@@ -67,6 +67,12 @@ def gpu_benchmark(args, command, save=lambda results: None):
             if size in decoded:
                 results["models"][name] = decode_rows(name, (params, hparams), ours, dtype, first, args, bandwidth)
                 save(results)
+        if size in decoded and args.anchors:  # after every dtype's rows: the compiled anchor may take minutes
+            alone = argparse.Namespace(**{**vars(args), "batch_sizes": [1]})  # batch 1
+            results["models"][size]["anchors"] = {
+                variant: transformers_apart(size, alone, "cuda", variant, timeout_s=ANCHOR_TIMEOUT_S, dtype=args.dtype[0])
+                for variant in args.anchors}
+            save(results)
     if "speculative" in args.only:
         draft, target = ours_of[args.draft], ours_of[args.target]
         with sampling_on_device():  # q and the verification in our kernels, a draft's K tokens one recorded graph
@@ -78,7 +84,7 @@ def gpu_benchmark(args, command, save=lambda results: None):
 def decode_rows(name, model, ours, dtype, first, args, bandwidth):
     """One model's decode rows at each batch, ours graphed (greedy and sampled), beside
     transformers in the same dtype; for the first dtype also eagerly through CuPy's
-    operations, and the batch-1 anchors."""
+    operations."""
     params, hparams = model
     eager = (layout.to_backend(params, "cupy", dtype, kernels=False), hparams) if first else None
     rows = []
@@ -103,13 +109,9 @@ def decode_rows(name, model, ours, dtype, first, args, bandwidth):
                                             f" (CuPy's operations {r['eager_itl_ms_p50']:.2f} ms)" if first else "")
                                         for r in rows)
           + f"; its weights at full bandwidth {hbm_ms:.2f} ms", flush=True)  # before the peers, which may hang
-    size = name.split()[0]
-    alone = argparse.Namespace(**{**vars(args), "batch_sizes": [1]})  # the anchors: batch 1
     return {"dtype": dtype, "decode": rows, "weights_at_bandwidth_ms": hbm_ms,
-            "transformers": transformers_apart(size, args, device="cuda", dtype=dtype),
-            "anchors": {variant: transformers_apart(size, alone, "cuda", variant, timeout_s=ANCHOR_TIMEOUT_S,
-                                                    dtype=dtype)
-                        for variant in (args.anchors if first else [])}}
+            "transformers": transformers_apart(name.split()[0], args, device="cuda", dtype=dtype),
+            "anchors": {}}  # the first dtype's: gpu_benchmark's, once every dtype has its rows
 
 
 def decoded_stats(decode, reps):

@@ -236,7 +236,8 @@ def numpy_as_cupy():
 
 
 def test_gpu_benchmark_runs_end_to_end(tmp_path, capsys, monkeypatch):
-    """Each dtype in turn: the first also through CuPy's operations and beside transformers' anchors."""
+    """Each dtype in turn: the first also through CuPy's operations and, once every dtype has
+    its rows, beside transformers' anchors (the compiled one may take minutes)."""
     monkeypatch.setitem(sys.modules, "cupy", numpy_as_cupy())
     peers = []  # as where transformers is missing: None
     monkeypatch.setattr(gpu, "transformers_apart", lambda size, args, device, variant="generate", timeout_s=0,
@@ -252,8 +253,8 @@ def test_gpu_benchmark_runs_end_to_end(tmp_path, capsys, monkeypatch):
         assert all(d["decode_tok_s"] > 0 and d["sampled_itl_ms_p50"] > 0 for d in m["decode"])
     assert all("eager_itl_ms_p50" in d for d in r["models"]["tiny"]["decode"])
     assert not any("eager_itl_ms_p50" in d for d in r["models"]["tiny float16"]["decode"])
-    assert peers == [("tiny", "generate", "float32"), ("tiny", "no_mask", "float32"), ("tiny", "static", "float32"),
-                     ("tiny", "generate", "float16")]
+    assert peers == [("tiny", "generate", "float32"), ("tiny", "generate", "float16"),  # the anchors after both
+                     ("tiny", "no_mask", "float32"), ("tiny", "static", "float32")]
     assert [row["K"] for row in r["speculative"]["by_K"]] == [1, 2]
     e2e = r["speculative"]["end_to_end"]  # through our kernels' recorded steps (each run checks its text is greedy's)
     assert e2e[0]["decoder"] == "autoregressive" and e2e[0]["tok_s"] > 0
@@ -458,9 +459,10 @@ def test_a_long_prompt_is_timed_from_when_its_client_sent_it(tiny, monkeypatch):
 def test_the_gpu_sessions_prepared_run_asks_only_for_what_exists(tmp_path):
     """benchmark_results/gpu_check.sh is a GPU session's one run: a flag the benchmark no longer
     takes, a -k that selects no test, or a probe that does not parse would cost that session its
-    15 minutes. Run with `timeout` played by a script that records each command instead, every
-    command it would run is checked here: the benchmark's flags parse, each test file exists and
-    each -k selects tests, each python -c compiles."""
+    15 minutes, as would steps whose caps outlast its deadline (the last cut off). Run with
+    `timeout` played by a script that records each command instead, every command it would run
+    is checked here: the caps fit, the benchmark's flags parse, each test file exists and each
+    -k selects tests, each python -c compiles."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls.jsonl"
     bin_dir.mkdir()
@@ -472,7 +474,10 @@ def test_the_gpu_sessions_prepared_run_asks_only_for_what_exists(tmp_path):
     done = subprocess.run(["bash", os.path.join(root, "benchmark_results", "gpu_check.sh")], cwd=root, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    commands = [json.loads(line)[3:] for line in calls.read_text().splitlines()]  # less "-k", N, the cap
+    calls = [json.loads(line) for line in calls.read_text().splitlines()]  # "-k", N, the cap, the command
+    steps = [int(c[2]) for c in calls if c[3] != "nvidia-smi" and c[3:5] != ["python3", "-c"]]
+    assert sum(steps) <= 570 - 15, steps  # GPU_CHECK_S's deadline, less the probes' seconds: every step runs whole
+    commands = [c[3:] for c in calls]
     probes = [c for c in commands if c[:2] == ["python3", "-c"]]
     for command in probes:
         compile(command[2], "python3 -c", "exec")
