@@ -5,6 +5,7 @@ greedy decoding, and the machine the numbers come from.
 Speed does not depend on weight values, so a model that is not in --models_dir runs with
 random weights of its real shapes; every section says which.
 """
+import concurrent.futures
 import os
 import platform
 import time
@@ -29,22 +30,40 @@ def random_params(size, seed=0, n_vocab=50257, n_ctx=1024, dtype="float32"):
     """GPT-2 params of the real shapes, random values (N(0, 0.02), like GPT-2's init),
     the matrices stored in dtype (weight_formats.py)."""
     n_embd, n_head, n_layer = SHAPES[size]
-    rng = np.random.default_rng(seed)
+    layer = [(n_embd,), (n_embd,),  # ln_1's and ln_2's biases, then attn's c_attn and c_proj, mlp's c_fc and c_proj
+             (n_embd, 3 * n_embd), (3 * n_embd,), (n_embd, n_embd), (n_embd,),
+             (n_embd, 4 * n_embd), (4 * n_embd,), (4 * n_embd, n_embd), (n_embd,)]
+    r = iter(normals(seed, [(n_vocab, n_embd), (n_ctx, n_embd), (n_embd,)] + layer * n_layer))  # in the order used
 
-    def r(*shape):
-        return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+    def ln():  # its gain 1, its bias drawn
+        return {"g": np.ones(n_embd, np.float32), "b": next(r)}
 
-    def ln():
-        return {"g": np.ones(n_embd, np.float32), "b": r(n_embd)}
-
-    blocks = [{"ln_1": ln(), "ln_2": ln(),
-               "attn": {"c_attn": {"w": r(n_embd, 3 * n_embd), "b": r(3 * n_embd)},
-                        "c_proj": {"w": r(n_embd, n_embd), "b": r(n_embd)}},
-               "mlp": {"c_fc": {"w": r(n_embd, 4 * n_embd), "b": r(4 * n_embd)},
-                       "c_proj": {"w": r(4 * n_embd, n_embd), "b": r(n_embd)}}} for _ in range(n_layer)]
+    def linear():
+        return {"w": next(r), "b": next(r)}
+    params = {"wte": next(r), "wpe": next(r), "ln_f": ln()}
+    params["blocks"] = [{"ln_1": ln(), "ln_2": ln(), "attn": {"c_attn": linear(), "c_proj": linear()},
+                         "mlp": {"c_fc": linear(), "c_proj": linear()}} for _ in range(n_layer)]
     hparams = {"n_vocab": n_vocab, "n_ctx": n_ctx, "n_embd": n_embd, "n_head": n_head, "n_layer": n_layer}
-    params = {"wte": r(n_vocab, n_embd), "wpe": r(n_ctx, n_embd), "blocks": blocks, "ln_f": ln()}
     return layout.decode_layout(params, dtype=dtype), hparams  # the memory order a loaded model has
+
+
+BLOCK = 1 << 22  # the values one generator draws
+
+
+def normals(seed, shapes):
+    """float32 arrays of these shapes, N(0, 0.02): drawn in blocks of BLOCK values, each by a
+    generator of its own (spawned from seed), on every core at once (NumPy's generators draw
+    without the GIL): the same values whatever the number of cores. On one, 1558M's 1.6 billion
+    were most of a GPU run's start."""
+    arrays = [np.empty(shape, np.float32) for shape in shapes]
+    blocks = [a.reshape(-1)[i:i + BLOCK] for a in arrays for i in range(0, a.size, BLOCK)]
+
+    def draw(part, seq):
+        np.random.default_rng(seq).standard_normal(out=part, dtype=np.float32)
+        part *= np.float32(0.02)
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
+        list(pool.map(draw, blocks, np.random.SeedSequence(seed).spawn(len(blocks))))
+    return arrays
 
 
 def load_or_random(size, models_dir, seed):

@@ -203,6 +203,18 @@ def test_random_params_have_the_real_shapes():
     assert common.matmul_weight_bytes(params) == 4 * (124_439_808 - 1024 * 768 - 12 * 4 * 768 - 2 * 768) + padding
 
 
+def test_random_weights_are_the_same_drawn_on_one_core_or_many(monkeypatch):
+    shapes = [(3, common.BLOCK + 5), (7,), (2 * common.BLOCK,)]  # blocks that cross arrays' ends, and a small one
+    many = common.normals(3, shapes)
+    monkeypatch.setattr(common.os, "cpu_count", lambda: 1)
+    one = common.normals(3, shapes)
+    assert all(a.dtype == np.float32 and a.shape == s and np.array_equal(a, b) for a, b, s in zip(many, one, shapes))
+    drawn = np.concatenate([a.reshape(-1) for a in many])
+    assert abs(drawn.std() / 0.02 - 1) < 1e-3 and abs(drawn.mean()) < 2e-5  # N(0, 0.02): 6 and 4 sigma
+    blocks = drawn[:common.BLOCK], drawn[common.BLOCK:2 * common.BLOCK]
+    assert abs(np.corrcoef(*blocks)[0, 1]) < 3e-3  # each block its own stream (6 sigma)
+
+
 def test_pass_seconds_times_one_cached_pass(tiny):
     """The benchmark's unit of cost (cli/timing.py): the seconds of a cached pass over T
     tokens, a decode step (T = 1) and a verification of 7 drafts (T = 8)."""
