@@ -139,7 +139,7 @@ def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0, stall_s=6
 def arriving(r, most=1 << 20):
     """A streamed response's body as it arrives, at most `most` bytes a piece: urllib3's read1
     returns what one read of the socket brings, where iter_content waits until `most` have come
-    (so a trickle would never reach the stall check). urllib3 before 2.3 has no read1: there,
+    (so a trickle would never reach the stall check). urllib3 before 2.2 has no read1: there,
     iter_content's pieces."""
     read1 = getattr(r.raw, "read1", None)
     if read1 is None:
