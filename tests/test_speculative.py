@@ -427,6 +427,8 @@ def test_penalties_see_the_drafted_text(models):
     want = plain(PROMPTS, target, 25, s)
     assert spec(PROMPTS, target, draft, 25, K=4, settings=s)[0] == want
     assert spec(PROMPTS, target, speculative.PROMPT_LOOKUP, 25, K=4, settings=s)[0] == want
+    out, stats = spec(PROMPTS, target, target, 25, K=4, settings=s)  # q counts its own drafts as p does: all taken
+    assert out == want and stats.acceptance_rate == 1.0 and stats.rejected == 0
 
 
 def test_requests_with_different_settings_share_a_batch(models):
