@@ -418,6 +418,22 @@ def test_sampled_text_is_the_same_alone_or_in_any_batch(models):
     assert [plain([p], target, 25, s, seed=5 + i)[0] for i, p in enumerate(prompts)] == plain_together
 
 
+def test_each_row_keeps_every_token_it_accepted(models, monkeypatch):
+    """After a step each row's target cache holds its whole text but the last token (the next
+    pass's input): a row is not rolled back to the shortest (which would recompute tokens)."""
+    target, draft = models
+    step, held = speculative.speculative_step, []
+
+    def checked(batch, *args):
+        step(batch, *args)
+        kv = batching.cache(batch, "target")
+        held.append([(int(kv["starts"][b] + kv["lengths"][b]), len(seq.tokens) - 1) for b, seq in enumerate(batch.seqs)])
+    monkeypatch.setattr(speculative, "speculative_step", checked)
+    out, _ = spec(PROMPTS, target, draft, 20, K=4)
+    assert out == plain(PROMPTS, target, 20) and all(have == want for rows in held for have, want in rows)
+    assert any(len({want for _, want in rows}) == len(rows) for rows in held)  # rows of unequal texts among them
+
+
 def test_penalties_see_the_drafted_text(models):
     """With a frequency penalty the target's p at draft position i must count d_1..d_i:
     greedy speculative then still equals greedy plain decoding under the same penalty."""
