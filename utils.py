@@ -121,8 +121,8 @@ def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0, stall_s=6
                 raise _Retry(f"got {size} of {total} bytes")
             os.replace(part, path)
             return path
-        except (_Retry, requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
-                urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError) as e:  # the latter two: arriving's
+        except (_Retry, requests.ConnectionError, requests.Timeout,
+                requests.exceptions.ChunkedEncodingError) as e:
             error = e
         except requests.RequestException as e:  # a redirect loop, a body that does not decode...
             raise LoadError(f"could not download {url} ({type(e).__name__}): check --base_url / ${BASE_URL_ENV}")
@@ -130,7 +130,7 @@ def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0, stall_s=6
             raise LoadError(f"cannot write {part} ({e.strerror}): free some space or pass another --models_dir, "
                             "then run again to resume")
     reason = {requests.ConnectionError: "cannot connect", requests.Timeout: "timed out",
-              urllib3.exceptions.ReadTimeoutError: "timed out", urllib3.exceptions.ProtocolError: "connection dropped",
+              requests.ReadTimeout: "timed out",
               requests.exceptions.ChunkedEncodingError: "connection dropped"}.get(type(error), str(error))
     raise LoadError(f"could not download {url} after {retries} tries ({reason}); "
                     f"check your network or --base_url, then run again to resume")
@@ -139,14 +139,19 @@ def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0, stall_s=6
 def arriving(r, most=1 << 20):
     """A streamed response's body as it arrives, at most `most` bytes a piece: urllib3's read1
     returns what one read of the socket brings, where iter_content waits until `most` have come
-    (so a trickle would never reach the stall check). urllib3 before 2.2 has no read1: there,
-    iter_content's pieces."""
-    read1 = getattr(r.raw, "read1", None)
-    if read1 is None:
-        yield from r.iter_content(chunk_size=most)
-        return
-    while piece := read1(most, decode_content=True):
-        yield piece
+    (so a trickle would never reach the stall check). urllib3's errors become requests' own, as
+    iter_content makes them."""
+    try:
+        while piece := r.raw.read1(most, decode_content=True):
+            yield piece
+    except urllib3.exceptions.ReadTimeoutError as e:
+        raise requests.exceptions.ReadTimeout(e) from None
+    except urllib3.exceptions.ProtocolError as e:  # a connection reset or closed early
+        raise requests.exceptions.ChunkedEncodingError(e) from None
+    except urllib3.exceptions.DecodeError as e:
+        raise requests.exceptions.ContentDecodingError(e) from None
+    except urllib3.exceptions.SSLError as e:
+        raise requests.exceptions.SSLError(e) from None
 
 
 def continues(headers, have):

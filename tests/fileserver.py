@@ -8,7 +8,8 @@ import threading
 import time
 
 
-STICKY = ("always_short", "redirect_loop", "gzip", "endless", "superscript", "trickle")  # on every request, not the next only
+# on every request, not the next only
+STICKY = ("always_short", "redirect_loop", "gzip", "endless", "superscript", "trickle")
 
 
 class FaultyHandler(http.server.BaseHTTPRequestHandler):
@@ -29,6 +30,13 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
             self.send_response(302)
             self.send_header("Location", self.path)
             self.end_headers()
+            return
+        if fault == "not_gzip":  # says gzip whatever was asked for, sends bytes that are not
+            self.send_response(200)
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
             return
         if fault == "gzip" and "gzip" in (self.headers.get("Accept-Encoding") or ""):  # as a CDN may
             body = gzip.compress(data)

@@ -83,9 +83,18 @@ def test_a_server_that_trickles_has_stalled_and_each_try_resumes_it(server, tmp_
 def test_a_slow_server_above_the_stall_floor_is_waited_for(server, tmp_path):
     name = "hparams.json"
     server.faults[f"124M/{name}"] = "trickle"
-    path = tmp_path / name
-    utils.download_file(f"{server.url}/124M/{name}", str(path), retries=1, stall_s=0.3, stall_bytes=3, **FAST)
+    path = tmp_path / name  # ~25 bytes a window of 0.5 s: a pause of 0.45 s would be a stall
+    utils.download_file(f"{server.url}/124M/{name}", str(path), retries=1, stall_s=0.5, stall_bytes=3, **FAST)
     assert path.read_bytes() == served(server, name)
+
+
+def test_a_body_that_does_not_decode_is_one_clear_error(server, tmp_path):
+    name = "hparams.json"
+    server.faults[f"124M/{name}"] = "not_gzip"
+    with pytest.raises(utils.LoadError, match=r"could not download .*hparams.json \(ContentDecodingError\): check "
+                                              "--base_url"):
+        utils.download_file(f"{server.url}/124M/{name}", str(tmp_path / name), **FAST)
+    assert not (tmp_path / name).exists()
 
 
 def test_server_without_range_support_restarts_cleanly(tmp_path):
