@@ -53,8 +53,7 @@ BLOCK = 1 << 22  # the values one generator draws
 def normals(seed, shapes):
     """float32 arrays of these shapes, N(0, 0.02): drawn in blocks of BLOCK values, each by a
     generator of its own (spawned from seed), on every core at once (NumPy's generators draw
-    without the GIL): the same values whatever the number of cores. On one, 1558M's 1.6 billion
-    were most of a GPU run's start."""
+    without the GIL): the same values whatever the number of cores."""
     arrays = [np.empty(shape, np.float32) for shape in shapes]
     blocks = [a.reshape(-1)[i:i + BLOCK] for a in arrays for i in range(0, a.size, BLOCK)]
 

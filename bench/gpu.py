@@ -31,7 +31,7 @@ SAMPLED = sampling.SamplingSettings(temperature=0.8, top_p=0.9)  # main.py's def
 def gpu_benchmark(args, command, save=lambda results: None):
     """--backend cupy: decode speed at each size and batch next to transformers on the
     same GPU, what one CuPy call costs the host, and the speculative costs; save(results)
-    after each model's tables, so that a run stopped midway keeps what it measured."""
+    after each table, so that a run stopped midway keeps what it measured."""
     cupy = layout.gpu_library()
     x = cupy.ones(1024, np.float32)
 
@@ -67,16 +67,17 @@ def gpu_benchmark(args, command, save=lambda results: None):
             if size in decoded:
                 results["models"][name] = decode_rows(name, (params, hparams), ours, dtype, first, args, bandwidth)
                 save(results)
-        if size in decoded and args.anchors:  # after every dtype's rows: the compiled anchor may take minutes
-            alone = argparse.Namespace(**{**vars(args), "batch_sizes": [1]})  # batch 1
-            results["models"][size]["anchors"] = {
-                variant: transformers_apart(size, alone, "cuda", variant, timeout_s=ANCHOR_TIMEOUT_S, dtype=args.dtype[0])
-                for variant in args.anchors}
-            save(results)
+        if size in decoded:  # after every dtype's rows: the compiled anchor may take minutes
+            alone = argparse.Namespace(**{**vars(args), "batch_sizes": [1]})  # the issue's anchors are batch 1's
+            for variant in args.anchors:
+                results["models"][size]["anchors"][variant] = transformers_apart(
+                    size, alone, "cuda", variant, timeout_s=ANCHOR_TIMEOUT_S, dtype=args.dtype[0])
+                save(results)
     if "speculative" in args.only:
         draft, target = ours_of[args.draft], ours_of[args.target]
         with sampling_on_device():  # q and the verification in our kernels, a draft's K tokens one recorded graph
-            costs = bench_speculative_costs(draft, target, args)
+            results["speculative"] = costs = bench_speculative_costs(draft, target, args)
+            save(results)
             results["speculative"] = dict(costs, end_to_end=bench_speculative_end_to_end(draft, target, costs, args))
     return results
 

@@ -245,14 +245,15 @@ class Stream:
         global recording
         graph, recording = recording, None
         if None in graph:
-            raise RuntimeError("cudaErrorStreamCaptureInvalidated: memory was freed (a MemoryPool) while capturing")
+            raise RuntimeError("memory was freed (a MemoryPool) while capturing: a GPU may lose the capture "
+                               "(cudaErrorStreamCaptureInvalidated)")
         return types.SimpleNamespace(launch=lambda: [run() for run in graph])
 
 
 class MemoryPool:
     """cupy.cuda.MemoryPool: freeing one frees its memory (cudaFree), a call CUDA counts as
     unsafe while a stream captures (PyTorch's allocator defers its frees until a capture ends):
-    here, as where it loses the capture, end_capture fails. A graph's pool is freed with its
+    here end_capture fails, as where a GPU loses the capture. A graph's pool is freed with its
     graph, by Python's collector where a cycle holds it: a collection inside a capture would."""
     malloc = None
 

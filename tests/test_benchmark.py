@@ -204,7 +204,7 @@ def test_random_params_have_the_real_shapes():
 
 
 def test_random_weights_are_the_same_drawn_on_one_core_or_many(monkeypatch):
-    shapes = [(3, common.BLOCK + 5), (7,), (2 * common.BLOCK,)]  # blocks that cross arrays' ends, and a small one
+    shapes = [(3, common.BLOCK + 5), (7,), (2 * common.BLOCK,)]  # blocks that cross rows' ends, and a small one
     many = common.normals(3, shapes)
     monkeypatch.setattr(common.os, "cpu_count", lambda: 1)
     one = common.normals(3, shapes)
@@ -488,7 +488,7 @@ def test_the_gpu_sessions_prepared_run_asks_only_for_what_exists(tmp_path):
     assert done.returncode == 0, done.stderr
     calls = [json.loads(line) for line in calls.read_text().splitlines()]  # "-k", N, the cap, the command
     steps = [int(c[2]) for c in calls if c[3] != "nvidia-smi" and c[3:5] != ["python3", "-c"]]
-    assert sum(steps) <= 570 - 15, steps  # GPU_CHECK_S's deadline, less the probes' seconds: every step runs whole
+    assert sum(steps) <= 570 - 15, steps  # GPU_CHECK_S's deadline: every step runs whole if the probes take 15 s
     commands = [c[3:] for c in calls]
     probes = [c for c in commands if c[:2] == ["python3", "-c"]]
     for command in probes:

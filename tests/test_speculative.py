@@ -427,7 +427,8 @@ def test_each_row_keeps_every_token_it_accepted(models, monkeypatch):
     def checked(batch, *args):
         step(batch, *args)
         kv = batching.cache(batch, "target")
-        held.append([(int(kv["starts"][b] + kv["lengths"][b]), len(seq.tokens) - 1) for b, seq in enumerate(batch.seqs)])
+        held.append([(int(kv["starts"][b] + kv["lengths"][b]), len(seq.tokens) - 1)
+                     for b, seq in enumerate(batch.seqs)])
     monkeypatch.setattr(speculative, "speculative_step", checked)
     out, _ = spec(PROMPTS, target, draft, 20, K=4)
     assert out == plain(PROMPTS, target, 20) and all(have == want for rows in held for have, want in rows)

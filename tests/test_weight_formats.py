@@ -190,7 +190,7 @@ def test_narrow_logits_stay_near_float32_and_keep_the_hot_path_float32(wide_form
     got = gpt2.gpt2(ids, **wide_formats[dtype][0], n_head=12)
     assert got.dtype == np.float32
     rel = np.abs(got - full).max() / np.abs(full).max()
-    assert 0 < rel < {"bfloat16": 0.02, "int8": 0.05, "int4": 0.35}[dtype]  # int4 measured 0.25: 4 bits' step
+    assert 0 < rel < {"bfloat16": 0.02, "int8": 0.05, "int4": 0.35}[dtype]  # int4 measured 0.23: 4 bits' step
     assert (got.argmax(-1) == full.argmax(-1)).mean() > {"bfloat16": 0.5, "int8": 0.5, "int4": 0.4}[dtype]
 
 
