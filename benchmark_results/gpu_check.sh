@@ -10,8 +10,8 @@
 # The steps run in the order of what a session most needs to learn, each under a timeout of its
 # own cap or the time left before the deadline (GPU_CHECK_S, 570 s: inside one device call's 600,
 # since a session's 15 minutes hold one call and the machine's start; the caps add up to it less
-# 15 s for the probes, a test checks: caps guessed from that H200 run's 39 s of test_cupy.py, as
-# no GPU has run the rest yet); a step with under 20 s left is skipped, and says so. Every
+# 15 s for the probes, a test checks: caps guessed from the H200 run of 2026-11-26, 39 s of
+# test_cupy.py, as no GPU has run the rest yet); a step with under 20 s left is skipped, and says so. Every
 # step keeps its log whatever failed before it (no set -e), and the benchmark writes its results
 # after each table, so a step cut off keeps what it measured.
 # Output under $OUT (our GPU sessions' tool brings back that folder, 8 files at most: these are 8),

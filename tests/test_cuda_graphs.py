@@ -1004,7 +1004,7 @@ def test_the_cpus_recording_runs_nothing_and_replays_the_device_arrays_of_now(mo
 
 def test_no_collection_inside_a_capture_frees_an_old_graphs_memory(monkeypatch):
     """A dropped cache's graphs (each a pool of device memory) are freed by Python's collector,
-    and freeing memory while a stream captures loses the capture: none runs inside one."""
+    and freeing memory while a stream captures may lose the capture: none runs inside one."""
     if cuda_on_cpu.unavailable():
         pytest.skip(cuda_on_cpu.unavailable())
     cupy = cuda_on_cpu.cupy()
