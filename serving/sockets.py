@@ -69,7 +69,9 @@ def guard(app, key, max_bytes, read_timeout_s):
     """ASGI middleware: refuse a request without the API key (401, before anything else is
     looked at: an unknown path, a body's size), then read the whole body before the app
     sees it, refusing one larger than max_bytes (413, declared or chunked, once the rest is read
-    and dropped for up to LINGER_S) or slower than read_timeout_s (408)."""
+    and dropped for up to LINGER_S) or slower than read_timeout_s (408). One whose body is
+    still arriving when the server stops gets its 503 then (the same way), not uvicorn's
+    plain-text 500 when the drain time runs out."""
     async def guarded(scope, receive, send):
         if scope["type"] != "http":
             return await app(scope, receive, send)
@@ -78,10 +80,11 @@ def guard(app, key, max_bytes, read_timeout_s):
             refusal = ApiError("too many connections; retry later", status=503, kind="server_busy")
         if refusal:
             return await error_response(refusal, close=True)(scope, receive, send)
+        connection = scope["state"]["connection"]
         declared = dict(scope["headers"]).get(b"content-length")  # h11 has already refused a malformed one
         body, more, deadline = b"", True, time.monotonic() + read_timeout_s
         too_large = declared is not None and int(declared) > max_bytes  # then not read at all
-        while more and not too_large:
+        while more and not too_large and not connection.stopping:
             try:
                 message = await asyncio.wait_for(receive(), deadline - time.monotonic())
             except asyncio.TimeoutError:
@@ -91,8 +94,9 @@ def guard(app, key, max_bytes, read_timeout_s):
                 return
             body += message.get("body", b"")
             more, too_large = message.get("more_body", False), len(body) > max_bytes
-        if too_large:  # the rest is read and dropped for up to LINGER_S first, so that the client (which would
-            # get a TCP reset for bytes it sends after the close) reads the 413: nginx's lingering close
+        if more or too_large:  # too large, or the server stopping: what is left is read and dropped for up to
+            # LINGER_S first, so that the client (which would get a TCP reset for bytes it sends after the
+            # close) reads the answer: nginx's lingering close
             linger_until = time.monotonic() + LINGER_S
             while more and time.monotonic() < linger_until:
                 try:
@@ -102,7 +106,8 @@ def guard(app, key, max_bytes, read_timeout_s):
                 if message["type"] == "http.disconnect":
                     return
                 more = message.get("more_body", False)
-            e = ApiError(f"the request body is larger than this server's --max_body_bytes {max_bytes}", status=413)
+            e = (ApiError(f"the request body is larger than this server's --max_body_bytes {max_bytes}", status=413)
+                 if too_large else ApiError("the server is shutting down", status=503, kind="server_busy"))
             return await error_response(e, close=True)(scope, receive, send)
         replayed = False
 
@@ -203,6 +208,7 @@ def connection_protocol(listener, max_connections, read_timeout_s, write_timeout
             self.half_closed, self.window, self.first_edge, self.refused = False, 0, 0, False
             self.filling = False  # written into its open window whatever its pace, until a read shows
             self.held = False  # the server holds events back for this client (its stream backed up: engine.backlog)
+            self.stopping = False  # the server stops: a body still arriving is not waited for (guard)
             self.reserved = len(self.connections) > max_connections
             if len(self.connections) > max_connections + RESERVED:
                 self.refuse()
@@ -248,6 +254,15 @@ def connection_protocol(listener, max_connections, read_timeout_s, write_timeout
                 return None
             self.cycle.keep_alive = False  # answer, then close
             return True
+
+        def shutdown(self):
+            """(uvicorn, as the server stops) A request still sending its body is woken to be
+            answered 503 (guard); the rest is as uvicorn does: an idle connection closes, a
+            request's response is the connection's last."""
+            self.stopping = True
+            if self.cycle is not None and self.cycle.more_body:
+                self.cycle.message_event.set()  # its receive() returns what came, with more_body still set
+            super().shutdown()
 
         def expect_headers(self):
             self.header_deadline = self.loop.call_later(read_timeout_s, self.headers_overdue)

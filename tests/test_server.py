@@ -424,6 +424,32 @@ def test_sigint_and_sigterm_end_requests_in_flight_and_exit_0(models_dir, sig, a
         proc.kill()
 
 
+def test_a_request_still_sending_its_body_when_the_server_stops_gets_a_json_503_at_once(models_dir):
+    """A client half way through its body as the server stops (a slow uploader, or one
+    that sends headers and waits) kept the drain waiting its --drain_s, and was then
+    answered uvicorn's plain-text 500 (a traceback logged): now the 503 that every other
+    request in flight gets, as JSON, within the LINGER_S that a refusal reads for."""
+    httpd, engine, url = start(models_dir, "--read_timeout_s", "60", "--drain_s", "30")
+    body = json.dumps({"prompt": "x", "max_tokens": 5}).encode()
+    sock = socket.create_connection(("127.0.0.1", httpd.address[1]), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:10]))
+    time.sleep(0.5)  # its headers read, its body awaited
+    stopper = threading.Thread(target=server.stop, args=(httpd, engine))
+    started = time.monotonic()
+    stopper.start()
+    got = b""
+    while part := sock.recv(65536):
+        got += part
+    took = time.monotonic() - started
+    stopper.join(60)
+    head, _, rest = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503 ") and b"connection: close" in head.lower(), got[:300]
+    assert json.loads(rest)["error"] == {"message": "the server is shutting down", "type": "server_busy",
+                                         "param": None, "code": 503}
+    assert took < 5 and not httpd.thread.is_alive()
+
+
 @pytest.mark.parametrize("budget", ["0", "-2", "7"])
 def test_a_prefill_budget_below_max_batch_is_one_line_before_anything_loads(capsys, tmp_path, budget):
     assert server.entry(["--max_prefill_tokens", budget, "--max_batch", "8", "--models_dir", str(tmp_path)]) == 2
