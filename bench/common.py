@@ -50,6 +50,11 @@ def random_params(size, seed=0, n_vocab=50257, n_ctx=1024, dtype="float32"):
 BLOCK = 1 << 22  # the values one generator draws
 
 
+def cores():
+    """The cores this process may run on (taskset, a container's cpuset), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def normals(seed, shapes):
     """float32 arrays of these shapes, N(0, 0.02): drawn in blocks of BLOCK values, each by a
     generator of its own (spawned from seed), on every core at once (NumPy's generators draw
@@ -60,7 +65,7 @@ def normals(seed, shapes):
     def draw(part, seq):
         np.random.default_rng(seq).standard_normal(out=part, dtype=np.float32)
         part *= np.float32(0.02)
-    with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
+    with concurrent.futures.ThreadPoolExecutor(cores()) as pool:
         list(pool.map(draw, blocks, np.random.SeedSequence(seed).spawn(len(blocks))))
     return arrays
 
@@ -151,7 +156,7 @@ def machine_info():
     from threadpoolctl import threadpool_info
     blas = [f"{i['internal_api']} {i['version']} ({i.get('architecture')}, {i['num_threads']} threads)"
             for i in threadpool_info() if i["user_api"] == "blas"]
-    info = {"cpu": model, "cpu_count": os.cpu_count(),
+    info = {"cpu": model, "cpu_count": cores(),
             "simd": [s for s in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni") if s in flags],
             "platform": platform.platform(), "numpy": np.__version__, "blas": blas, "row_kernel": rowwise.KERNEL}
     if rowwise.KERNEL == "numba":

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from bench import peers
+from bench import common, peers
 
 MISSING = next((f"{name} is not installed; pip install gguf llama-cpp-python" for name in ("gguf", "llama_cpp")
                 if importlib.util.find_spec(name) is None), None)
@@ -167,7 +167,7 @@ def start_peers(params, hparams, size, dtypes, workdir, n_ctx, ids, want):
     and loaded by llama.cpp in a process of its own, its logits for ids checked against
     ours (want). On the F32 file they must be ours, else we would time another model: then
     no format is timed. A format that crashes or refuses is a line in record["failed"]."""
-    live, record = {}, {"version": None, "threads": os.cpu_count(), "files": [], "decode": [], "failed": []}
+    live, record = {}, {"version": None, "threads": common.cores(), "files": [], "decode": [], "failed": []}
     for dtype in dtypes:
         fmt = PEER_FORMATS[dtype]
         path = os.path.join(workdir, f"gpt2-{size}-{fmt}.gguf")
@@ -180,7 +180,7 @@ def start_peers(params, hparams, size, dtypes, workdir, n_ctx, ids, want):
         write_s = time.perf_counter() - start
         peer = peers.start()
         try:
-            opened = peers.call(peer, peer_open, path, n_ctx, os.cpu_count(), ids, want)
+            opened = peers.call(peer, peer_open, path, n_ctx, common.cores(), ids, want)
         except peers.PeerFailed as e:
             peers.stop(peer)
             fail(record, size, fmt, "loading", str(e))

@@ -206,7 +206,7 @@ def test_random_params_have_the_real_shapes():
 def test_random_weights_are_the_same_drawn_on_one_core_or_many(monkeypatch):
     shapes = [(3, common.BLOCK + 5), (7,), (2 * common.BLOCK,)]  # blocks that cross rows' ends, and a small one
     many = common.normals(3, shapes)
-    monkeypatch.setattr(common.os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(common, "cores", lambda: 1)
     one = common.normals(3, shapes)
     assert all(a.dtype == np.float32 and a.shape == s and np.array_equal(a, b) for a, b, s in zip(many, one, shapes))
     drawn = np.concatenate([a.reshape(-1) for a in many])
