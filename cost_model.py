@@ -8,9 +8,11 @@ decode steps, K draft tokens (c each) plus one target pass over K+1 tokens, veri
     speedup(alpha, K) = E(alpha, K) / (c * K + verify(K+1))
 
 (the first draft token after a fully accepted step covers two tokens, `catch_up`). On a
-GPU verify(K+1) stays near 1 up to K ~ 7, so a large K pays; on a 2-core CPU a pass over
-K+1 tokens costs 1.1-1.7 steps with the row kernel (kernels/row_kernel.py, CPU_VERIFY), so K stays
-moderate. `best_K` picks the K with the largest speedup; adaptive K (speculative.py) asks it
+GPU a pass over K+1 tokens reads the same weights and makes about the same calls as a step:
+verify(K+1) measured 0.97-1.10 steps up to K = 7 on an H100 and 1.2-1.4 on an H200
+(benchmark_results/earlier/cupy, cupy-h200), so a large K pays; on a 2-core CPU a pass over
+K+1 tokens costs 1.1-1.7 steps with the row kernel (kernels/row_kernel.py, CPU_VERIFY), so K
+stays moderate. `best_K` picks the K with the largest speedup; adaptive K (speculative.py) asks it
 before every step with each row's own alpha. The costs are fixed numbers, never this run's
 clock, so the same seed gives the same text; `cli.timing.measure_costs` times them on the
 machine at hand to advise (main.py prints the K it recommends). This file is the math only.

@@ -19,7 +19,7 @@ advance or roll back by its own amount. This file owns every index calculation:
 which tokens a pass runs, where their keys go, what attention reads, rollback,
 and moving rows.
 
-The sliding window: GPT-2 learned position embeddings for n_ctx positions only.
+The window: GPT-2 learned position embeddings for n_ctx positions only.
 A window that slides one token at a time would shift every cached key's
 position, so each new token would cost a full prefill. Instead the window
 restarts: once a text outgrows it, the model sees only the last n_ctx // 2

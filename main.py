@@ -122,7 +122,7 @@ def tokenize(encoder, prompts, n_ctx):
         if len(i) > n_ctx:
             seen = len(i) - kv_cache.window_start(len(i), n_ctx)
             print(f"note: a prompt is {len(i)} tokens, more than GPT-2's {n_ctx}-token window: the model sees "
-                  f"its last {seen} (the sliding window, see README)")
+                  f"its last {seen} (the window restarts: README section 3)")
     return ids
 
 

@@ -49,28 +49,28 @@ import sampling
 from kernels import cuda_decode_loop, cuda_sampling
 
 
-def verify(p, q, drafts, k, u, v):
+def verify(p, q, d, k, u, v):
     """Accept/reject K drafted tokens per row, then draw one more from the target. The
     names are Leviathan et al.'s (Chen et al. swap them): p is the target's, q the draft's (not
-    attention's query), k counts drafts.
+    attention's query: nor are u and v its keys and values), k counts drafts.
 
     p [B, K+1, n_vocab]: target distributions; p[:, i] is for the token after d_1..d_i.
     q [B, K, n_vocab]: draft distributions the drafts were sampled from (None: one-hot at the
       drafts, a deterministic drafter's).
-    drafts [B, K], k [B]: row b drafted k[b] <= K real tokens.
+    d [B, K], k [B]: the drafts d_1..d_K, right-padded: row b drafted k[b] <= K real tokens.
     u [B, K], v [B]: uniform draws in (0, 1] for the acceptance tests (Leviathan et al.'s r,
       their K being gamma) and the last token.
     Returns (n [B] accepted drafts, token [B] the target's own next token).
     """
     if cuda_sampling.takes(p):  # a GPU's kernels of our own: the same n and token in two launches
-        return cuda_sampling.verify(p, q, drafts, k, u, v)
-    q = one_hot(drafts, k, p.shape[-1]) if q is None else q
-    B, K = drafts.shape
-    q, drafts, k, u = (np.asarray(a, like=p) for a in (q, drafts, k, u))  # to p's device (NumPy: no copy)
+        return cuda_sampling.verify(p, q, d, k, u, v)
+    q = one_hot(d, k, p.shape[-1]) if q is None else q
+    B, K = d.shape
+    q, d, k, u = (np.asarray(a, like=p) for a in (q, d, k, u))  # to p's device (NumPy: no copy)
     rows = np.arange(B, like=p)  # [B]
     i = np.arange(K, like=p)  # [K]
-    p_d = p[rows[:, None], i, drafts]  # [B, K]: p_{i+1}(d_{i+1}), i counting from 0
-    q_d = q[rows[:, None], i, drafts]  # [B, K]: q_{i+1}(d_{i+1})
+    p_d = p[rows[:, None], i, d]  # [B, K]: p_{i+1}(d_{i+1}), i counting from 0
+    q_d = q[rows[:, None], i, d]  # [B, K]: q_{i+1}(d_{i+1})
     # [B, K]: u < p/q without dividing by q = 0 (Algorithm 1 tests r <= p/q; a tie has chance 0, and
     # < refuses a token that p and q both give 0)
     accept = (u * q_d < p_d) & (i < k[:, None])

@@ -1,6 +1,6 @@
 """CUDA C of our own, compiled where it runs: what the GPU's kernels share.
 
-On a GPU every CuPy call costs the host ~12 us to launch, and a GPT-2 step is hundreds
+On a GPU every CuPy call costs the host 12-20 us to launch (an H100, an H200), and a GPT-2 step is hundreds
 of them, so the host, not the GPU, sets the pace. The cure (cuda_graphs.py) is to record
 a whole step once as a CUDA graph and replay it with one call. A few of a step's
 operations are kernels of our own for it, in CUDA C: the products (cuda_matmul.py),

@@ -78,7 +78,7 @@ def serve(requests, decoder, max_batch=8, max_len=None, static=False, prefix=Non
     """Answer requests (batching.Request, each with its arrival_s) as they arrive, with
     at most max_batch in flight; yields Events as tokens come and requests finish.
     max_len: the most tokens (prompt + new) a row holds; at the window (the default)
-    every request fits, a longer text sliding its window as in every other path.
+    every request fits, a longer text restarting its window as in every other path.
     prefix: a prefix cache (prefix_cache.new_prefix_cache) to keep computed beginnings in.
     max_prefill_tokens: chunked prefill's budget per iteration; None: prompts run whole.
     stats: a batching.Stats to count in (its itl_ms: the gaps between steps, what a stream sees).

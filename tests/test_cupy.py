@@ -93,7 +93,7 @@ def test_greedy_text_equals_numpy_batched(both, use_cache):
                                     if use_cache else 0)
 
 
-def test_rows_that_finish_and_the_sliding_window_match_numpy(both):
+def test_rows_that_finish_and_the_restarting_window_match_numpy(both):
     """EOS moves rows within the GPU cache (kv_cache.move_row), and 100 tokens on the
     tiny model (n_ctx 64) restart the cached window: both as on the CPU."""
     hparams, params, gpu = both

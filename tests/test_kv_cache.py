@@ -1,4 +1,4 @@
-"""The KV cache: cached == uncached, batched == solo, rollback, and the sliding window."""
+"""The KV cache: cached == uncached, batched == solo, rollback, and the window that restarts."""
 import numpy as np
 import pytest
 
