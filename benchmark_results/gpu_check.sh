@@ -36,7 +36,8 @@ run() {  # run CAP LOG COMMAND...: COMMAND under min(CAP, the time left), its ou
 
 bench=(python3 benchmark.py --backend cupy --batch_sizes 1 8 --reps 2 --n_tokens 64 --dtype float32 float16)
 { timeout -k 5 20 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  timeout -k 5 30 python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__)"
+  timeout -k 5 30 python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__,
+      'nvrtc', cupy.cuda.nvrtc.getVersion(), 'runtime', cupy.cuda.runtime.runtimeGetVersion())"
   # what the kernels' sizes assume (cuda_ops.ATTEND_SLOTS: a block's 48 KiB less its static shared memory)
   timeout -k 5 30 python3 -c "import cupy; p = cupy.cuda.runtime.getDeviceProperties(0); print({k: p.get(k) for k in (
       'sharedMemPerBlock', 'sharedMemPerBlockOptin', 'reservedSharedMemPerBlock', 'sharedMemPerMultiprocessor',
