@@ -170,8 +170,10 @@ class EventStream(StreamingResponse):
 # --- HTTP: the routes ---
 
 def make_app(engine):
-    """The FastAPI app: the routes, and every error as OpenAI's envelope."""
-    app = FastAPI(title="speculative-gpt2", docs_url=None, redoc_url=None, openapi_url=None)
+    """The FastAPI app: the routes, and every error as OpenAI's envelope. A path with a
+    slash at its end is unknown (404), not redirected: Starlette's 307 took its host from the
+    client's Host header, and sent a client's body on to wherever that said."""
+    app = FastAPI(title="speculative-gpt2", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
 
     @app.exception_handler(ApiError)
     async def api_error(request, e):

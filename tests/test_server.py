@@ -259,6 +259,10 @@ def test_bad_json_and_unknown_paths(running):
     url = running[2]
     assert post(url, "/v1/completions", b"{not json")[0] == 400
     assert post(url, "/v1/chat/completions", {"prompt": "x"})[0] == 404
+    # a slash at the end: a 307 whose Location took the Host header's name, empty, not OpenAI's envelope
+    status, got = post(url, "/v1/completions/", {"prompt": "x"}, {"Host": "elsewhere.example"})
+    assert status == 404 and got["error"]["message"] == "Not Found: POST /v1/completions/"
+    assert get(url, "/health/")[0] == 404
     with pytest.raises(openai.NotFoundError):
         client(url).completions.create(model="davinci-002", prompt="x")
 
