@@ -259,12 +259,24 @@ def token_logprobs(logits, token, n_top):
     return float(logp[token]), [(int(t), float(logp[t])) for t in sorted(top, key=lambda t: -logp[t])]
 
 
+def token_text(encoder, token):
+    """A token's text in logprobs: its bytes as UTF-8, or, for a piece of a character
+    (GPT-2 splits many characters into byte tokens), its bytes written as OpenAI writes
+    them ('bytes:\\xe2\\x80'). Decoded, every such piece would be the same '\ufffd', and the
+    top_logprobs of two of them one key."""
+    piece = encoder.decode_single_token_bytes(token)
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+
 def add_logprobs(choice, token, logprobs, encoder):
     logp, top = logprobs
     lp = choice["logprobs"]
-    lp["tokens"].append(encoder.decode([token]))
+    lp["tokens"].append(token_text(encoder, token))
     lp["token_logprobs"].append(logp)
-    lp["top_logprobs"].append({encoder.decode([t]): p for t, p in top})
+    lp["top_logprobs"].append({token_text(encoder, t): p for t, p in top})
     lp["text_offset"].append(len(choice["text"]))  # where this token's text starts
 
 

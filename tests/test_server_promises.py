@@ -216,6 +216,24 @@ def test_a_stream_lets_go_of_the_logprobs_it_has_sent(tiny):
     assert sent == openai_api.new_logprobs(whole) and len(sent["tokens"]) == len(tokens)
 
 
+def test_a_piece_of_a_character_is_its_bytes_in_logprobs_as_openai_writes_it(tiny):
+    """GPT-2 writes " it’s" as " it", e2 80, 99, "s": each piece of '’' decoded alone was
+    '\ufffd', so a token's text said nothing of which it was, and two pieces among a
+    position's top_logprobs were one key (a top 3 came back with 2). OpenAI writes such a
+    token 'bytes:\\xe2\\x80'; the text itself is whole once its last piece comes."""
+    encoder = tiny[0]
+    tokens = encoder.encode(" it\u2019s")
+    how = {"stop": [], "eos": encoder.eot_token, "logprobs": 3, "echo": False}
+    choice = openai_api.new_choice(0, [1], encoder, how)
+    for token in tokens:
+        top = [(tokens[1], -0.5), (tokens[2], -1.0), (tokens[3], -2.0)]
+        openai_api.grow(choice, scheduler.Event("token", 0, token=token), encoder, how, (-1.0, top))
+    lp = openai_api.new_logprobs(choice)
+    assert lp["tokens"] == [" it", "bytes:\\xe2\\x80", "bytes:\\x99", "s"] and choice["text"] == " it\u2019s"
+    assert lp["top_logprobs"][0] == {"bytes:\\xe2\\x80": -0.5, "bytes:\\x99": -1.0, "s": -2.0}
+    assert lp["text_offset"] == [0, 3, 3, 4]
+
+
 def test_an_error_quotes_at_most_a_few_hundred_characters_of_what_was_sent(paced):
     httpd, _ = paced
     status, got = exchange(httpd, request({"model": "m" * 100_000, "prompt": "x"}, headers=""))
