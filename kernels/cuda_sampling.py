@@ -389,15 +389,15 @@ def draw(probs, u, tokens):
         cuda.function(SOURCE, "sample")((B,), (THREADS,), (probs, u, tokens, np.int32(n)))
 
 
-def verify(p, q, drafts, k, u, v):
+def verify(p, q, d, k, u, v):
     """speculative.verify on the device (its arguments, read there; q None: one-hot at the
     drafts): the accepted n [B] and the token [B], both on the host, in two launches (`accept`)
     and one copy each way, where NumPy's operations take ~25 calls into CuPy."""
     import cupy
-    B, K = drafts.shape
+    B, K = d.shape
     out = cupy.empty((2, B), np.int64)  # [2, B]: n, token
     q = None if q is None else on_device(q, np.float32)  # (a drafter's own q may be on the host)
-    accept(on_device(p, np.float32), q, cupy.asarray(verify_draws(drafts, k, u, v)), out)
+    accept(on_device(p, np.float32), q, cupy.asarray(verify_draws(d, k, u, v)), out)
     accepted, tokens = out.get()  # [B] each
     return accepted, checked(tokens)
 
