@@ -131,7 +131,7 @@ def tokenize(encoder, prompts, n_ctx):
 # decoder, each would change nothing
 NOT_FOR_BEAMS = ("temperature", "top_k", "top_p", "min_p", "seed", "stream", "max_batch", "no_kv_cache",
                  "presence_penalty", "frequency_penalty", "penalize_prompt", "prefix_cache_mib", "max_prefill_tokens",
-                 "K", "adaptive_K", "K_max", "drafter", "draft_vocab", "draft_dtype", "draft_model_size")
+                 *flags.DRAFT_FLAGS)
 ONLY_FOR_BEAMS = ("length_penalty", "early_stopping", "num_return_sequences")
 
 
@@ -185,6 +185,8 @@ def run(args):
     if args.num_beams != 1:
         return run_beams(args, beam_settings(args), prompts)
     args.mode = args.mode or "both"
+    if note := flags.draft_flags_note(args, parse_args([])):
+        print(note)
     encoder, n_ctx = loading.tokenizer(args)
     ids = tokenize(encoder, prompts, n_ctx)
     with warm.compile_ahead(args, config, ids):  # while the models load

@@ -50,6 +50,19 @@ def add_decoder_flags(ap, modes, default):
                          "(or int4) drafts with the target's own int8 (int4) copy")
 
 
+DRAFT_FLAGS = ("draft_model_size", "K", "adaptive_K", "K_max", "drafter", "draft_vocab", "draft_dtype")
+
+
+def draft_flags_note(args, defaults):
+    """Why the draft's flags change nothing: --mode autoregressive, which a server runs by
+    default (None where they count, or where none differs from defaults)."""
+    given = [f"--{name}" for name in DRAFT_FLAGS if getattr(args, name) != getattr(defaults, name)]
+    if args.mode == "autoregressive" and given:
+        return (f"note: --mode autoregressive decodes with the target alone and leaves {', '.join(given)} unused "
+                "(--mode speculative drafts)")
+    return None
+
+
 PREFIX_CACHE_MIB = 1024  # the default budget: 5,000 tokens' keys and values of 355M, 14,000 of 124M
 
 

@@ -300,7 +300,8 @@ def serve_until_stopped(argv=None):
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop_asked.set())
     print(f"serving {engine['model']} ({args.mode}) at http://{host}:{port}/v1 - Ctrl-C stops", flush=True)
-    for note in (flags.prefix_cache_note(args), flags.chunked_prefill_note(args)):
+    for note in (flags.draft_flags_note(args, parse_args([])), flags.prefix_cache_note(args),
+                 flags.chunked_prefill_note(args)):
         if note:
             print(note, file=sys.stderr)
     while not stop_asked.wait(1.0) and httpd.thread.is_alive() and not engine["failed"]:

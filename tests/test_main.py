@@ -258,6 +258,19 @@ def test_a_prompt_longer_than_the_window_gets_a_note(capsys, models_dir):
     assert "greedy texts identical: yes" in out
 
 
+def test_the_drafts_flags_with_autoregressive_mode_get_a_note_that_they_change_nothing(capsys, models_dir):
+    """--mode autoregressive (a server's default) with a draft's flags ran without them and
+    said nothing: a user who left out --mode speculative believed the draft ran."""
+    base = ("--models_dir", models_dir, "--target_model_size", "124M", "--mode", "autoregressive", "--prompt", "x",
+            "--n_tokens_to_generate", "3")
+    rc, out, err = run_main(capsys, *base, "--K", "7", "--drafter", "prompt_lookup")
+    assert rc == 0, err
+    assert ("note: --mode autoregressive decodes with the target alone and leaves --K, --drafter unused "
+            "(--mode speculative drafts)") in out
+    rc, out, err = run_main(capsys, *base)
+    assert rc == 0 and "note:" not in out + err
+
+
 def streamed_and_printed(tiny, model, decode):
     """What the streamer writes, and the final decode of the same tokens."""
     encoder = tiny[0]

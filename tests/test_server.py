@@ -21,6 +21,7 @@ import gpt2
 import main
 from conftest import ROOT
 from kernels import rowwise
+from cli import flags
 from serving import engine as engines, server
 
 PROMPTS = ["Alan Turing theorized that", "The quick brown fox", "In a shocking finding, scientists"]
@@ -452,6 +453,16 @@ def test_a_request_still_sending_its_body_when_the_server_stops_gets_a_json_503_
     assert json.loads(rest)["error"] == {"message": "the server is shutting down", "type": "server_busy",
                                          "param": None, "code": 503}
     assert took < 5 and not httpd.thread.is_alive()
+
+
+def test_a_servers_draft_flags_without_mode_speculative_get_a_note():
+    """The server's default is autoregressive: `--draft_model_size 124M --K 8` alone drafts nothing."""
+    args = server.parse_args(["--draft_model_size", "355M", "--K", "8"])
+    note = flags.draft_flags_note(args, server.parse_args([]))
+    assert note.startswith("note: --mode autoregressive decodes with the target alone and leaves --draft_model_size, "
+                           "--K unused")
+    speculative = server.parse_args(["--mode", "speculative", "--K", "8"])
+    assert flags.draft_flags_note(speculative, server.parse_args([])) is None
 
 
 @pytest.mark.parametrize("budget", ["0", "-2", "7"])
