@@ -1,8 +1,9 @@
-"""What the three commands share: the flags that name the models and how they decode, and
-one line for a bad flag (cli/loading.py loads the models they name).
+"""What main.py and server.py share: the flags that name the models and how they decode,
+and one line for a bad flag (cli/loading.py loads the models they name).
 
-main.py, server.py and benchmark.py build their parsers from these, so a flag means the
-same thing in each; serving imports this, never main.py.
+Both build their parsers from these, so a flag means the same thing in each (the
+benchmark's own, bench/cli.py, take lists: several sizes, dtypes, K); serving imports
+this, never main.py.
 """
 import argparse
 import os

@@ -381,7 +381,8 @@ def tile_plan(R):
                    key=lambda x, wb, out: wb.dtype, plan=lambda x, wb, out: tile_plan(x.shape[0]), parallel=True)
 def rows_times_blocks(n):
     """The loop out [R, n_blocks * W] = x [R, n_in] @ the blocks wb, for R >= 2 rows in
-    tiles of n or n + 1 rows (`tile_plan`): per block, CHUNK k-steps at a time, tile by tile."""
+    tiles of n or n + 1 rows (`tile_plan`): per block, CHUNK k-steps at a time (LONG_CHUNK
+    for 3 tiles or more), tile by tile."""
     def kernel(x, wb, out):
         n_blocks, n_in, _ = wb.shape
         R = x.shape[0]

@@ -10,7 +10,7 @@ float32; only the stored matrices change (and int8's products, below).
 
 - bfloat16 (https://cloud.google.com/tpu/docs/bfloat16): a float32 with the low 16 bits
   of its mantissa rounded away (to nearest, ties to even). Same exponent range, so no
-  scale is needed; 8 bits of precision (a relative error up to 2**-9). Widening is
+  scale is needed; 8 bits of precision (a relative error up to 2**-8). Widening is
   exact: the 16 bits shifted back up are a float32.
 - int8, weight-only, symmetric, one scale per output column (as LLM.int8's vector-wise
   quantization without its outliers, https://arxiv.org/abs/2208.07339, and ctranslate2's

@@ -26,16 +26,17 @@ SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 1
 # events waiting per row for a lagging client before its requests are paused; past
 # HARD_EVENTS_PER_ROW (only reached while max_batch streams are paused already) it is cancelled
 EVENTS_PER_ROW, HARD_EVENTS_PER_ROW = 256, 4096
-# the one rule for a client that lags, as --help and README section 7 state it
-PAUSE_RULE = ("a stream is written at its client's pace (while it has less than 16 KiB, or an eighth of "
-              "its TCP window, unread); a stream whose client lags keeps its rows while no request waits for "
-              f"one; it is paused (its rows freed, its text kept) when one does or when {EVENTS_PER_ROW} of its "
-              "events per row wait unsent, and resumes where it stood, into a row no waiting request needs, once "
-              "the client has caught up; a client that reads none of its response for --write_timeout_s (as its "
-              "TCP window tells, asked every second) is cut off then if its window is full, else its window is "
-              "filled (a slow reader's reads may not show before) and it is cut off if it reads none for "
-              "--write_timeout_s more (and, while max_batch streams "
-              f"are paused already, a stream with {HARD_EVENTS_PER_ROW} events per row unsent is cancelled)")
+# the one rule for a client that lags, as --help states it
+PAUSE_RULE = ("a stream is written at its client's pace (while it has less unread than 16 KiB or an eighth "
+              "of its TCP window, whichever is larger, and at most half of it); a stream whose client lags keeps "
+              "its rows while no request waits for one; it is paused (its rows freed, its text kept) when one "
+              f"does or when {EVENTS_PER_ROW} of its events per row wait unsent, and resumes where it stood, into "
+              "the next free row ahead of waiting requests, once the client has caught up; a client that reads "
+              "none of its response for --write_timeout_s (as its TCP window tells, asked every second) is cut "
+              "off then if its window is full, else its window is filled (a slow reader's reads may not show "
+              "before) and it is cut off if it reads none for --write_timeout_s more (and, while max_batch "
+              f"streams are paused already, a stream with {HARD_EVENTS_PER_ROW} events per row unsent is "
+              "cancelled)")
 # A stream's client lags while it is behind (sockets.py: Connection.behind); a lagging stream
 # is looked at again every LAG_CHECK_S seconds
 LAG_CHECK_S = 0.05

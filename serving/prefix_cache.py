@@ -28,8 +28,8 @@ collision can ever hand a request another text's numbers (ids are never reused).
 walks the chain from the first block and copies the longest run it finds into the
 request's row.
 
-Bounded: blocks are evicted least recently used once the cache holds more than its budget
-of bytes. A lookup touches a chain from its last block to its first, so a block is always
+Bounded: the pool holds its budget of bytes in blocks, and a new block with no free one
+evicts the least recently used. A lookup touches a chain from its last block to its first, so a block is always
 less recent than the blocks before it, and eviction takes a chain's end before its start
 (a block whose predecessor is gone could never be found again).
 """
@@ -81,8 +81,8 @@ def allocate(shape, like):
 def in_large_pages(shape, dtype):
     """np.empty(shape, dtype) in memory the OS may back with 2 MiB pages (Linux's madvise
     MADV_HUGEPAGE): the first write of each 4 KiB page is a page fault, and a prefix cache
-    writes a gigabyte of new pages as it fills; large pages make that 4x cheaper
-    (`python benchmark.py --only prefix`, workload unique)."""
+    writes a gigabyte of new pages as it fills: in large pages, a fault each 2 MiB instead
+    (what it costs: `python benchmark.py --only prefix`, its workload unique)."""
     nbytes = max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1)
     memory = mmap.mmap(-1, nbytes)
     if hasattr(mmap, "MADV_HUGEPAGE"):

@@ -134,8 +134,8 @@ def loop(intake, step, models, max_batch, max_len, static=False, stats=None, pre
     Preemption: a row whose client lags (it is not taking its tokens: a server knows, a list
     never lags) gives its row to a waiting request, or gives it up anyway if its tokens back
     up, and is paused with all it needs to go on (pause). Once its client has caught
-    up it resumes into a row no waiting request needs (those whose clients keep up go first,
-    as the fast should not wait behind the slow), its text bit for bit what it would have been.
+    up it resumes into the next free row, ahead of requests still waiting (it came before
+    them, as vLLM resumes what it preempted first), its text bit for bit what it would have been.
     The first max_batch paused keep a copy of their keys and values (so they never hold more
     memory than the batch's own caches); beyond them a paused request keeps only its text, and
     its keys and values are computed again when it resumes, as vLLM's "recompute" preemption
@@ -370,7 +370,8 @@ def refusal(request, hparams, max_len):
 
 
 def metrics(seq, start, joined):
-    """One request's timings, in seconds after it arrived (ITL in ms)."""
+    """One request's timings: queue, TTFT and end to end in seconds after it arrived, ITL in
+    ms, joined_at_s and finished_at_s in seconds after the run's start."""
     arrival = start + seq.request.arrival_s
     gaps = np.diff(seq.times) * 1e3
     return {"queue_s": joined - arrival, "ttft_s": seq.times[0] - arrival, "e2e_s": seq.times[-1] - arrival,

@@ -28,7 +28,7 @@ TCPI_LAST_ACK_RECV, TCPI_BYTES_ACKED, TCPI_SND_WND = 56, 120, 228
 SIOCOUTQ, SIOCOUTQNSD = 0x5411, 0x894B  # ioctls: bytes of a socket's send queue not yet acknowledged / not yet sent
 ETHERNET_MSS = 1460  # bytes of a TCP segment's data on Ethernet's 1500-byte frames
 PROBE_S = 1  # while a client is behind, TCP asks its window this often (keepalive probes)
-UNREAD_BYTES = 16 * 1024  # a stream is written while its client has less than this (or half its window) unread
+UNREAD_BYTES = 16 * 1024  # a stream is written while its client has less unread (see Connection.behind)
 SEND_BUFFER = 16 * 1024  # bytes of response asyncio, and twice that the kernel, hold for a client not reading
 RESERVED = 2  # connections past max_connections that may ask /health and /metrics, and nothing else
 # a refused connection reads what its client still sends for up to LINGER_S (and LINGER_BYTES),
@@ -283,9 +283,10 @@ def connection_protocol(listener, max_connections, read_timeout_s, write_timeout
             self.watch_writes()
 
         def behind(self):
-            """Whether the client has UNREAD_BYTES (or an eighth of its receive window) of its
-            response unread: what this process and its kernel hold (sent or not), and what
-            fills the client's window (its largest window less the one it advertises now).
+            """Whether the client has more of its response unread than UNREAD_BYTES or an eighth
+            of its receive window, whichever is larger, or than half of it: what this process
+            and its kernel hold (sent or not), and what fills the client's window (its largest
+            window less the one it advertises now).
             The largest window is taken only once the window's edge has moved past where it
             stood when data began to flow: a kernel's first windows assume less memory per
             byte than our segments then take, and an edge once advertised never moves back,
