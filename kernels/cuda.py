@@ -1,11 +1,11 @@
 """CUDA C of our own, compiled where it runs: what the GPU's kernels share.
 
-On a GPU every CuPy call costs the host 12-20 us to launch (an H100, an H200), and a GPT-2 step is hundreds
-of them, so the host, not the GPU, sets the pace. The cure (cuda_graphs.py) is to record
-a whole step once as a CUDA graph and replay it with one call. A few of a step's
-operations are kernels of our own for it, in CUDA C: the products (cuda_matmul.py),
-since CuPy switches cuBLAS off while a stream is recording (cupy/cupy#6290); attention
-(cuda_ops.py), since kv_cache.attend shapes it on the host from each row's length; and
+On a GPU every CuPy call costs the host 12-20 us to launch (an H100, an H200), and a GPT-2
+step is hundreds of them, so the host, not the GPU, sets the pace. The cure
+(cuda_graphs.py) is to record a whole step once as a CUDA graph and replay it with one
+call. A few of a step's operations are kernels of our own for it, in CUDA C: the products
+(cuda_matmul.py), since CuPy switches cuBLAS off while a stream is recording
+(cupy/cupy#6290); attention (cuda_ops.py), since kv_cache.attend shapes it on the host from each row's length; and
 layer norm and each product's bias, GELU and residual, so that a dozen launches become
 one. Each is source text that NVRTC, CUDA's runtime compiler, compiles on first use
 (CuPy's RawModule; it caches the result on disk).

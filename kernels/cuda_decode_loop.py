@@ -65,7 +65,7 @@ def step(model, cache, texts, settings, draws, riders=(), want_logits=True, most
     copy is two calls into CuPy); row b's past k[b] are padding), or None where the loop
     cannot be recorded (then the step runs as on the CPU). draws(k): each row's k[b]
     uniforms [B, max k]."""
-    if not recordable(model, cache, settings, riders):  # first, as the CPU's every step ends here: no row's window read
+    if not recordable(model, cache, settings, riders):  # first: the CPU's every step stops here, no window read
         return None
     n_ctx = model[1]["n_ctx"]
     k = [1 if most is None else max(1, min(STEPS, m, kv_cache.room(len(text), n_ctx)))

@@ -22,7 +22,8 @@ time. So a step is shaped for it (after vLLM's and gpt-fast's decode graphs):
   the third. A row with fewer than T tokens, and a row past the batch's, is padded with
   tokens of position -1, which store and attend to nothing (cuda_ops.py; their wpe[-1] is
   wpe's last row, unused): the kernels treat each row alone, so padding changes no bit of
-  the others. kv_cache.begin_pass keeps padding at its own slot (at most the last read) and masks it on the host.
+  the others. kv_cache.begin_pass keeps padding at its own slot (at most the last read)
+  and masks it on the host.
 - Nothing the host must wait for or look at: no cuBLAS (CuPy cannot record it; the
   products are cuda_matmul.py's), no mask built on the host, no data-dependent shape.
 

@@ -29,9 +29,9 @@ walks the chain from the first block and copies the longest run it finds into th
 request's row.
 
 Bounded: the pool holds its budget of bytes in blocks, and a new block with no free one
-evicts the least recently used. A lookup touches a chain from its last block to its first, so a block is always
-less recent than the blocks before it, and eviction takes a chain's end before its start
-(a block whose predecessor is gone could never be found again).
+evicts the least recently used. A lookup touches a chain from its last block to its first,
+so a block is always less recent than the blocks before it, and eviction takes a chain's
+end before its start (a block whose predecessor is gone could never be found again).
 """
 import collections
 import mmap

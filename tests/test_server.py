@@ -20,8 +20,8 @@ import pytest
 import gpt2
 import main
 from conftest import ROOT
-from kernels import rowwise
 from cli import flags
+from kernels import rowwise
 from serving import engine as engines, server
 
 PROMPTS = ["Alan Turing theorized that", "The quick brown fox", "In a shocking finding, scientists"]
