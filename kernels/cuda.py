@@ -5,10 +5,10 @@ step is hundreds of them, so the host, not the GPU, sets the pace. The cure
 (cuda_graphs.py) is to record a whole step once as a CUDA graph and replay it with one
 call. A few of a step's operations are kernels of our own for it, in CUDA C: the products
 (cuda_matmul.py), since CuPy switches cuBLAS off while a stream is recording
-(cupy/cupy#6290); attention (cuda_ops.py), since kv_cache.attend shapes it on the host from each row's length; and
-layer norm and each product's bias, GELU and residual, so that a dozen launches become
-one. Each is source text that NVRTC, CUDA's runtime compiler, compiles on first use
-(CuPy's RawModule; it caches the result on disk).
+(cupy/cupy#6290); attention (cuda_ops.py), since kv_cache.attend shapes it on the host
+from each row's length; and layer norm and each product's bias, GELU and residual, so that
+a dozen launches become one. Each is source text that NVRTC, CUDA's runtime compiler,
+compiles on first use (CuPy's RawModule; it caches the result on disk).
 
 This file holds what they share: float16 loaded and stored through float32 (every sum is
 float32, as in gpt2.py), and sums across a warp or a block in a fixed tree, so that a
