@@ -187,7 +187,9 @@ def run(args):
     args.mode = args.mode or "both"
     if note := flags.draft_flags_note(args, parse_args([])):
         print(note)
-    encoder, n_ctx = loading.tokenizer(args)
+    encoder, hparams = loading.tokenizer(args)
+    speculative.check(config, hparams)  # now with the vocabulary --draft_vocab must fit in
+    n_ctx = hparams["n_ctx"]
     ids = tokenize(encoder, prompts, n_ctx)
     with warm.compile_ahead(args, config, ids):  # while the models load
         _, target, drafter = loading.load_models(args)

@@ -90,6 +90,8 @@ def validate(s):
         raise BadSetting("penalize_prompt", f"must be True or False, got {s.penalize_prompt!r}")
     if s.temperature < 0:
         raise BadSetting("temperature", f"must be >= 0 (0 = greedy), got {s.temperature}")
+    if s.temperature > float(np.finfo(np.float32).max):  # the logits are float32: it would become inf
+        raise BadSetting("temperature", f"must be at most 3.4e38 (float32's largest), got {s.temperature}")
     if not float(s.top_k).is_integer() or s.top_k < 0:
         raise BadSetting("top_k", f"must be an integer >= 0 (0 = off), got {s.top_k}")
     if not 0 < s.top_p <= 1:

@@ -324,6 +324,9 @@ def check(config, target_hparams=None, draft_hparams=None):
         raise sampling.BadSetting("K_max", f"must be >= K, got {config.K_max} < {config.K}")
     if config.draft_vocab < 0:
         raise sampling.BadSetting("draft_vocab", f"must be >= 0 (0 = the whole vocabulary), got {config.draft_vocab}")
+    if target_hparams is not None and config.draft_vocab > target_hparams["n_vocab"]:
+        raise sampling.BadSetting("draft_vocab", f"must be at most the vocabulary's {target_hparams['n_vocab']} "
+                                  f"tokens (0 = all of them), got {config.draft_vocab}")
     if draft_hparams is not None and draft_hparams["n_vocab"] != target_hparams["n_vocab"]:
         raise sampling.BadSetting("draft", f"vocabulary ({draft_hparams['n_vocab']} tokens) differs from the "
                                   f"target's ({target_hparams['n_vocab']}): speculative decoding needs one tokenizer")

@@ -44,13 +44,13 @@ def warm(model, sizes):
 
 
 def tokenizer(args):
-    """(encoder, n_ctx) of the target, before its weights download or load (fetching its
+    """(encoder, hparams) of the target, before its weights download or load (fetching its
     small files first): a run knows its prompts' lengths, so the loops its passes will use,
     and compiles them meanwhile."""
     model_dir = utils.download_model(args.target_model_size, args.models_dir, args.source, args.base_url,
                                      only=utils.SMALL_FILES)
     try:
-        return utils.load_encoder(model_dir), utils.load_hparams(model_dir)["n_ctx"]
+        return utils.load_encoder(model_dir), utils.load_hparams(model_dir)
     except (OSError, ValueError, KeyError) as e:
         raise utils.LoadError(f"cannot read the tokenizer or hparams.json / config.json in {model_dir} ({e}): "
                               "delete it and run again to re-download")

@@ -440,6 +440,20 @@ def test_models_with_different_vocabularies_are_refused(capsys, odd_vocab_models
     assert err.count("\n") == 1
 
 
+def test_a_draft_vocab_past_the_vocabulary_is_refused_before_the_weights_download(capsys, tmp_path):
+    """--draft_vocab is bounded by the target's vocabulary, which its small files give: so the
+    run stops before it would fetch the weights (here from nowhere), not after the first decoder."""
+    model_dir = make_model_dir(str(tmp_path / "355M"), "tiny-openai")
+    for f in os.listdir(model_dir):
+        if f not in utils.SMALL_FILES:
+            os.remove(os.path.join(model_dir, f))
+    small = sorted(os.listdir(model_dir))
+    rc, out, err = run_main(capsys, "--models_dir", str(tmp_path), "--base_url", "http://127.0.0.1:9",
+                            "--draft_vocab", "50258")
+    assert rc == 2 and err == "error: --draft_vocab must be at most the vocabulary's 50257 tokens (0 = all of them), got 50258\n"
+    assert sorted(os.listdir(model_dir)) == small and sorted(os.listdir(tmp_path)) == ["355M"]  # nothing fetched
+
+
 def test_no_network_and_no_local_files(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(utils.time, "sleep", lambda s: None)  # skip the retry backoff
     rc, out, err = run_main(capsys, "--models_dir", str(tmp_path), "--base_url", "http://127.0.0.1:9")

@@ -132,7 +132,7 @@ def test_sampler_refuses_what_is_not_a_distribution(bad):
 
 
 @pytest.mark.parametrize("kw, name", [
-    ({"temperature": -1}, "temperature"), ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"),
+    ({"temperature": -1}, "temperature"), ({"temperature": 1e39}, "temperature"), ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"),
     ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"min_p": 1}, "min_p"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"presence_penalty": float("nan")}, "presence_penalty"),
     ({"frequency_penalty": float("inf")}, "frequency_penalty"), ({"frequency_penalty": 1e39}, "frequency_penalty"),
@@ -149,6 +149,7 @@ def test_settings_out_of_range_are_refused_by_name(kw, name):
 
 @pytest.mark.parametrize("kw", [
     {"temperature": 1e-45}, {"temperature": 1e-30}, {"temperature": 2e-5}, {"temperature": 1e30},
+    {"temperature": float(np.finfo(np.float32).max)},
     {"frequency_penalty": 2.0, "presence_penalty": -2.0, "temperature": 2e-5},
     {"repetition_penalty": 0.01, "temperature": 2e-5}, {"repetition_penalty": 100, "top_p": 1e-30},
     {"min_p": 0.999999, "top_k": 1},

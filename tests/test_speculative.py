@@ -490,7 +490,7 @@ def test_sampled_speculative_is_reproducible_by_seed(models):
 
 
 @pytest.mark.parametrize("kw, name", [({"K": 0}, "K"), ({"K": 5, "adaptive": True, "K_max": 4}, "K_max"),
-                                      ({"draft_vocab": -1}, "draft_vocab")])
+                                      ({"draft_vocab": -1}, "draft_vocab"), ({"draft_vocab": 10**6}, "draft_vocab")])
 def test_bad_K_is_refused_by_name(models, kw, name):
     target, draft = models
     with pytest.raises(sampling.BadSetting, match=f"^{name} must") as e:
