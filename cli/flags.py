@@ -52,15 +52,21 @@ def add_decoder_flags(ap, modes, default):
 
 
 DRAFT_FLAGS = ("draft_model_size", "K", "adaptive_K", "K_max", "drafter", "draft_vocab", "draft_dtype")
+MODEL_DRAFT_FLAGS = ("draft_model_size", "draft_vocab", "draft_dtype")  # what prompt lookup has no use for
 
 
 def draft_flags_note(args, defaults):
-    """Why the draft's flags change nothing: --mode autoregressive, which a server runs by
-    default (None where they count, or where none differs from defaults)."""
-    given = [f"--{name}" for name in DRAFT_FLAGS if getattr(args, name) != getattr(defaults, name)]
-    if args.mode == "autoregressive" and given:
-        return (f"note: --mode autoregressive decodes with the target alone and leaves {', '.join(given)} unused "
-                "(--mode speculative drafts)")
+    """Why some of the draft's flags change nothing: --mode autoregressive (a server's
+    default) drafts nothing, and prompt lookup has no draft model (None where every flag
+    given counts)."""
+    def given(names):
+        return [f"--{name}" for name in names if getattr(args, name) != getattr(defaults, name)]
+    if args.mode == "autoregressive" and given(DRAFT_FLAGS):
+        return (f"note: --mode autoregressive decodes with the target alone and leaves {', '.join(given(DRAFT_FLAGS))} "
+                "unused (--mode speculative drafts)")
+    if args.mode != "autoregressive" and args.drafter == "prompt_lookup" and given(MODEL_DRAFT_FLAGS):
+        return (f"note: --drafter prompt_lookup drafts from the text itself and leaves "
+                f"{', '.join(given(MODEL_DRAFT_FLAGS))} unused (--drafter model runs the draft model)")
     return None
 
 

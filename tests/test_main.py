@@ -271,6 +271,19 @@ def test_the_drafts_flags_with_autoregressive_mode_get_a_note_that_they_change_n
     assert rc == 0 and "note:" not in out + err
 
 
+def test_a_draft_models_flags_with_prompt_lookup_get_a_note_that_they_change_nothing(capsys, models_dir):
+    """Prompt lookup drafts from the text: no draft model is loaded, so its size, format and
+    vocabulary subset change nothing."""
+    base = ("--models_dir", models_dir, "--target_model_size", "124M", "--mode", "speculative", "--prompt", "x",
+            "--n_tokens_to_generate", "3", "--drafter", "prompt_lookup")
+    rc, out, err = run_main(capsys, *base, "--draft_vocab", "100", "--draft_dtype", "float32", "--K", "3")
+    assert rc == 0, err
+    assert ("note: --drafter prompt_lookup drafts from the text itself and leaves --draft_vocab, --draft_dtype "
+            "unused (--drafter model runs the draft model)") in out
+    rc, out, err = run_main(capsys, *base, "--K", "3")
+    assert rc == 0 and "note:" not in out + err
+
+
 def streamed_and_printed(tiny, model, decode):
     """What the streamer writes, and the final decode of the same tokens."""
     encoder = tiny[0]

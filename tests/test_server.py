@@ -463,6 +463,9 @@ def test_a_servers_draft_flags_without_mode_speculative_get_a_note():
                            "--K unused")
     speculative = server.parse_args(["--mode", "speculative", "--K", "8"])
     assert flags.draft_flags_note(speculative, server.parse_args([])) is None
+    lookup = server.parse_args(["--mode", "speculative", "--drafter", "prompt_lookup", "--draft_model_size", "774M"])
+    assert flags.draft_flags_note(lookup, server.parse_args([])).startswith(
+        "note: --drafter prompt_lookup drafts from the text itself and leaves --draft_model_size unused")
 
 
 @pytest.mark.parametrize("budget", ["0", "-2", "7"])
