@@ -463,7 +463,8 @@ def test_a_draft_vocab_past_the_vocabulary_is_refused_before_the_weights_downloa
     small = sorted(os.listdir(model_dir))
     rc, out, err = run_main(capsys, "--models_dir", str(tmp_path), "--base_url", "http://127.0.0.1:9",
                             "--draft_vocab", "50258")
-    assert rc == 2 and err == "error: --draft_vocab must be at most the vocabulary's 50257 tokens (0 = all of them), got 50258\n"
+    assert rc == 2
+    assert err == "error: --draft_vocab must be at most the vocabulary's 50257 tokens (0 = all of them), got 50258\n"
     assert sorted(os.listdir(model_dir)) == small and sorted(os.listdir(tmp_path)) == ["355M"]  # nothing fetched
 
 

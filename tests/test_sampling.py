@@ -132,7 +132,8 @@ def test_sampler_refuses_what_is_not_a_distribution(bad):
 
 
 @pytest.mark.parametrize("kw, name", [
-    ({"temperature": -1}, "temperature"), ({"temperature": 1e39}, "temperature"), ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"),
+    ({"temperature": -1}, "temperature"), ({"temperature": 1e39}, "temperature"),
+    ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"),
     ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"min_p": 1}, "min_p"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"presence_penalty": float("nan")}, "presence_penalty"),
     ({"frequency_penalty": float("inf")}, "frequency_penalty"), ({"frequency_penalty": 1e39}, "frequency_penalty"),
