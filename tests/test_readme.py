@@ -12,7 +12,7 @@ from conftest import ROOT
 from kernels import rowwise
 from serving import server
 
-PAGES = ["README.md", os.path.join("benchmark_results", "README.md")]
+PAGES = ["README.md", os.path.join("benchmark_results", "README.md"), os.path.join("benchmark_results", "earlier", "README.md")]
 PARSERS = {"main.py": main.parse_args, "server.py": server.parse_args, "benchmark.py": benchmark.parse_args}
 
 
@@ -98,6 +98,15 @@ def kept_runs():
             m = re.search(r"^Command: `python (\w+\.py)(.*?)`", text, re.M)
             found.append((os.path.relpath(folder, ROOT), m and (m.group(1), shlex.split(m.group(2)))))
     return found
+
+
+def test_every_kept_run_is_in_an_index():
+    """A run no index links is a result no reader finds: each results.md is linked from
+    benchmark_results/README.md or from the README of a folder above it."""
+    for run, _ in kept_runs():
+        linked = [page for page in PAGES[1:] if run.startswith(os.path.dirname(page) + os.sep)
+                  and f"]({os.path.relpath(run, os.path.dirname(page))}/results.md)" in read(page)]
+        assert linked, f"{run}/results.md is linked from no index"
 
 
 @pytest.mark.parametrize("run, command", kept_runs())
