@@ -13,8 +13,9 @@ a call of `gpt2`; picoGPT's `generate`, the loop around it, is batching.generate
 
 Activations keep the weights' dtype (float32 on the CPU): a float64 scalar such
 as np.sqrt(d) would silently promote them to float64, and NumPy would then widen
-each float32 weight matrix they meet to float64, a copy for every product; so constants are
-Python floats, which NumPy keeps at the array's precision (tests/test_gpt2.py).
+each float32 weight matrix they meet to float64, a copy for every product; so
+constants are Python floats, which NumPy keeps at the array's precision
+(tests/test_gpt2.py).
 
 Hardware (skip on a first read). Nothing here says which hardware runs it: the arrays
 do. An array type can take over NumPy's functions and operators (its protocols
