@@ -131,13 +131,14 @@ def test_a_decode_products_kernels_keep_their_blocks_an_sm_and_no_kernel_spills(
 def test_every_kernels_shared_memory_fits_a_block_with_the_most_its_launch_asks():
     """A block has 48 KiB of shared memory (more is an opt-in our launches do not make), or
     the launch fails: each kernel's own (static: from the machine code NVRTC builds for an
-    A100, sm_80; sm_90's adds the 1 KiB the driver reserves a block, which the 48 do not
-    count), and attention's with a row's scores at the most slots attend_stored allows."""
+    A100, sm_80; sm_90's adds the 1 KiB the driver reserves a block, which the 48 may or may
+    not count: attention leaves room for it), and attention's with a row's scores at the most
+    slots attend_stored allows."""
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC comes with CuPy (pip install cupy-cuda12x)")
     built = {name: shared for source in (cuda_matmul.SOURCE, cuda_ops.SOURCE, cuda_sampling.SOURCE)
              for name, (*_, shared) in built_for(source, "sm_80").items() if not name.startswith("$")}
     attend = {name: shared for name, shared in built.items() if name.startswith("attend")}
-    assert len(attend) == 4 and all(s + 4 * cuda_ops.ATTEND_SLOTS <= 48 * 1024 for s in attend.values()), attend
+    assert len(attend) == 4 and all(s + cuda_ops.RESERVED + 4 * cuda_ops.ATTEND_SLOTS <= 48 * 1024 for s in attend.values()), attend
     assert len(built) == 12 + 6 + 4 and max(built.values()) <= 48 * 1024, built
     assert cuda_ops.ATTEND_SLOTS >= 1024  # GPT-2's window
 
