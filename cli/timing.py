@@ -89,12 +89,19 @@ def timed_text(model, context, n):
 
 CONTEXT = 32  # cached tokens before each timed pass of the advice
 REPS = 2  # timed passes a cost, the best kept (after a warm-up): a run with advice pays for 10 costs x 3 passes
+TIMED_K = 8  # the most drafts a timed verification holds; past it cost_model.verify_cost extrapolates
 
 
 def measure_costs(target, draft, K_max, draft_vocab=0, context=CONTEXT, K=4):
     """Costs measured on this machine: a draft token (drafting K at a time) and verify(K+1)
-    for K = 0..K_max, in target decode steps. A few passes of each model; used to advise,
-    never to decide (a decision on the clock would change the text from run to run)."""
+    for K = 0..K_max (at most TIMED_K), in target decode steps. A few passes of each model;
+    used to advise, never to decide (a decision on the clock would change the text from run
+    to run). Every timed text fits the models' windows: a short one times fewer drafts,
+    after less context."""
+    n_ctx = min(model[1]["n_ctx"] for model in (target, draft) if model)
+    K_max = max(0, min(K_max, TIMED_K, n_ctx - 2))
+    context = max(0, min(context, n_ctx - max(K_max, 1) - 1))  # (the draft's catch-up pass: 2 tokens)
+    K = max(1, min(K, K_max))
     step = step_seconds(target, context, REPS)
     verify = [1.0] + [(verify_seconds(target, context, K, REPS, one_hot=draft is None)
                        or pass_seconds(target, context, K + 1, reps=REPS)) / step for K in range(1, K_max + 1)]

@@ -111,6 +111,17 @@ def test_measured_costs_are_in_target_steps(tiny):
     assert costs.draft > 0 and costs.catch_up > 0
 
 
+@pytest.mark.parametrize("n_ctx", [2, 3, 16])
+def test_measured_costs_time_a_few_drafts_within_the_window(tiny, n_ctx):
+    """A K of 100000 times TIMED_K drafts at most (cost_model extrapolates past them), and a
+    checkpoint with a short window is timed within it (each text once ran past wpe)."""
+    _, hparams, params = tiny
+    short = (dict(params, wpe=params["wpe"][:n_ctx]), dict(hparams, n_ctx=n_ctx))
+    costs = timing.measure_costs(short, short, 100000, K=100000)
+    assert len(costs.verify) == min(timing.TIMED_K, n_ctx - 2) + 1 and costs.draft > 0 and costs.catch_up > 0
+    assert cost_model.best_K(0.9, costs, 100000) >= 1
+
+
 def test_the_advice_says_so_where_plain_decoding_is_expected_fastest(capsys, models_dir, monkeypatch):
     monkeypatch.setattr(timing, "measure_costs", lambda *args, **kwargs: cost_model.Costs(0.9, (1.0, 1.5), 1.5))
     rc, out, err = run_main(capsys, "--models_dir", models_dir, "--draft_model_size", "124M",
