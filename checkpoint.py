@@ -106,10 +106,18 @@ def field(fields, number, kind, default):
     return value
 
 
+def repeated(fields, number, kind):
+    """Every value of a repeated protobuf field, each checked as `field` checks one."""
+    values = fields.get(number, [])
+    if not all(isinstance(value, kind) for value in values):
+        raise ValueError(f"field {number} of a tensor's entry has the wrong wire type")
+    return values
+
+
 def parse_bundle_entry(value):
     """BundleEntryProto -> dict(dtype, shape, shard, offset, size, crc32c)."""
     f = parse_proto(value)
-    dims = [field(parse_proto(d), 1, int, 0) for d in parse_proto(field(f, 2, bytes, b"")).get(2, [])]
+    dims = [field(parse_proto(d), 1, int, 0) for d in repeated(parse_proto(field(f, 2, bytes, b"")), 2, bytes)]
     if any(not 0 <= d < MOST_ELEMENTS for d in dims) or math.prod(dims) >= MOST_ELEMENTS:
         raise ValueError(f"a tensor's shape {dims} is not a shape")
     crc = field(f, 6, bytes, None) if 6 in f else None
@@ -362,6 +370,13 @@ def check_params(params, hparams):
             raise LoadError(f"checkpoint has no tensor for {'/'.join(map(str, path))}, only tensors below it")
         if tuple(node.shape) != shape:
             raise LoadError(f"tensor {'/'.join(map(str, path))} has shape {tuple(node.shape)}, expected {shape}")
+        # a NaN or an infinity (or a value too large to sum) is a damaged file, not a model: its text
+        # would be garbage, or stop at the first draw (one float32 sum reads a tensor at memory speed)
+        with np.errstate(all="ignore"):
+            finite = np.isfinite(node.sum(dtype=np.float32))
+        if not finite:
+            raise LoadError(f"tensor {'/'.join(map(str, path))} holds values that are not finite numbers: the "
+                            "checkpoint is damaged; delete the model's folder and run again to re-download")
 
 
 def leaf_paths(node, path=()):

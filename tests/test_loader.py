@@ -140,9 +140,23 @@ def test_hf_names_with_transformer_prefix_and_buffers():
 
 
 def test_missing_tensor_is_a_clear_error(tmp_path, tiny):
-    params = dict(tiny[2], ln_f={"g": tiny[2]["ln_f"]["g"]})
+    raw = checkpoint.load_params(fixture_path("tiny-openai"), tiny[1]["n_layer"])  # as read, before the layout
+    params = dict(raw, ln_f={"g": raw["ln_f"]["g"]})
     with pytest.raises(utils.LoadError, match="ln_f/b"):
         checkpoint.check_params(params, tiny[1])
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf, 3e38])
+def test_a_tensor_that_holds_no_finite_numbers_is_a_damaged_checkpoint(tiny, value):
+    """A NaN or an infinity gave garbage text or a failed draw, without naming the file (3e38:
+    finite, but no weight, and its tensor's sum overflows)."""
+    hparams = tiny[1]
+    params = checkpoint.load_params(fixture_path("tiny-openai"), hparams["n_layer"])  # as read, before the layout
+    b = np.array(params["ln_f"]["b"])
+    b[[0, 3]] = value
+    with pytest.raises(utils.LoadError, match="ln_f/b holds values that are not finite.*re-download"):
+        checkpoint.check_params(dict(params, ln_f={"g": params["ln_f"]["g"], "b": b}), hparams)
+    checkpoint.check_params(params, hparams)
 
 
 @pytest.mark.parametrize("size", ["125M", "../124M", "", "124m"])
@@ -261,7 +275,8 @@ def shape(*dims):
     [(1, 0, 1), (2, 2, shape(2 ** 63 + 5, 2 ** 63 + 5)), (4, 0, 0), (5, 0, 16)],  # wraps to 16 in 64 bits
     [(1, 0, 1), (2, 2, shape(2 ** 41)), (4, 0, 0), (5, 0, 2 ** 43)],  # no GPT-2's
     [(1, 0, 1), (2, 2, shape(4)), (4, 0, 0), (5, 0, 16), (6, 0, 5)],  # a crc32c as a varint
-], ids=["offset bytes", "shape varint", "dims wrapping", "dims huge", "crc varint"])
+    [(1, 0, 1), (2, 2, entry((2, 0, 4))), (4, 0, 0), (5, 0, 16)],  # a dimension as a varint (one byte flipped)
+], ids=["offset bytes", "shape varint", "dims wrapping", "dims huge", "crc varint", "dim varint"])
 def test_a_tensor_entry_with_fields_of_the_wrong_kind_is_a_value_error(fields):
     """What load_tf_checkpoint turns into one line naming the corrupt index."""
     assert checkpoint.parse_bundle_entry(entry((1, 0, 1), (2, 2, shape(4)), (4, 0, 0), (5, 0, 16)))["size"] == 16
