@@ -258,6 +258,14 @@ def load_encoder_hparams_and_params(model_size, models_dir="models", source="ope
     return load_model_dir(model_dir, verify_crc, dtype)
 
 
+def check_vocabulary(model_dir, hparams, encoder):
+    """A model scores every token its tokenizer makes, and no other: fewer rows of wte would
+    leave token ids that index nothing (beam search's took a row past the end)."""
+    if hparams["n_vocab"] != encoder.n_vocab:
+        raise LoadError(f"{model_dir}: the model has {hparams['n_vocab']} tokens, its tokenizer {encoder.n_vocab}: "
+                        "delete the directory and run again to re-download")
+
+
 def load_model_dir(model_dir, verify_crc=False, dtype="float32"):
     """(encoder, hparams, params) from a directory that already holds a model, its
     matrices in the format dtype (kernels/weight_formats.py), converted from the checkpoint's
@@ -268,9 +276,7 @@ def load_model_dir(model_dir, verify_crc=False, dtype="float32"):
         raise LoadError(f"cannot read hparams.json / config.json in {model_dir} ({e}): delete it and run again "
                         "to re-download")
     encoder = load_encoder(model_dir)
-    if hparams["n_vocab"] > encoder.n_vocab:
-        raise LoadError(f"{model_dir}: the model has {hparams['n_vocab']} tokens, its tokenizer {encoder.n_vocab}: "
-                        "delete the directory and run again to re-download")
+    check_vocabulary(model_dir, hparams, encoder)
     try:
         params = checkpoint.load_params(model_dir, hparams["n_layer"], verify_crc)
     except (OSError, ValueError, KeyError, IndexError) as e:

@@ -50,10 +50,12 @@ def tokenizer(args):
     model_dir = utils.download_model(args.target_model_size, args.models_dir, args.source, args.base_url,
                                      only=utils.SMALL_FILES)
     try:
-        return utils.load_encoder(model_dir), utils.load_hparams(model_dir)
+        encoder, hparams = utils.load_encoder(model_dir), utils.load_hparams(model_dir)
     except (OSError, ValueError, KeyError) as e:
         raise utils.LoadError(f"cannot read the tokenizer or hparams.json / config.json in {model_dir} ({e}): "
                               "delete it and run again to re-download")
+    utils.check_vocabulary(model_dir, hparams, encoder)
+    return encoder, hparams
 
 
 def separate_draft(args):

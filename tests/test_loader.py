@@ -316,6 +316,7 @@ HPARAMS_CORRUPTIONS = {"a list": [1, 2], "a key missing": {"n_vocab": 50257, "n_
                        "a string": {"n_layer": "2"}, "a bool": {"n_layer": True}, "zero": {"n_ctx": 0},
                        "n_head not dividing n_embd": {"n_head": 3}, "n_layer past any model": {"n_layer": 10 ** 12},
                        "a float": {"n_embd": 16.0}, "more tokens than the tokenizer": {"n_vocab": 50258},
+                       "fewer tokens than the tokenizer": {"n_vocab": 1000},
                        "an HTML page": "<html><body>Moved</body></html>"}
 
 

@@ -378,10 +378,17 @@ def write_safetensors(path, tensors):
 
 @pytest.fixture(scope="module")
 def odd_vocab_models(tmp_path_factory):
-    """124M: the tiny GPT-2; 355M: a tiny GPT-2 with a 50000-token vocabulary."""
+    """124M: the tiny GPT-2; 355M: a tiny GPT-2 with a tokenizer of 50000 tokens (GPT-2's
+    first 49743 merges) and as many rows of wte."""
     root = tmp_path_factory.mktemp("odd")
     make_model_dir(str(root / "124M"), "tiny-openai")
     d = make_model_dir(str(root / "355M"), "tiny-hf")
+    with open(os.path.join(d, "vocab.bpe"), encoding="utf-8") as f:
+        merges = f.read().split("\n")
+    with open(os.path.join(d, "vocab.bpe"), "w", encoding="utf-8") as f:
+        f.write("\n".join(merges[:1 + 50000 - 257]) + "\n")  # a version line, then the merges
+    encoder = json.load(open(os.path.join(d, "encoder.json"), encoding="utf-8"))
+    json.dump({k: v for k, v in encoder.items() if v < 50000 - 1}, open(os.path.join(d, "encoder.json"), "w"))
     t = {k: np.asarray(v) for k, v in checkpoint.load_safetensors(os.path.join(d, "model.safetensors")).items()}
     t["wte.weight"] = t["wte.weight"][:50000]
     write_safetensors(os.path.join(d, "model.safetensors"), t)
@@ -477,6 +484,21 @@ def test_a_draft_vocab_past_the_vocabulary_is_refused_before_the_weights_downloa
     assert rc == 2
     assert err == "error: --draft_vocab must be at most the vocabulary's 50257 tokens (0 = all of them), got 50258\n"
     assert sorted(os.listdir(model_dir)) == small and sorted(os.listdir(tmp_path)) == ["355M"]  # nothing fetched
+
+
+def test_a_vocabulary_unlike_its_tokenizers_is_refused_before_the_weights_download(capsys, tmp_path):
+    """A model of fewer tokens than its tokenizer makes would leave ids that index nothing."""
+    model_dir = make_model_dir(str(tmp_path / "355M"), "tiny-openai")
+    for f in os.listdir(model_dir):
+        if f not in utils.SMALL_FILES:
+            os.remove(os.path.join(model_dir, f))
+    path = os.path.join(model_dir, "hparams.json")
+    json.dump(dict(json.load(open(path)), n_vocab=1000), open(path, "w"))
+    small = sorted(os.listdir(model_dir))
+    rc, out, err = run_main(capsys, "--models_dir", str(tmp_path), "--base_url", "http://127.0.0.1:9")
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: {model_dir}: the model has 1000 tokens, its tokenizer 50257: delete")
+    assert sorted(os.listdir(model_dir)) == small  # nothing fetched
 
 
 def test_no_network_and_no_local_files(capsys, tmp_path, monkeypatch):
