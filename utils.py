@@ -240,6 +240,9 @@ def load_encoder(model_dir):
             try:  # hashing our own files lets tiktoken's cache tell one file from another
                 ranks = data_gym_to_mergeable_bpe_ranks(bpe_path, enc_path, sha256_of(bpe_path), sha256_of(enc_path))
             except (OSError, ValueError, KeyError, TypeError, AttributeError, AssertionError, RecursionError) as e:
+                if isinstance(e, OSError) and e.filename not in (bpe_path, enc_path):  # tiktoken's copy of them
+                    raise LoadError(f"cannot use tiktoken's cache folder ({type(e).__name__}: {e}): set "
+                                    "TIKTOKEN_CACHE_DIR to a writable folder, or to an empty string for none")
                 raise LoadError(f"{bpe_path} and {enc_path} are not GPT-2's tokenizer ({type(e).__name__}: {e}); "
                                 "delete them and run again to re-download")
             return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,

@@ -343,3 +343,19 @@ def test_a_tokenizer_file_that_is_not_one_is_one_clear_error(tmp_path):
     with pytest.raises(utils.LoadError, match="encoder.json.*delete them") as e:
         utils.load_model_dir(d)
     assert "\n" not in str(e.value)
+
+
+def test_a_tiktoken_cache_that_cannot_be_used_is_named_not_the_tokenizer(tmp_path, monkeypatch):
+    """tiktoken copies the files into its cache folder: one it cannot write is the folder's fault
+    (the message once said to delete the good tokenizer files)."""
+    d = make_model_dir(str(tmp_path / "m"), "tiny-openai")
+    (tmp_path / "a_file").write_text("x")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "a_file" / "cache"))
+    utils.load_encoder.cache_clear()
+    with pytest.raises(utils.LoadError, match="cannot use tiktoken's cache folder .*set TIKTOKEN_CACHE_DIR") as e:
+        utils.load_encoder(d)
+    assert "\n" not in str(e.value) and "delete" not in str(e.value)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # no cache: the files alone
+    utils.load_encoder.cache_clear()
+    assert utils.load_encoder(d).n_vocab == 50257
+    utils.load_encoder.cache_clear()
