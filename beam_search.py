@@ -67,6 +67,22 @@ def check_window(n_ctx, prompts, max_new_tokens):
                                   "generate fewer tokens or shorten the prompt")
 
 
+# [B*N, V]-sized arrays a step holds at once, in float32's 4 bytes: the logits, their log
+# probabilities, the candidates' sums, and their ranking (argpartition's negated copy, its int64 indices)
+STEP_COPIES = 8
+
+
+def check_memory(n_rows, n_vocab, like):
+    """A sampling.BadSetting where a step's scores for n_rows beams are more than the memory
+    they live in: the OS would kill the search midway, without a word of why."""
+    need = STEP_COPIES * 4 * n_rows * n_vocab
+    where, have = kv_cache.memory(on_gpu=type(like).__module__.startswith("cupy"))
+    if have and need > have:
+        raise sampling.BadSetting("num_beams", f"asks for {n_rows} beams in all, whose {n_vocab} scores each take "
+                                  f"{need / 2**30:.1f} GiB a step, more than {where} memory "
+                                  f"({have / 2**30:.1f} GiB): ask for fewer beams or prompts")
+
+
 def beam_search(prompts, model, max_new_tokens, settings=BeamSettings(), eos_id=None, trace=None):
     """For each prompt (token ids), its num_return_sequences best hypotheses, best first, as
     (new tokens, score). model: (params, hparams). eos_id: the token that ends a hypothesis.
@@ -75,6 +91,7 @@ def beam_search(prompts, model, max_new_tokens, settings=BeamSettings(), eos_id=
     check(settings)
     check_window(hparams["n_ctx"], prompts, max_new_tokens)
     B, N, V = len(prompts), settings.num_beams, hparams["n_vocab"]
+    check_memory(B * N, V, params["wpe"])
     cache = kv_cache.init_cache(hparams, B * N, max(len(p) for p in prompts) + max_new_tokens, like=params["wpe"])
     first = on_host(kv_cache.next_logits(model, kv_cache.rows(cache, 0, B), [list(p) for p in prompts])[:, 0])  # [B, V]
     kv_cache.gather_rows(cache, np.repeat(np.arange(B), N))  # every beam starts from its prompt's prefill

@@ -45,6 +45,7 @@ gather_rows, and the rows a server moves, saves and copies (section 7).
 """
 import functools
 import itertools
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +60,7 @@ def init_cache(hparams, B, n_slots, like):
     step that first wrote a fresh row would otherwise wait while the OS zeroes its pages, a
     stall in the middle of serving instead of one at the start. (Not np.full(like=): NumPy 2
     hands CuPy a device=None that CuPy 14's full does not take.)"""
+    check_room(hparams, B, n_slots, like)
     n_head = hparams["n_head"]
     shape = (B, n_head, n_slots, hparams["n_embd"] // n_head)  # [B, n_head, n_slots, d_head]
     layers = [{"k": np.empty(shape, like.dtype, like=like), "v": np.empty(shape, like.dtype, like=like)}
@@ -71,6 +73,33 @@ def init_cache(hparams, B, n_slots, like):
             "starts": np.zeros(B, dtype=np.int64),   # index in the text of each row's slot 0
             "graphs": {},  # a GPU's steps recorded over this cache (kernels/cuda_graphs.py)
             "views": {}}  # its rows as caches of their own, made once (`rows`)
+
+
+def check_room(hparams, B, n_slots, like):
+    """A ValueError where a cache of B rows of n_slots tokens is more than the memory it would
+    live in (the machine's, or like's GPU's): init_cache touches every page, and past the
+    memory the OS would kill the process midway, without a word of why."""
+    need = 2 * hparams["n_layer"] * B * n_slots * hparams["n_embd"] * np.dtype(like.dtype).itemsize
+    where, have = memory(on_gpu=type(like).__module__.startswith("cupy"))
+    if have and need > have:
+        raise ValueError(f"the keys and values of {B} rows of {n_slots} tokens take {need / 2**30:.1f} GiB, more "
+                         f"than {where} memory ({have / 2**30:.1f} GiB): ask for fewer rows (--max_batch, "
+                         "--num_beams, prompts a run)")
+
+
+def memory(on_gpu=False):
+    """(where, bytes) of the machine's memory, or the GPU's; bytes None where the OS or CUDA
+    does not say (no CuPy, no GPU: loading the model says so)."""
+    if on_gpu:
+        try:
+            import cupy
+            return "this GPU's", cupy.cuda.runtime.memGetInfo()[1]  # (free, total)
+        except Exception:  # no CuPy, no driver, no GPU
+            return "this GPU's", None
+    try:
+        return "this machine's", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return "this machine's", None
 
 
 def cache_nbytes(cache):

@@ -6,8 +6,8 @@ benchmark's own, bench/cli.py, take lists: several sizes, dtypes, K); serving im
 this, never main.py.
 """
 import argparse
-import os
 
+import kv_cache
 import utils
 from kernels import layout, rowwise, weight_formats
 
@@ -84,27 +84,10 @@ def check_prefix_cache(args):
     if args.prefix_cache_mib < 0:
         raise ValueError(f"--prefix_cache_mib must be >= 0 (0 keeps none), got {args.prefix_cache_mib}")
     # the blocks live beside the KV cache: in the GPU's memory with --backend cupy (serving/prefix_cache.allocate)
-    where, memory = ("this GPU's", gpu_memory()) if args.backend == "cupy" else ("this machine's", physical_memory())
+    where, memory = kv_cache.memory(on_gpu=args.backend == "cupy")
     if memory and args.prefix_cache_mib << 20 > memory:
         raise ValueError(f"--prefix_cache_mib {args.prefix_cache_mib} is more than {where} memory "
                          f"({memory >> 20} MiB): give it a part of that")
-
-
-def physical_memory():
-    """The machine's memory in bytes (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def gpu_memory():
-    """The GPU's memory in bytes (None without CuPy or a GPU: loading the model says so)."""
-    try:
-        import cupy
-        return cupy.cuda.runtime.memGetInfo()[1]  # (free, total)
-    except Exception:  # no CuPy, no driver, no GPU
-        return None
 
 
 def same_bits(args):

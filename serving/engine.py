@@ -15,6 +15,7 @@ import threading
 import time
 
 import batching
+import kv_cache
 import speculative
 from cli import flags, loading
 from serving import openai_api, prefix_cache, scheduler
@@ -72,6 +73,8 @@ def load(engine, loaded=None):
         decoder = scheduler.speculative_decoder(target, drafter, config)
     else:
         decoder = scheduler.autoregressive(target)
+    for params, hparams in decoder[1].values():  # the caches serve_requests makes: refused now, not in its thread
+        kv_cache.check_room(hparams, args.max_batch, hparams["n_ctx"], like=params["wpe"])
     engine["encoder"], engine["hparams"], engine["decoder"] = encoder, target[1], decoder
     engine["max_model_len"] = args.max_model_len or target[1]["n_ctx"]
 

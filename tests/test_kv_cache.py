@@ -213,3 +213,16 @@ def test_generate_reports_the_cache_it_allocated(tiny):
     slots = max(map(len, PROMPTS)) + 5  # sized to the longest row, not to n_ctx
     assert stats.kv_cache_bytes == 2 * h["n_layer"] * len(PROMPTS) * slots * h["n_embd"] * 4
     assert batching.generate(batching.requests(PROMPTS, 5, GREEDY), (params, h), use_cache=False)[1].kv_cache_bytes == 0
+
+
+def test_a_cache_larger_than_the_memory_is_refused_before_a_page_is_touched(tiny, monkeypatch):
+    """init_cache writes every page: past the memory the OS would kill the process midway."""
+    _, hparams, params = tiny
+    row = 2 * hparams["n_layer"] * 64 * hparams["n_embd"] * 4  # a row of 64 slots, float32
+    monkeypatch.setattr(kv_cache, "memory", lambda on_gpu=False: ("this machine's", 10 * row))
+    assert kv_cache.cache_nbytes(kv_cache.init_cache(hparams, 10, 64, like=params["wpe"])) == 10 * row
+    with pytest.raises(ValueError, match=r"the keys and values of 11 rows of 64 tokens take .* GiB, more than "
+                                         r"this machine's memory .*--max_batch, --num_beams"):
+        kv_cache.init_cache(hparams, 11, 64, like=params["wpe"])
+    monkeypatch.setattr(kv_cache, "memory", lambda on_gpu=False: ("this machine's", None))  # the OS says nothing
+    kv_cache.init_cache(hparams, 11, 64, like=params["wpe"])
