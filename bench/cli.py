@@ -25,7 +25,7 @@ import sys
 import utils
 from bench import plots, report
 from bench.beams import bench_beams
-from bench.chunked import bench_chunked
+from bench.chunked import STREAMS, bench_chunked
 from bench.common import SHAPES, bandwidth_probe, in_format, load_or_random, machine_info, measure_bandwidth
 from bench.decode import bench_context, bench_decode, bench_layout, time_memmap_load
 from bench.formats import bench_formats, tiny_model_agreement
@@ -36,12 +36,13 @@ from bench.serve import bench_http, bench_serving
 from bench.speculation import (bench_breakdown, bench_self_draft, bench_speculative_costs,
                                bench_speculative_end_to_end, subset_coverage)
 from bench.transformers_peer import transformers_apart
+from cli import flags
 from kernels import rowwise, weight_formats
 
 
 def parse_args(argv=None):
     """The flags, with the defaults that depend on --backend filled in; --quick shrinks all."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = flags.OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", choices=list(SHAPES), help="default: 124M 355M (cupy: all four)")
     ap.add_argument("--batch_sizes", nargs="+", type=int, help="default: 1 8 32 (cupy: 1 8)")
     ap.add_argument("--prompt_len", type=int, default=32)
@@ -124,18 +125,72 @@ def parse_args(argv=None):
         args.prefix_sizes, args.prefix_len, args.question_len, args.prefix_new_tokens = ["tiny"], 40, 6, 3
         args.chunked_sizes, args.chunked_budgets, args.chunked_long_prompts = ["tiny"], [8], 2
         args.chunked_long_len, args.chunked_stream_tokens, args.chunked_streams = 40, 8, 14
+    check(args)
     return args
 
 
+AT_LEAST_ONE = ("reps", "n_tokens", "prompt_len", "K", "K_max", "n_requests", "prefix_len", "question_len",
+                "prefix_new_tokens", "prefix_max_batch", "chunked_long_prompts", "chunked_long_len",
+                "chunked_stream_tokens", "chunked_streams", "batch_sizes", "max_batches", "format_batches",
+                "draft_vocabs", "contexts")
+FRACTIONS = ("alphas", "e2e_alphas", "self_draft_alphas")
+
+
+def check(args):
+    """A ValueError naming the first flag a run could not use, before anything is measured:
+    a run of an hour must not fail midway (nor at its end: check_folders)."""
+    if rowwise.KERNEL_ERROR:
+        raise ValueError(rowwise.KERNEL_ERROR)
+    for name in AT_LEAST_ONE:
+        for value in getattr(args, name) if isinstance(getattr(args, name), list) else [getattr(args, name)]:
+            if value < 1:
+                raise ValueError(f"--{name} must be >= 1, got {value}")
+    for name in FRACTIONS:
+        if not all(0.0 <= a <= 1.0 for a in getattr(args, name)):
+            raise ValueError(f"--{name} are acceptance rates: each in [0, 1], got {getattr(args, name)}")
+    if max(args.contexts) >= 1024:
+        raise ValueError(f"--contexts must be below GPT-2's 1024-token window (a step after them), got "
+                         f"{max(args.contexts)}")
+    if args.draft_vocab < 0:
+        raise ValueError(f"--draft_vocab must be >= 0 (0: the whole vocabulary), got {args.draft_vocab}")
+    if min(args.chunked_budgets) < STREAMS + 1:  # (chunking.check_budget: each decoding row counts one token)
+        raise ValueError(f"--chunked_budgets must each be >= {STREAMS + 1}, the run's rows, "
+                         f"got {min(args.chunked_budgets)}")
+
+
+def check_folders(args):
+    """A ValueError where --out or --img_dir cannot take what the run writes at its end."""
+    for name in ("out", "img_dir"):
+        writable_folder(getattr(args, name), f"--{name}")
+    for name in ("results.json", "results.md"):
+        if os.path.isdir(os.path.join(args.out, name)):
+            raise ValueError(f"--out {args.out} holds a folder named {name}, where the results go: pick another --out")
+
+
+def writable_folder(path, flag):
+    """A ValueError unless path is a folder this process can write in, or one it can make."""
+    at = os.path.abspath(path)
+    while not os.path.exists(at):
+        at = os.path.dirname(at)
+    if not os.path.isdir(at) or not os.access(at, os.W_OK | os.X_OK):
+        why = "not writable" if os.path.isdir(at) else "not a folder"
+        raise ValueError(f"{flag} {path}: cannot write there ({at} is {why}); pick another {flag}")
+
+
 def main(argv=None):
+    try:
+        return run(argv)
+    except (ValueError, utils.LoadError) as e:  # a bad flag, or a checkpoint in --models_dir that is not one
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(argv):
     args = parse_args(argv)
+    check_folders(args)
     command = ("python benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     if args.backend == "cupy":
-        try:
-            results = gpu_benchmark(args, command, save=lambda r: write_results(r, gpu_markdown(r), args, show=False))
-        except utils.LoadError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        results = gpu_benchmark(args, command, save=lambda r: write_results(r, gpu_markdown(r), args, show=False))
         return write_results(results, gpu_markdown(results), args)
     probe = bandwidth_probe(1024 if args.quick else 8192)
     bandwidth = measure_bandwidth(probe)
@@ -244,9 +299,13 @@ def write_results(results, table, args, show=True):
     os.makedirs(args.out, exist_ok=True)
     for name, text in (("results.json", json.dumps(results, indent=1)), ("results.md", table + "\n")):
         path = os.path.join(args.out, name)
-        with open(path + ".part", "w") as f:
-            f.write(text)
-        os.replace(path + ".part", path)
+        try:
+            with open(path + ".part", "w") as f:
+                f.write(text)
+            os.replace(path + ".part", path)
+        finally:
+            if os.path.exists(path + ".part"):  # a write cut short (a full disk): nothing half-written stays
+                os.remove(path + ".part")
     if not show:
         return 0
     print("\n" + table)

@@ -151,6 +151,7 @@ def loop(intake, step, models, max_batch, max_len, static=False, stats=None, pre
     decoding rows and gets its first token in the next step. The rows still being prefilled
     are the batch's last (filling, serving/chunking.py). Only where keys come out the same
     bits whatever the pass (same_bits): elsewhere, and with None, prompts run whole."""
+    chunking.check_budget(max_prefill_tokens, max_batch)  # below the rows, a prompt would wait forever for a token
     events = []
     batch = batching.new_batch(models, max_batch, max_len, stats=stats,
                                callback=lambda seq, token, accepted, logits: events.append(

@@ -14,7 +14,7 @@ import cost_model
 import cuda_on_cpu
 import gpt2
 import speculative
-from bench import common, gpu, gpu_kernels, llamacpp, report, rows, speculation
+from bench import cli as bench_cli, common, gpu, gpu_kernels, llamacpp, report, rows, speculation
 from cli import timing
 from conftest import fixture_path
 from kernels import cuda_graphs, cuda_matmul, layout, rowwise
@@ -230,6 +230,67 @@ def test_gpu_benchmark_without_cupy_is_one_clear_line(tmp_path, capsys, monkeypa
     err = capsys.readouterr().err
     assert err.startswith("error: --backend cupy needs CuPy and an NVIDIA GPU") and err.count("\n") == 1
     assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--reps", "0"], "--reps must be >= 1, got 0"),
+    (["--n_tokens", "0"], "--n_tokens must be >= 1, got 0"),
+    (["--batch_sizes", "1", "0"], "--batch_sizes must be >= 1, got 0"),
+    (["--prompt_len", "-3"], "--prompt_len must be >= 1, got -3"),
+    (["--contexts", "100000"], "--contexts must be below GPT-2's 1024-token window"),
+    (["--draft_vocab", "-1"], "--draft_vocab must be >= 0 (0: the whole vocabulary), got -1"),
+    (["--n_requests", "0"], "--n_requests must be >= 1, got 0"),
+    (["--max_batches", "0"], "--max_batches must be >= 1, got 0"),
+    (["--prefix_len", "0"], "--prefix_len must be >= 1, got 0"),
+    (["--e2e_alphas", "1.5"], "--e2e_alphas are acceptance rates: each in [0, 1], got [1.5]"),
+    (["--K", "0"], "--K must be >= 1, got 0"),
+    (["--chunked_budgets", "0"], "--chunked_budgets must each be >= 8, the run's rows, got 0"),
+    (["--sizes", "7B"], "argument --sizes: invalid choice: '7B'"),
+])
+def test_a_flag_the_benchmark_cannot_use_is_one_line_before_anything_runs(tmp_path, capsys, argv, message):
+    """Each once ran (a hang, a traceback midway, or a result of nothing); now one line, exit 2."""
+    assert benchmark.main(argv + ["--out", str(tmp_path / "out")]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1 and not out
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_folder_the_results_cannot_go_in_is_refused_before_the_run(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "out" / "results.json").mkdir(parents=True)
+    for out, message in ((tmp_path / "a_file", "is not a folder"), (tmp_path / "a_file" / "sub", "is not a folder"),
+                         (tmp_path / "out", "holds a folder named results.json")):
+        assert benchmark.main(["--quick", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
+
+
+def test_results_cut_short_leave_no_part_file(tmp_path, monkeypatch):
+    def fail(src, dst):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "replace", fail)
+    args = benchmark.parse_args(["--quick", "--out", str(tmp_path)])
+    with pytest.raises(OSError):
+        bench_cli.write_results({}, "table", args)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_damaged_checkpoint_in_the_models_dir_is_one_line(tmp_path, capsys):
+    """The CPU's run let checkpoint.LoadError through as a traceback (only the GPU's caught it)."""
+    from conftest import make_model_dir
+    d = make_model_dir(str(tmp_path / "models" / "124M"), "tiny-openai")
+    with open(os.path.join(d, "model.ckpt.data-00000-of-00001"), "r+b") as f:
+        f.truncate(100)
+    assert benchmark.main(["--sizes", "124M", "--only", "decode", "--models_dir", str(tmp_path / "models"),
+                           "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "re-download" in err and err.count("\n") == 1
+
+
+def test_a_row_kernel_the_environment_names_wrongly_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(rowwise, "KERNEL_ERROR", "GPT2_ROW_KERNEL must be numba or numpy, got 'bad'")
+    assert benchmark.main(["--quick"]) == 2
+    assert capsys.readouterr().err == "error: GPT2_ROW_KERNEL must be numba or numpy, got 'bad'\n"
 
 
 def numpy_as_cupy():
