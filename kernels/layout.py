@@ -110,8 +110,13 @@ GPU_KERNELS_ENV = "GPT2_GPU_KERNELS"  # 1: the GPU's own kernels and recorded st
 
 
 def gpu_kernels():
-    """Whether a GPU runs our own kernels (GPU_KERNELS_ENV=1), not CuPy's operations."""
-    return os.environ.get(GPU_KERNELS_ENV, "0") == "1"
+    """Whether a GPU runs our own kernels (GPU_KERNELS_ENV=1), not CuPy's operations (0, or
+    unset); any other value is a ValueError (the commands' one line), not a silent 0."""
+    value = os.environ.get(GPU_KERNELS_ENV, "0")
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{GPU_KERNELS_ENV}={value!r}: set it to 1 (the GPU's own kernels) or 0 (CuPy's "
+                         "operations), or unset it")
+    return value == "1"
 
 
 def to_backend(params, backend="numpy", dtype="float32", kernels=None):

@@ -40,6 +40,14 @@ try:
     from kernels import row_ops  # layer norm and attention for the kernel's passes
 except ImportError:  # no numba: the NumPy fallback
     compiling = int4_kernel = int8_kernel = row_kernel = row_ops = None
+    NUMBA_PROBLEM = None
+except ValueError as e:  # numba refused its own settings (NUMBA_NUM_THREADS=0)
+    compiling = int4_kernel = int8_kernel = row_kernel = row_ops = None
+    NUMBA_PROBLEM = f"numba cannot start ({e}): fix its NUMBA_* settings, or run the NumPy kernels (--kernel numpy)"
+else:
+    import numba
+    NUMBA_PROBLEM = ("NUMBA_DISABLE_JIT=1 leaves the kernels as Python, which their registers' intrinsics cannot "
+                     "run: unset it, or run the NumPy kernels (--kernel numpy)") if numba.config.DISABLE_JIT else None
 
 KERNEL_ENV = "GPT2_ROW_KERNEL"
 KERNELS = ("numba", "numpy")
@@ -52,9 +60,11 @@ def pick_kernel(asked):
     return "numpy" if asked == "numba" and row_kernel is None else asked
 
 
-try:
+try:  # main.py, server.py and benchmark.py print KERNEL_ERROR as one line
     KERNEL, KERNEL_ERROR = pick_kernel(os.environ.get(KERNEL_ENV, "numba")), None
-except ValueError as e:  # main.py and server.py print it as one line
+    if os.environ.get(KERNEL_ENV, "numba") == "numba" and NUMBA_PROBLEM:
+        KERNEL, KERNEL_ERROR = "numpy", NUMBA_PROBLEM
+except ValueError as e:
     KERNEL, KERNEL_ERROR = "numpy", str(e)
 
 
@@ -64,6 +74,8 @@ def use(kernel):
     and kv_cache.attend's NumPy attention, each product a gemv per row (gemv_rows), the
     reference a reader can trust; "numba": the kernels, where numba imports."""
     global KERNEL, KERNEL_ERROR
+    if kernel == "numba" and NUMBA_PROBLEM:
+        raise ValueError(NUMBA_PROBLEM)
     if kernel == "numba" and row_kernel is None:
         raise ValueError("--kernel numba needs numba: pip install numba (or use --kernel numpy)")
     KERNEL, KERNEL_ERROR = pick_kernel(kernel), None

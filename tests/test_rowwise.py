@@ -239,3 +239,33 @@ def test_each_pass_runs_one_tile_plan_and_the_server_warms_them_all():
         assert {row_kernel.loop_for(r, dtype) for r in rowwise.warm_passes(loading.EVERY_TILE, dtype)} == loops
         assert {row_kernel.loop_for(r, dtype) for r in rowwise.warm_passes([1, 9, 100], dtype)} == {
             row_kernel.loop_for(R, dtype) for R in (1, 9, 100)}
+
+
+@pytest.mark.skipif(rowwise.row_kernel is None, reason="numba is not installed")
+@pytest.mark.parametrize("setting, problem", [("NUMBA_NUM_THREADS=0", "numba cannot start (Number of threads"),
+                                              ("NUMBA_DISABLE_JIT=1", "NUMBA_DISABLE_JIT=1 leaves the kernels")])
+def test_numbas_own_settings_that_stop_its_kernels_are_one_line_naming_them(setting, problem):
+    """They were a traceback at import, or one at the first pass; --kernel numpy still runs."""
+    import os
+    import subprocess
+    import sys
+    from conftest import ROOT
+    name, value = setting.split("=")
+    env = {**os.environ, name: value}
+    env.pop(rowwise.KERNEL_ENV, None)
+    script = ("from kernels import rowwise; print(rowwise.KERNEL, rowwise.KERNEL_ERROR); "
+              "rowwise.use('numpy'); print(rowwise.KERNEL, rowwise.KERNEL_ERROR)")
+    got = subprocess.run([sys.executable, "-c", script],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    first, second = got.stdout.splitlines()
+    assert first.startswith(f"numpy {problem}") and "--kernel numpy" in first and second == "numpy None", got
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("0", False), ("", False), ("yes", None), ("true", None)])
+def test_the_gpu_kernels_setting_is_1_or_0(monkeypatch, value, on):
+    monkeypatch.setenv(layout.GPU_KERNELS_ENV, value)
+    if on is None:
+        with pytest.raises(ValueError, match=f"GPT2_GPU_KERNELS='{value}': set it to 1 .* or 0"):
+            layout.gpu_kernels()
+    else:
+        assert layout.gpu_kernels() is on
