@@ -26,6 +26,7 @@ import numpy as np
 
 import kv_cache
 import sampling
+from kernels import layout
 
 NEG = -1.0e9  # transformers' "never pick this": a score so low it loses to every real one
 
@@ -75,12 +76,11 @@ STEP_COPIES = 8
 def check_memory(n_rows, n_vocab, like):
     """A sampling.BadSetting where a step's scores for n_rows beams are more than the memory
     they live in: the OS would kill the search midway, without a word of why."""
-    need = STEP_COPIES * 4 * n_rows * n_vocab
-    where, have = kv_cache.memory(on_gpu=type(like).__module__.startswith("cupy"))
-    if have and need > have:
-        raise sampling.BadSetting("num_beams", f"asks for {n_rows} beams in all, whose {n_vocab} scores each take "
-                                  f"{need / 2**30:.1f} GiB a step, more than {where} memory "
-                                  f"({have / 2**30:.1f} GiB): ask for fewer beams or prompts")
+    try:
+        layout.check_memory(STEP_COPIES * 4 * n_rows * n_vocab, f"asks for {n_rows} beams in all, whose scores "
+                            f"({n_vocab} each, {STEP_COPIES} copies a step)", like, "ask for fewer beams or prompts")
+    except ValueError as e:
+        raise sampling.BadSetting("num_beams", str(e))
 
 
 def beam_search(prompts, model, max_new_tokens, settings=BeamSettings(), eos_id=None, trace=None):

@@ -45,21 +45,18 @@ gather_rows, and the rows a server moves, saves and copies (section 7).
 """
 import functools
 import itertools
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
 import gpt2
-from kernels import cuda_graphs, cuda_ops, rowwise
+from kernels import cuda_graphs, cuda_ops, layout, rowwise
 
 
 def init_cache(hparams, B, n_slots, like):
-    """An empty static cache for B rows of n_slots tokens, with like's dtype and device.
-    Every page is touched now (np.zeros would leave the OS to map each on first write): a
-    step that first wrote a fresh row would otherwise wait while the OS zeroes its pages, a
-    stall in the middle of serving instead of one at the start. (Not np.full(like=): NumPy 2
-    hands CuPy a device=None that CuPy 14's full does not take.)"""
+    """An empty static cache for B rows of n_slots tokens, with like's dtype and device. Every
+    page is touched now (np.zeros would leave the OS to map each at a step's first write, a
+    stall midway through serving). (Not np.full(like=): CuPy 14's full takes no device=None.)"""
     check_room(hparams, B, n_slots, like)
     n_head = hparams["n_head"]
     shape = (B, n_head, n_slots, hparams["n_embd"] // n_head)  # [B, n_head, n_slots, d_head]
@@ -76,30 +73,10 @@ def init_cache(hparams, B, n_slots, like):
 
 
 def check_room(hparams, B, n_slots, like):
-    """A ValueError where a cache of B rows of n_slots tokens is more than the memory it would
-    live in (the machine's, or like's GPU's): init_cache touches every page, and past the
-    memory the OS would kill the process midway, without a word of why."""
+    """init_cache touches every page: a cache past the memory it would live in is refused first."""
     need = 2 * hparams["n_layer"] * B * n_slots * hparams["n_embd"] * np.dtype(like.dtype).itemsize
-    where, have = memory(on_gpu=type(like).__module__.startswith("cupy"))
-    if have and need > have:
-        raise ValueError(f"the keys and values of {B} rows of {n_slots} tokens take {need / 2**30:.1f} GiB, more "
-                         f"than {where} memory ({have / 2**30:.1f} GiB): ask for fewer rows (--max_batch, "
-                         "--num_beams, prompts a run)")
-
-
-def memory(on_gpu=False):
-    """(where, bytes) of the machine's memory, or the GPU's; bytes None where the OS or CUDA
-    does not say (no CuPy, no GPU: loading the model says so)."""
-    if on_gpu:
-        try:
-            import cupy
-            return "this GPU's", cupy.cuda.runtime.memGetInfo()[1]  # (free, total)
-        except Exception:  # no CuPy, no driver, no GPU
-            return "this GPU's", None
-    try:
-        return "this machine's", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return "this machine's", None
+    layout.check_memory(need, f"the keys and values of {B} rows of {n_slots} tokens", like,
+                        "ask for fewer rows (--max_batch, --num_beams, prompts a run)")
 
 
 def cache_nbytes(cache):

@@ -7,7 +7,6 @@ this, never main.py.
 """
 import argparse
 
-import kv_cache
 import utils
 from kernels import layout, rowwise, weight_formats
 
@@ -84,7 +83,7 @@ def check_prefix_cache(args):
     if args.prefix_cache_mib < 0:
         raise ValueError(f"--prefix_cache_mib must be >= 0 (0 keeps none), got {args.prefix_cache_mib}")
     # the blocks live beside the KV cache: in the GPU's memory with --backend cupy (serving/prefix_cache.allocate)
-    where, memory = kv_cache.memory(on_gpu=args.backend == "cupy")
+    where, memory = layout.memory(on_gpu=args.backend == "cupy")
     if memory and args.prefix_cache_mib << 20 > memory:
         raise ValueError(f"--prefix_cache_mib {args.prefix_cache_mib} is more than {where} memory "
                          f"({memory >> 20} MiB): give it a part of that")

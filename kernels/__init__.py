@@ -14,7 +14,7 @@ a fixed order (each row as if alone):
   and bfloat16; int8 and int4 in integers; attention); compiling.py: when they compile
   (each loop at its first use, or ahead, in other processes, during a load).
 - weight_formats.py: bfloat16, int8 and int4 weights; layout.py: the weights laid out once at
-  load as the kernels read them, or moved to a GPU.
+  load as the kernels read them, or moved to a GPU, and the memory either has.
 
 A GPU's kernels of our own (opt-in: GPT2_GPU_KERNELS=1) enter the same two ways and two
 more: cuda_matmul.py's Matrix, whose __rmatmul__ launches a few-row product on device

@@ -119,6 +119,30 @@ def gpu_kernels():
     return value == "1"
 
 
+def memory(on_gpu=False):
+    """(where, bytes) of the machine's memory, or the GPU's; bytes None where the OS or CUDA
+    does not say (no CuPy, no GPU: loading the model says so)."""
+    if on_gpu:
+        try:
+            import cupy
+            return "this GPU's", cupy.cuda.runtime.memGetInfo()[1]  # (free, total)
+        except Exception:  # no CuPy, no driver, no GPU
+            return "this GPU's", None
+    try:
+        return "this machine's", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return "this machine's", None
+
+
+def check_memory(need, what, like, fix):
+    """A ValueError where `what` takes more bytes than the memory like's arrays live in: past
+    it the OS would kill the process midway, without a word of why."""
+    where, have = memory(on_gpu=type(like).__module__.startswith("cupy"))
+    if have and need > have:
+        raise ValueError(f"{what} take {need / 2**30:.1f} GiB, more than {where} memory ({have / 2**30:.1f} GiB): "
+                         f"{fix}")
+
+
 def to_backend(params, backend="numpy", dtype="float32", kernels=None):
     """The params on the array library that runs them. NumPy keeps them as they are
     (memory-mapped, or laid out in their format at load); CuPy copies every tensor to the

@@ -9,10 +9,10 @@ import pytest
 
 import batching
 import beam_search
-import kv_cache
 import sampling
 import speculative
 from conftest import ROOT, fixture_path
+from kernels import layout
 
 with open(fixture_path("beam_search.json")) as f:
     FIXTURES = json.load(f)
@@ -132,7 +132,8 @@ def test_the_trace_draws_the_beams_of_a_run(model, tiny, tmp_path):
 def test_more_beams_than_the_memory_holds_a_step_of_are_refused(model, monkeypatch):
     """--num_beams 100000 was the OS killing main.py: 100000 rows of 50257 scores, copied a few
     times a step, are 150 GiB."""
-    monkeypatch.setattr(kv_cache, "memory", lambda on_gpu=False: ("this machine's", 24 << 30))
-    with pytest.raises(sampling.BadSetting, match=r"asks for 100000 beams in all, whose 50257 scores each take "
-                                                  r"149\.8 GiB a step, more than this machine's memory \(24\.0 GiB\)"):
+    monkeypatch.setattr(layout, "memory", lambda on_gpu=False: ("this machine's", 24 << 30))
+    with pytest.raises(sampling.BadSetting, match=r"asks for 100000 beams in all, whose scores \(50257 each, 8 "
+                                                  r"copies a step\) take 149\.8 GiB, more than this machine's memory "
+                                                  r"\(24\.0 GiB\)"):
         beam_search.beam_search([[1, 2]], model, 3, beam_search.BeamSettings(num_beams=100000))

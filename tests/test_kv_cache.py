@@ -6,6 +6,7 @@ import batching
 import gpt2
 import kv_cache
 import sampling
+from kernels import layout
 
 GREEDY = sampling.SamplingSettings(temperature=0.0)
 PROMPTS = [[464, 2068, 7586, 21831], [15496, 11, 995, 0, 383, 2068, 7586, 21831, 18045, 625, 262],
@@ -219,10 +220,10 @@ def test_a_cache_larger_than_the_memory_is_refused_before_a_page_is_touched(tiny
     """init_cache writes every page: past the memory the OS would kill the process midway."""
     _, hparams, params = tiny
     row = 2 * hparams["n_layer"] * 64 * hparams["n_embd"] * 4  # a row of 64 slots, float32
-    monkeypatch.setattr(kv_cache, "memory", lambda on_gpu=False: ("this machine's", 10 * row))
+    monkeypatch.setattr(layout, "memory", lambda on_gpu=False: ("this machine's", 10 * row))
     assert kv_cache.cache_nbytes(kv_cache.init_cache(hparams, 10, 64, like=params["wpe"])) == 10 * row
     with pytest.raises(ValueError, match=r"the keys and values of 11 rows of 64 tokens take .* GiB, more than "
                                          r"this machine's memory .*--max_batch, --num_beams"):
         kv_cache.init_cache(hparams, 11, 64, like=params["wpe"])
-    monkeypatch.setattr(kv_cache, "memory", lambda on_gpu=False: ("this machine's", None))  # the OS says nothing
+    monkeypatch.setattr(layout, "memory", lambda on_gpu=False: ("this machine's", None))  # the OS says nothing
     kv_cache.init_cache(hparams, 11, 64, like=params["wpe"])

@@ -492,8 +492,8 @@ def test_a_negative_prefix_cache_is_one_line_before_anything_loads(capsys, tmp_p
 def test_rows_whose_caches_the_memory_cannot_hold_are_refused_as_the_models_load(models_dir, monkeypatch):
     """--max_batch rows of the window's keys and values, past the memory: refused at the start
     (a ValueError, server.py's one line), not in the engine's thread at the first request."""
-    import kv_cache
-    monkeypatch.setattr(kv_cache, "memory", lambda on_gpu=False: ("this machine's", 1 << 19))
+    from kernels import layout
+    monkeypatch.setattr(layout, "memory", lambda on_gpu=False: ("this machine's", 1 << 19))
     args = server.parse_args(["--models_dir", models_dir, "--target_model_size", "124M", "--max_batch", "64"])
     with pytest.raises(ValueError, match="the keys and values of 64 rows of 64 tokens take"):
         engines.load(engines.new_engine(args))
