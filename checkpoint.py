@@ -346,7 +346,8 @@ def load_params(model_dir, n_layer, verify_crc=False):
 
 
 def check_params(params, hparams):
-    """Every tensor GPT-2 needs, with the shape hparams imply: a clear error otherwise."""
+    """Every tensor GPT-2 needs, with the shape hparams imply and finite values: a clear
+    error otherwise."""
     V, C, E, L = hparams["n_vocab"], hparams["n_ctx"], hparams["n_embd"], hparams["n_layer"]
     want = {("wte",): (V, E), ("wpe",): (C, E), ("ln_f", "g"): (E,), ("ln_f", "b"): (E,)}
     for i in range(L):
