@@ -12,8 +12,9 @@ floats, plus an index that says where each named tensor starts.
 - `model.safetensors` (the Hugging Face mirror) is simpler still: an 8-byte
   header length, a JSON header, raw bytes.
 
-Either way the tensors are `np.memmap` views into the file: zero copies, loaded
-in milliseconds, paged in by the OS on first use. Nothing is ever unpickled.
+Either way the tensors are `np.memmap` views into the file: zero copies, paged in
+by the OS on first use. The index also stores each tensor's crc32c, which every load
+checks (at memory speed), so a damaged file never loads. Nothing is ever unpickled.
 The checkpoint's names are then mapped to picoGPT's nested dict
 (`params["blocks"][i]["attn"]["c_attn"]["w"]`), and every shape is checked.
 """
@@ -24,6 +25,10 @@ import re
 import struct
 
 import numpy as np
+from crc32c import crc32c
+
+
+TF_INDEX, TF_DATA = "model.ckpt.index", "model.ckpt.data-00000-of-00001"  # a checkpoint's two files
 
 
 class LoadError(Exception):
@@ -151,39 +156,29 @@ def read_tf_index(index_path):
     return entries
 
 
-def _crc32c_table():
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table.append(c)
-    return table
-
-
-CRC32C_TABLE = _crc32c_table()
-
-
-def crc32c(data):
-    """CRC-32C (Castagnoli), the checksum LevelDB and TensorFlow use. Pure Python,
-    so it is slow (a few MB/s): used to verify small checkpoints and in tests."""
-    crc = 0xFFFFFFFF
-    for byte in bytes(data):
-        crc = CRC32C_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
-
-
 def masked_crc32c(data):
-    """TensorFlow stores crc32c 'masked' (rotated and offset) so that a crc of data
+    """CRC-32C (Castagnoli), the checksum LevelDB and TensorFlow use, of any bytes-like
+    object (a memory-mapped tensor is read in place, by the CPU's crc32 instruction where it
+    has one), 'masked' (rotated and offset) as TensorFlow stores it, so that a crc of data
     that itself contains crcs does not look degenerate."""
     crc = crc32c(data)
     return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
 
 
-def load_tf_checkpoint(model_dir, verify_crc=False):
-    """{tensor name: np.memmap} for every tensor of a TensorFlow checkpoint."""
-    index_path = os.path.join(model_dir, "model.ckpt.index")
-    data_path = os.path.join(model_dir, "model.ckpt.data-00000-of-00001")
+def load_tf_checkpoint(model_dir):
+    """{tensor name: np.memmap} for every tensor of a TensorFlow checkpoint, each checked
+    against the crc32c its index stores (at memory speed: a damaged file never loads)."""
+    index_path, data_path = os.path.join(model_dir, TF_INDEX), os.path.join(model_dir, TF_DATA)
+    entries = read_checked_index(index_path)
+    try:
+        return tf_tensors(entries, data_path)
+    except ValueError as e:
+        raise LoadError(f"{data_path} is damaged ({e}): delete it and run again to re-download")
+
+
+def read_checked_index(index_path):
+    """The index's entries, each a tensor GPT-2's reader can map: one shard, a known dtype,
+    as many bytes as its shape holds."""
     try:
         entries = read_tf_index(index_path)
     except (ValueError, IndexError, KeyError, struct.error) as e:
@@ -191,18 +186,24 @@ def load_tf_checkpoint(model_dir, verify_crc=False):
     for name, e in entries.items():
         if e["shard"] != 0:
             raise LoadError(f"{name} lives in shard {e['shard']}, but GPT-2 checkpoints have one shard")
-    data_size = os.path.getsize(data_path)
-    check_extents(data_path, data_size, [(e["offset"], e["offset"] + e["size"], name) for name, e in entries.items()])
-    tensors = {}
-    for name, e in entries.items():
         if e["dtype"] not in TF_DTYPES:
             raise LoadError(f"{name} has TensorFlow dtype {e['dtype']}, which this reader does not handle")
-        dtype = np.dtype(TF_DTYPES[e["dtype"]]).newbyteorder("<")
-        if e["size"] != math.prod(e["shape"]) * dtype.itemsize:
+        if e["size"] != math.prod(e["shape"]) * np.dtype(TF_DTYPES[e["dtype"]]).itemsize:
             raise LoadError(f"{index_path} is corrupt: {name} has shape {e['shape']} but {e['size']} bytes")
+    return entries
+
+
+def tf_tensors(entries, data_path):
+    """{name: np.memmap} of the data file's tensors where the index's entries place them; a
+    ValueError names the first whose bytes do not have the index's crc32c."""
+    check_extents(data_path, os.path.getsize(data_path),
+                  [(e["offset"], e["offset"] + e["size"], name) for name, e in entries.items()])
+    tensors = {}
+    for name, e in entries.items():
+        dtype = np.dtype(TF_DTYPES[e["dtype"]]).newbyteorder("<")
         tensors[name] = np.memmap(data_path, dtype=dtype, mode="r", offset=e["offset"], shape=e["shape"])
-        if verify_crc and masked_crc32c(tensors[name].tobytes()) != e["crc32c"]:
-            raise LoadError(f"{data_path} is corrupt: crc32c of {name} does not match the index")
+        if e["crc32c"] is not None and masked_crc32c(tensors[name]) != e["crc32c"]:
+            raise ValueError(f"the bytes of {name} do not have the crc32c the index stores")
     return tensors
 
 
@@ -338,10 +339,10 @@ def block_index(digits, n_layer, name):
     return int(digits)
 
 
-def load_params(model_dir, n_layer, verify_crc=False):
+def load_params(model_dir, n_layer):
     """picoGPT-style nested dict of float arrays from whichever layout model_dir holds."""
-    if os.path.exists(os.path.join(model_dir, "model.ckpt.index")):
-        return params_from_openai_names(load_tf_checkpoint(model_dir, verify_crc), n_layer)
+    if os.path.exists(os.path.join(model_dir, TF_INDEX)):
+        return params_from_openai_names(load_tf_checkpoint(model_dir), n_layer)
     return params_from_hf_names(load_safetensors(os.path.join(model_dir, "model.safetensors")), n_layer)
 
 

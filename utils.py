@@ -1,11 +1,12 @@
 """picoGPT's utils: download GPT-2, read its hparams and tokenizer, load its weights.
 
 `load_encoder_hparams_and_params(size)` downloads whatever is missing (resumable,
-atomic: a file gets its final name only when complete), builds GPT-2's byte-level
-BPE with tiktoken from the downloaded files, and reads the weights through
-checkpoint.py (which parses the formats). The weight matrices are then copied
-once, into the layout that the kernels read fastest (kernels/layout.py: `decode_layout`;
-its `to_backend` moves the params to a GPU with CuPy when asked).
+atomic: a file gets its final name only when complete and, for the weights, checked
+against the index's checksums), builds GPT-2's byte-level BPE with tiktoken from the
+downloaded files, and reads the weights through checkpoint.py (which parses the formats).
+The weight matrices are then copied once, into the layout that the kernels read fastest
+(kernels/layout.py: `decode_layout`; its `to_backend` moves the params to a GPU with CuPy
+when asked).
 """
 import contextlib
 import functools
@@ -25,6 +26,7 @@ from tqdm import tqdm
 import checkpoint
 from kernels import layout
 from checkpoint import LoadError  # the one error a user can fix: its message says how
+from checkpoint import TF_DATA, TF_INDEX
 
 MODEL_SIZES = ("124M", "355M", "774M", "1558M")
 OPENAI_BASE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/models"
@@ -36,8 +38,7 @@ HF_REPOS = {
     "1558M": "openai-community/gpt2-xl",
 }
 BASE_URL_ENV = "GPT2_BASE_URL"  # overrides the source's base URL (mirrors, tests)
-OPENAI_FILES = ("checkpoint", "encoder.json", "hparams.json", "model.ckpt.index",
-                "model.ckpt.data-00000-of-00001", "vocab.bpe")
+OPENAI_FILES = ("checkpoint", "encoder.json", "hparams.json", TF_INDEX, TF_DATA, "vocab.bpe")
 HF_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt")
 # the tokenizer and hparams of either layout: main.py fetches them first (kernels/compiling.py)
 SMALL_FILES = ("encoder.json", "vocab.bpe", "hparams.json", "config.json", "vocab.json", "merges.txt")
@@ -73,10 +74,13 @@ STALL_BYTES = 64 << 10  # a minute's: 1 KiB/s, at which 124M would take 6 days
 MOST_BYTES = 8 << 30  # more than any GPT-2 file (1558M's data: 6.2 GB): a server promising more is not one
 
 
-def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0, stall_s=60.0, stall_bytes=STALL_BYTES):
+def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0, stall_s=60.0, stall_bytes=STALL_BYTES,
+                  check=None):
     """Stream `url` to `path`, atomically: bytes go to `path.part`, which is resumed
     with an HTTP Range request after an interruption and renamed to `path` only
-    when its size equals the server's Content-Length. Bytes come as stored
+    when its size equals the server's Content-Length, its SHA-256 the one the server names
+    (where it names one: `linked_sha256`) and `check(part)`, where given, returns (it
+    raises a LoadError for a file whose content is wrong). Bytes come as stored
     (Accept-Encoding: identity: a compressed body's length is not the file's), and a
     resumed body must start where the .part ends (its Content-Range), else it starts over.
     A try that brings under stall_bytes in stall_s seconds has stalled (timeout_s bounds
@@ -90,6 +94,7 @@ def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0, stall_s=6
         headers = {"Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
         try:
             with requests.get(url, stream=True, headers=headers, timeout=timeout_s) as r:
+                sha256 = linked_sha256(r)
                 resumed = r.status_code == 206
                 if r.status_code == 416 or resumed and not continues(r.headers, have):
                     with contextlib.suppress(FileNotFoundError):  # the .part is not what the server would continue
@@ -119,6 +124,12 @@ def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0, stall_s=6
             size = os.path.getsize(part)
             if size != total:
                 raise _Retry(f"got {size} of {total} bytes")
+            if sha256 is not None and sha256_of(part) != sha256:
+                os.remove(part)
+                raise LoadError(f"{url} arrived damaged (its SHA-256 is not the {sha256[:12]}... the server names); "
+                                f"removed it: run again to download it afresh, or check --base_url / ${BASE_URL_ENV}")
+            if check is not None:
+                check(part)
             os.replace(part, path)
             return path
         except (_Retry, requests.ConnectionError, requests.Timeout,
@@ -154,6 +165,17 @@ def arriving(r, most=1 << 20):
         raise requests.exceptions.SSLError(e) from None
 
 
+def linked_sha256(r):
+    """The SHA-256 of the file a response brings, where the server names it: the Hugging Face
+    hub answers a download of a file it keeps in LFS (model.safetensors) with a redirect whose
+    X-Linked-Etag is the file's SHA-256; None for a server that names none."""
+    for response in (*r.history, r):
+        m = re.fullmatch(r'(?:W/)?"?([0-9a-f]{64})"?', response.headers.get("X-Linked-Etag", "").strip())
+        if m:
+            return m[1]
+    return None
+
+
 def continues(headers, have):
     """Whether a 206's body is the rest of a file whose first `have` bytes the .part holds:
     its Content-Range runs from `have` to the file's last byte (of a length it names), as long
@@ -168,7 +190,7 @@ def continues(headers, have):
 def is_complete(model_dir):
     """A model in either layout: weights, hparams and tokenizer, each under either naming."""
     have = lambda *names: all(os.path.exists(os.path.join(model_dir, n)) for n in names)
-    return ((have("model.ckpt.index", "model.ckpt.data-00000-of-00001", "hparams.json")
+    return ((have(TF_INDEX, TF_DATA, "hparams.json")
              or have("model.safetensors", "config.json"))
             and (have("vocab.bpe", "encoder.json") or have("merges.txt", "vocab.json")))
 
@@ -190,15 +212,31 @@ def download_model(model_size, models_dir="models", source="openai", base_url=No
         os.remove(probe)
     except OSError as e:
         raise LoadError(f"cannot write to {model_dir} ({e.strerror}): pass a writable --models_dir")
+    if TF_DATA in missing and TF_INDEX not in missing and not os.path.exists(os.path.join(model_dir, TF_INDEX)):
+        missing.insert(missing.index(TF_DATA), TF_INDEX)  # the data is checked against it
     try:
         for f in missing:
-            download_file(urls[f], os.path.join(model_dir, f), **download_kw)
+            check = functools.partial(check_tf_data, model_dir, urls[f]) if f == TF_DATA else None
+            download_file(urls[f], os.path.join(model_dir, f), check=check, **download_kw)
     except LoadError:
         for d in reversed(made):  # a download that wrote nothing leaves no empty folder (a .part stays, to resume)
             with contextlib.suppress(OSError):
                 os.rmdir(d)
         raise
     return model_dir
+
+
+def check_tf_data(model_dir, url, part):
+    """A downloaded data file whose bytes are not what the index says (a damaged transfer, a
+    resume spliced onto another file, a mirror's other version) is removed, not renamed: each
+    tensor's crc32c against the one the index stores, as every load checks them."""
+    entries = checkpoint.read_checked_index(os.path.join(model_dir, TF_INDEX))
+    try:
+        checkpoint.tf_tensors(entries, part)
+    except (ValueError, LoadError) as e:
+        os.remove(part)
+        raise LoadError(f"{url} arrived damaged ({e}); removed it: run again to download it afresh, or check "
+                        f"--base_url / ${BASE_URL_ENV}")
 
 # ------------------------------------------------------------------ loading --
 
@@ -251,14 +289,18 @@ def load_encoder(model_dir):
 
 
 def sha256_of(path):
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+        while piece := f.read(1 << 24):
+            h.update(piece)
+    return h.hexdigest()
+
 
 def load_encoder_hparams_and_params(model_size, models_dir="models", source="openai", base_url=None,
-                                    verify_crc=False, dtype="float32", **download_kw):
+                                    dtype="float32", **download_kw):
     """picoGPT's entry point: download what is missing, then (encoder, hparams, params)."""
     model_dir = download_model(model_size, models_dir, source, base_url, **download_kw)
-    return load_model_dir(model_dir, verify_crc, dtype)
+    return load_model_dir(model_dir, dtype)
 
 
 def check_vocabulary(model_dir, hparams, encoder):
@@ -269,7 +311,7 @@ def check_vocabulary(model_dir, hparams, encoder):
                         "delete the directory and run again to re-download")
 
 
-def load_model_dir(model_dir, verify_crc=False, dtype="float32"):
+def load_model_dir(model_dir, dtype="float32"):
     """(encoder, hparams, params) from a directory that already holds a model, its
     matrices in the format dtype (kernels/weight_formats.py), converted from the checkpoint's
     float32 as they are laid out."""
@@ -281,7 +323,7 @@ def load_model_dir(model_dir, verify_crc=False, dtype="float32"):
     encoder = load_encoder(model_dir)
     check_vocabulary(model_dir, hparams, encoder)
     try:
-        params = checkpoint.load_params(model_dir, hparams["n_layer"], verify_crc)
+        params = checkpoint.load_params(model_dir, hparams["n_layer"])
     except (OSError, ValueError, KeyError, IndexError) as e:
         raise LoadError(f"cannot read the checkpoint in {model_dir} ({type(e).__name__}: {e}); delete it and run "
                         "again to re-download")

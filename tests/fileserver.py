@@ -1,12 +1,15 @@
 """A local HTTP file server on 127.0.0.1 for download tests, with Range support and
 scripted faults. Bounded: it serves only files under its root and stops with the test."""
 import gzip
+import hashlib
 import http.server
 import os
 import re
 import threading
 import time
 
+
+LFS = "_lfs/"  # lfs=True: the hub's redirect of a file kept in LFS leads here
 
 # on every request, not the next only
 STICKY = ("always_short", "redirect_loop", "gzip", "endless", "superscript", "trickle")
@@ -20,12 +23,23 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
         server = self.server
         server.requests.append((self.path, self.headers.get("Range")))
         name = self.path.lstrip("/")
+        stored = name.startswith(LFS)  # where the hub's redirect points
+        name = name[len(LFS):] if stored else name
         path = os.path.join(server.root, name)
         if ".." in name or not os.path.isfile(path):
             self.send_error(404)
             return
+        if server.lfs and name.endswith(".safetensors") and not stored:  # as the hub answers: a redirect naming its SHA-256
+            self.send_response(302)
+            self.send_header("X-Linked-Etag", f'"{hashlib.sha256(open(path, "rb").read()).hexdigest()}"')
+            self.send_header("Location", "/" + LFS + name)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         data = open(path, "rb").read()
         fault = server.faults.pop(name, None) if server.faults.get(name) not in STICKY else server.faults[name]
+        if fault == "flip":  # every byte arrives, one of them changed: a damaged copy of the right size
+            data = data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 0x01]) + data[len(data) // 2 + 1:]
         if fault == "redirect_loop":  # to itself, forever
             self.send_response(302)
             self.send_header("Location", self.path)
@@ -80,9 +94,9 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-def start(root, ranges=True):
+def start(root, ranges=True, lfs=False):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FaultyHandler)
-    server.root, server.faults, server.requests, server.ranges = root, {}, [], ranges
+    server.root, server.faults, server.requests, server.ranges, server.lfs = root, {}, [], ranges, lfs
     server.trickle_s = 0.02
     threading.Thread(target=server.serve_forever, daemon=True).start()
     server.url = f"http://127.0.0.1:{server.server_address[1]}"

@@ -142,20 +142,37 @@ def test_wrong_size_never_becomes_a_complete_file(server, tmp_path):
         utils.load_model_dir(str(d))
 
 
-def test_hf_source_downloads_and_loads(tmp_path):
+@pytest.fixture
+def hub(tmp_path):
+    """Serves a tiny model as the Hugging Face hub lays it out, model.safetensors through
+    the redirect that names its SHA-256."""
     root = tmp_path / "srv" / "openai-community" / "gpt2" / "resolve" / "main"
     make_model_dir(str(root), "tiny-hf")
     os.rename(root / "encoder.json", root / "vocab.json")
     os.rename(root / "vocab.bpe", root / "merges.txt")
-    s = fileserver.start(str(tmp_path / "srv"))
-    try:
-        enc, hparams, params = utils.load_encoder_hparams_and_params(
-            "124M", str(tmp_path / "models"), source="hf", base_url=s.url, **FAST)
-    finally:
-        s.shutdown()
-        s.server_close()
+    s = fileserver.start(str(tmp_path / "srv"), lfs=True)
+    yield s
+    s.shutdown()
+    s.server_close()
+
+
+def test_hf_source_downloads_and_loads(hub, tmp_path):
+    enc, hparams, params = utils.load_encoder_hparams_and_params(
+        "124M", str(tmp_path / "models"), source="hf", base_url=hub.url, **FAST)
     assert hparams["n_embd"] == 16 and enc.encode("Hello, world!") == [15496, 11, 995, 0]
     assert sorted(os.listdir(tmp_path / "models" / "124M")) == sorted(utils.HF_FILES)
+    assert any(path.startswith("/" + fileserver.LFS) for path, _ in hub.requests)  # by the redirect
+
+
+def test_hf_weights_that_are_not_the_sha256_the_hub_names_are_removed(hub, tmp_path):
+    hub.faults["openai-community/gpt2/resolve/main/model.safetensors"] = "flip"
+    models = tmp_path / "models"
+    with pytest.raises(utils.LoadError, match=r"model.safetensors arrived damaged \(its SHA-256 is not the [0-9a-f]{12}"
+                                              r"\.\.\. the server names\); removed it: run again") as e:
+        utils.download_model("124M", str(models), source="hf", base_url=hub.url, **FAST)
+    assert "\n" not in str(e.value)
+    assert not [f for f in os.listdir(models / "124M") if f.startswith("model.safetensors")]
+    utils.load_encoder_hparams_and_params("124M", str(models), source="hf", base_url=hub.url, **FAST)
 
 
 def test_base_url_from_environment(monkeypatch):
@@ -203,3 +220,37 @@ def test_a_server_that_is_not_a_checkpoints_is_one_clear_error(server, tmp_path,
     with pytest.raises(utils.LoadError, match=f"{says}.*--base_url") as e:
         utils.download_file(f"{server.url}/124M/hparams.json", str(tmp_path / "hparams.json"), **FAST)
     assert "\n" not in str(e.value) and not (tmp_path / "hparams.json").exists()
+
+
+def test_damaged_weights_are_removed_not_renamed_and_the_next_run_downloads_them(server, tmp_path):
+    """A data file of the right size with one bit changed fails the index's crc32c: one line,
+    nothing under its name and no .part to resume from; the next run gets the whole file."""
+    name = utils.TF_DATA
+    server.faults[f"124M/{name}"] = "flip"
+    models = str(tmp_path / "models")
+    with pytest.raises(utils.LoadError, match=r"arrived damaged \(the bytes of model/\S+ do not have the crc32c.*"
+                                              r"run again") as e:
+        utils.download_model("124M", models, base_url=server.url, **FAST)
+    assert "\n" not in str(e.value)
+    assert name not in os.listdir(os.path.join(models, "124M"))
+    assert name + ".part" not in os.listdir(os.path.join(models, "124M"))
+    d = utils.download_model("124M", models, base_url=server.url, **FAST)
+    assert open(os.path.join(d, name), "rb").read() == served(server, name)
+
+
+def test_a_resume_spliced_onto_another_file_fails_the_check(server, tmp_path):
+    """A .part left by another version of the file (its first bytes differ) resumes to the
+    right size with the wrong content: the check removes it."""
+    d = tmp_path / "models" / "124M"
+    d.mkdir(parents=True)
+    (d / utils.TF_INDEX).write_bytes(served(server, utils.TF_INDEX))
+    (d / (utils.TF_DATA + ".part")).write_bytes(bytes(1000))
+    with pytest.raises(utils.LoadError, match="arrived damaged"):
+        utils.download_model("124M", str(tmp_path / "models"), base_url=server.url, **FAST)
+    assert (f"/124M/{utils.TF_DATA}", "bytes=1000-") in server.requests
+    assert not (d / utils.TF_DATA).exists() and not (d / (utils.TF_DATA + ".part")).exists()
+
+
+def test_the_data_file_alone_brings_its_index_to_be_checked_against(server, tmp_path):
+    d = utils.download_model("124M", str(tmp_path / "models"), base_url=server.url, only=(utils.TF_DATA,), **FAST)
+    assert sorted(os.listdir(d)) == sorted([utils.TF_INDEX, utils.TF_DATA])

@@ -63,15 +63,19 @@ def test_tiny_tf_and_safetensors_layouts_load_identical_params(tmp_path):
     assert l1["/blocks/1/attn/c_attn/w"].shape == (16, 48)  # leading 1 squeezed
 
 
-def test_tiny_checkpoint_crc32c_verifies(tmp_path):
+def test_every_load_checks_each_tensor_against_the_index_crc32c(tmp_path):
+    """TensorFlow wrote the tiny checkpoint's crc32c; one low mantissa bit flipped in a
+    weight leaves a finite number (check_params' sum cannot see it) and fails the check."""
     d = make_model_dir(str(tmp_path / "m"), "tiny-openai")
-    checkpoint.load_tf_checkpoint(d, verify_crc=True)
+    utils.load_model_dir(d)
     data = os.path.join(d, "model.ckpt.data-00000-of-00001")
+    e = checkpoint.read_tf_index(os.path.join(d, "model.ckpt.index"))["model/h1/mlp/c_fc/w"]
     raw = bytearray(open(data, "rb").read())
-    raw[100] ^= 0xFF  # flip bits inside the first tensor
+    raw[e["offset"] + 40] ^= 0x01
     open(data, "wb").write(bytes(raw))
-    with pytest.raises(utils.LoadError, match="crc32c"):
-        checkpoint.load_tf_checkpoint(d, verify_crc=True)
+    assert np.isfinite(np.frombuffer(bytes(raw), "<f4")).all()
+    with pytest.raises(utils.LoadError, match=r"damaged \(the bytes of model/h1/mlp/c_fc/w do not have the crc32c"):
+        utils.load_model_dir(d)
 
 
 MATRICES = (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj"))
