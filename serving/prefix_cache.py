@@ -16,8 +16,8 @@ attention as the kernels' per-query loop, so a token's keys and values come out 
 the same whichever request, pass or batch computed them (on a GPU, its own kernels do the
 same: kv_cache.kernel_ops). A request served from the cache gets the very logits, logprobs
 and text it would have computed itself. Without such kernels (the NumPy fallback, CuPy's
-own operations) the cache is off (`exact`), and only the choices of one prompt share it
-(their passes would be identical).
+own operations) the cache is off (the scheduler's `any_beginning`), and only the choices
+of one prompt share it (their passes would be identical).
 
 Storage: a text's first BLOCK tokens, its next BLOCK, ... each block stored once, its keys
 and values copied out of a row of the batch's cache as [n_layer, 2, n_head, BLOCK, d_head]

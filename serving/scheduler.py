@@ -139,7 +139,7 @@ def loop(intake, step, models, max_batch, max_len, static=False, stats=None, pre
     The first max_batch paused keep a copy of their keys and values (so they never hold more
     memory than the batch's own caches); beyond them a paused request keeps only its text, and
     its keys and values are computed again when it resumes, as vLLM's "recompute" preemption
-    does: only where they come out in the same bits whatever the pass (exact, below), so with
+    does: only where they come out in the same bits whatever the pass (same_bits, below), so with
     the NumPy fallback at most max_batch are paused.
 
     Chunked prefill (max_prefill_tokens, checked by chunking.check_budget): a joining request
@@ -165,7 +165,7 @@ def loop(intake, step, models, max_batch, max_len, static=False, stats=None, pre
     same_bits = bool(batch.caches) and all(kv_cache.kernel_ops(model) is not None for model in models.values())
     # and rows share any common beginning (prefix_cache.py); else, and with no memory for a
     # cache, only the same prompt
-    exact = sharing and prefix["budget"] > 0 and same_bits
+    any_beginning = sharing and prefix["budget"] > 0 and same_bits
     chunked = max_prefill_tokens is not None and same_bits and not static
     filling = set()  # chunked: the indices of the rows whose prompts are still being prefilled (the last rows)
     if sharing and prefix.setdefault("models", models) is not models:
@@ -182,15 +182,15 @@ def loop(intake, step, models, max_batch, max_len, static=False, stats=None, pre
             if i in paused:
                 batch.done.append(paused.pop(i)["seq"])
         if not static:
-            yield from preempt(batch, paused, lagging, len(waiting), max_batch, same_bits, prefix if exact else None,
-                               filling)
+            yield from preempt(batch, paused, lagging, len(waiting), max_batch, same_bits,
+                               prefix if any_beginning else None, filling)
         n_before = len(batch.seqs)
         while len(batch.seqs) < max_batch and not (static and n_before):
             i = next((i for i in paused if i not in lagging), None)
             if i is not None:  # a client that caught up: its request goes on where it stopped
                 kept = paused.pop(i)
                 resume(batch, kept, filling if chunked else None)
-                if kept["caches"] is None and sharing and exact:  # what the prefix cache kept of its text
+                if kept["caches"] is None and any_beginning:  # what the prefix cache kept of its text
                     prefix_cache.reuse(prefix, kept["seq"].tokens, batch.caches, len(batch.seqs) - 1)
                 yield Event("resumed", i)
             elif waiting:
@@ -198,7 +198,7 @@ def loop(intake, step, models, max_batch, max_len, static=False, stats=None, pre
                 # share; with chunked prefill (many iterations) the requests after it go ahead meanwhile
                 first_new = len(batch.seqs) - len(filling) if chunked else n_before
                 j = next((j for j, (_, r) in enumerate(waiting)
-                          if not (sharing and shares_with(r, batch, first_new, exact))), None)
+                          if not (sharing and shares_with(r, batch, first_new, any_beginning))), None)
                 if j is None or j and not chunked:
                     break
                 i, request = waiting[j]
@@ -208,7 +208,7 @@ def loop(intake, step, models, max_batch, max_len, static=False, stats=None, pre
                 if chunked:
                     filling.add(i)
                 if sharing:
-                    share_prefix(batch, len(batch.seqs) - 1, prefix, exact)
+                    share_prefix(batch, len(batch.seqs) - 1, prefix, any_beginning)
             else:
                 break
         if closed and not (waiting or batch.seqs or paused):
@@ -226,18 +226,18 @@ def loop(intake, step, models, max_batch, max_len, static=False, stats=None, pre
                 if chunks:
                     kv_cache.cache_riders(models[name], chunks)
             prefilled = chunking.promote(batch, models, filling)  # their first tokens come in the next step
-            for seq in prefilled if exact else ():
+            for seq in prefilled if any_beginning else ():
                 prefix_cache.store(prefix, seq.tokens, batch.caches, batch.seqs.index(seq))
         elif len(batch.seqs) > n_before:
             step(batching.rows(batch, n_before, len(batch.seqs)))  # prefill: the new rows alone
-            for b in range(n_before, len(batch.seqs)) if sharing and exact else ():
+            for b in range(n_before, len(batch.seqs)) if any_beginning else ():
                 prefix_cache.store(prefix, batch.seqs[b].tokens, batch.caches, b)
         elif batch.seqs and not any(seq.finished for seq in batch.seqs):
             step(batch)  # decode: every row one step
         batch.stats.prefill_waiting = chunking.prefill_waiting(batch, models, waiting, filling)
         yield from events
         events.clear()
-        for b, seq in enumerate(batch.seqs) if sharing and exact else ():
+        for b, seq in enumerate(batch.seqs) if any_beginning else ():
             if seq.finished:  # its whole text, for a conversation that sends it back with a new turn
                 prefix_cache.store(prefix, seq.tokens, batch.caches, b)
         chunking.leave(batch, filling)
@@ -248,13 +248,14 @@ def loop(intake, step, models, max_batch, max_len, static=False, stats=None, pre
         batch.done.clear()
 
 
-def share_prefix(batch, b, prefix, exact):
+def share_prefix(batch, b, prefix, any_beginning):
     """Row b, just joined, starts from the longest beginning of its prompt already computed:
     in a row in flight (its text so far), or in the prefix cache; only the rest of its prompt
-    runs through the models. exact: a token's keys and values are the same bits whichever
-    pass computed them (prefix_cache.py says why). Otherwise (the NumPy fallback, or a cache
-    of 0 bytes) only a prompt identical to a row's own is copied, all but its last token:
-    its passes would have been that row's, bit for bit (the choices of one prompt)."""
+    runs through the models. any_beginning: a token's keys and values are the same bits
+    whichever pass computed them (prefix_cache.py says why), so any common beginning is
+    copied. Otherwise (the NumPy fallback, or a cache of 0 bytes) only a prompt identical
+    to a row's own is copied, all but its last token: its passes would have been that row's,
+    bit for bit (the choices of one prompt)."""
     seq, caches = batch.seqs[b], batch.caches
     prompt = seq.request.prompt
     prefix["queries"] += len(prompt)
@@ -262,11 +263,12 @@ def share_prefix(batch, b, prefix, exact):
         return  # longer than a row: its window starts past token 0 (kv_cache.window_start), as no cached text
     best, source = 0, None
     for r, other in enumerate(batch.seqs[:b]):
-        n = common_length(other.tokens, prompt) if exact else len(prompt) * same_prompt(other.request.prompt, prompt)
+        n = (common_length(other.tokens, prompt) if any_beginning
+             else len(prompt) * same_prompt(other.request.prompt, prompt))
         n = min(n, len(prompt) - 1, *(int(kv["lengths"][r]) if not kv["starts"][r] else 0 for kv in caches.values()))
         if n > best:
             best, source = n, r
-    if exact and len(prefix_cache.longest_prefix(prefix, prompt)) * prefix_cache.BLOCK > best:
+    if any_beginning and len(prefix_cache.longest_prefix(prefix, prompt)) * prefix_cache.BLOCK > best:
         best = prefix_cache.reuse(prefix, prompt, caches, b)
     elif source is not None:
         for kv in caches.values():
@@ -275,9 +277,9 @@ def share_prefix(batch, b, prefix, exact):
     prefix["hits"] += best
 
 
-def shares_with(request, batch, n_before, exact):
+def shares_with(request, batch, n_before, any_beginning):
     """Whether a waiting request begins as a row joining now (rows n_before on) goes on to
-    compute in this prefill (at least a block of it; without exact sharing, the same prompt):
+    compute in this prefill (at least a block of it; without any_beginning, the same prompt):
     it waits until that is computed, and copies it then."""
     prompt = request.prompt
     for b in range(n_before, len(batch.seqs)):
@@ -285,7 +287,7 @@ def shares_with(request, batch, n_before, exact):
             continue  # a window restarted: no beginning of it is shared (share_prefix)
         other = batch.seqs[b].request.prompt
         held = min(int(kv["lengths"][b]) for kv in batch.caches.values())  # copied or restored already
-        if exact:
+        if any_beginning:
             shared = min(common_length(other, prompt), len(prompt) - 1)
             if shared - held >= min(prefix_cache.BLOCK, len(prompt) - 1) > 0:
                 return True
