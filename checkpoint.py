@@ -57,8 +57,10 @@ def read_block(data, offset, size):
     """Entries (key, value) of one SSTable block: keys share prefixes with the previous key."""
     if offset + size + 5 > len(data):
         raise ValueError("block runs past the end of the file")
-    if data[offset + size] != 0:  # trailer: compression type, then a crc32c
+    if data[offset + size] != 0:  # trailer: compression type, then a crc32c of the block and type
         raise ValueError("compressed block (TensorFlow bundles are never compressed)")
+    if masked_crc32c(data[offset:offset + size + 1]) != struct.unpack_from("<I", data, offset + size + 1)[0]:
+        raise ValueError("a block's bytes do not have the crc32c its trailer stores")
     block = data[offset:offset + size]
     (n_restarts,) = struct.unpack_from("<I", block, len(block) - 4)
     end = len(block) - 4 - 4 * n_restarts
@@ -100,6 +102,7 @@ TF_DTYPES = {1: np.float32, 19: np.float16}  # DataType enum: DT_FLOAT, DT_HALF
 
 MOST_ELEMENTS = 1 << 40  # a dimension, or a tensor, past this is a corrupt index, not a GPT-2
 MOST_TENSORS = 4096  # GPT-2 1558M has 580 (the Hugging Face layout 48 mask buffers more)
+MOST_INDEX_BYTES = 1 << 24  # 1558M's index holds ~40 KB
 
 
 def field(fields, number, kind, default):
@@ -125,16 +128,17 @@ def parse_bundle_entry(value):
     dims = [field(parse_proto(d), 1, int, 0) for d in repeated(parse_proto(field(f, 2, bytes, b"")), 2, bytes)]
     if any(not 0 <= d < MOST_ELEMENTS for d in dims) or math.prod(dims) >= MOST_ELEMENTS:
         raise ValueError(f"a tensor's shape {dims} is not a shape")
-    crc = field(f, 6, bytes, None) if 6 in f else None
-    if crc is not None and len(crc) != 4:
+    crc = field(f, 6, bytes, bytes(4))  # proto3 leaves out a field that holds its default, 0
+    if len(crc) != 4:
         raise ValueError("a tensor's crc32c is not 4 bytes")
     return {"dtype": field(f, 1, int, 0), "shape": tuple(dims), "shard": field(f, 3, int, 0),
-            "offset": field(f, 4, int, 0), "size": field(f, 5, int, 0),
-            "crc32c": struct.unpack("<I", crc)[0] if crc is not None else None}
+            "offset": field(f, 4, int, 0), "size": field(f, 5, int, 0), "crc32c": struct.unpack("<I", crc)[0]}
 
 
 def read_tf_index(index_path):
     """{tensor name: BundleEntryProto fields} from a TensorFlow `model.ckpt.index`."""
+    if os.path.getsize(index_path) > MOST_INDEX_BYTES:
+        raise ValueError(f"{os.path.getsize(index_path)} bytes, more than any GPT-2's index")
     with open(index_path, "rb") as fh:
         data = fh.read()
     # footer (48 bytes): metaindex handle, index handle (varints, zero padded), 8-byte magic
@@ -152,6 +156,8 @@ def read_tf_index(index_path):
             if key:  # the empty key holds the BundleHeaderProto, not a tensor
                 if key.decode() in entries:
                     raise ValueError(f"tensor {key.decode()!r} is listed twice")
+                if len(entries) == MOST_TENSORS:
+                    raise ValueError(f"more than {MOST_TENSORS} tensors, more than any GPT-2 has")
                 entries[key.decode()] = parse_bundle_entry(value)
     return entries
 
@@ -169,7 +175,10 @@ def load_tf_checkpoint(model_dir):
     """{tensor name: np.memmap} for every tensor of a TensorFlow checkpoint, each checked
     against the crc32c its index stores (at memory speed: a damaged file never loads)."""
     index_path, data_path = os.path.join(model_dir, TF_INDEX), os.path.join(model_dir, TF_DATA)
-    entries = read_checked_index(index_path)
+    try:
+        entries = read_checked_index(index_path)
+    except ValueError as e:
+        raise LoadError(f"{index_path} is corrupt ({e}): delete it and run again to re-download")
     try:
         return tf_tensors(entries, data_path)
     except ValueError as e:
@@ -178,52 +187,52 @@ def load_tf_checkpoint(model_dir):
 
 def read_checked_index(index_path):
     """The index's entries, each a tensor GPT-2's reader can map: one shard, a known dtype,
-    as many bytes as its shape holds."""
+    as many bytes as its shape holds. A ValueError says how a corrupt index is corrupt (its
+    blocks carry crc32c too); a LoadError names what this reader does not handle."""
     try:
         entries = read_tf_index(index_path)
-    except (ValueError, IndexError, KeyError, struct.error) as e:
-        raise LoadError(f"{index_path} is corrupt ({e}): delete it and run again to re-download")
+    except (IndexError, KeyError, struct.error) as e:
+        raise ValueError(f"{type(e).__name__}: {e}")
     for name, e in entries.items():
         if e["shard"] != 0:
             raise LoadError(f"{name} lives in shard {e['shard']}, but GPT-2 checkpoints have one shard")
         if e["dtype"] not in TF_DTYPES:
             raise LoadError(f"{name} has TensorFlow dtype {e['dtype']}, which this reader does not handle")
         if e["size"] != math.prod(e["shape"]) * np.dtype(TF_DTYPES[e["dtype"]]).itemsize:
-            raise LoadError(f"{index_path} is corrupt: {name} has shape {e['shape']} but {e['size']} bytes")
+            raise ValueError(f"{name} has shape {e['shape']} but {e['size']} bytes")
     return entries
 
 
 def tf_tensors(entries, data_path):
     """{name: np.memmap} of the data file's tensors where the index's entries place them; a
-    ValueError names the first whose bytes do not have the index's crc32c."""
-    check_extents(data_path, os.path.getsize(data_path),
-                  [(e["offset"], e["offset"] + e["size"], name) for name, e in entries.items()])
+    ValueError names the first that is not (the file's size) or whose bytes do not have the
+    index's crc32c."""
+    check_extents(os.path.getsize(data_path), [(e["offset"], e["offset"] + e["size"], name)
+                                               for name, e in entries.items()])
     tensors = {}
     for name, e in entries.items():
         dtype = np.dtype(TF_DTYPES[e["dtype"]]).newbyteorder("<")
         tensors[name] = np.memmap(data_path, dtype=dtype, mode="r", offset=e["offset"], shape=e["shape"])
-        if e["crc32c"] is not None and masked_crc32c(tensors[name]) != e["crc32c"]:
+        if masked_crc32c(tensors[name]) != e["crc32c"]:
             raise ValueError(f"the bytes of {name} do not have the crc32c the index stores")
     return tensors
 
 
-def check_extents(path, size, extents):
+def check_extents(size, extents):
     """The tensors' byte ranges [(begin, end, name)] tile a data region of `size` bytes, in some
     order, with no gap, overlap or byte left over (as both formats write it): a file that
     is cut short, or longer (bytes before the first tensor would shift every one), or an
-    index that points two tensors at the same bytes, is a LoadError."""
+    index that points two tensors at the same bytes, is a ValueError."""
     if len(extents) > MOST_TENSORS:
-        raise LoadError(f"{path}'s index lists {len(extents)} tensors, more than any GPT-2 has: delete it and run "
-                        "again to re-download")
+        raise ValueError(f"its index lists {len(extents)} tensors, more than any GPT-2 has")
     at = 0
     for begin, end, name in sorted(extents):
         if begin != at or end < begin:
-            raise LoadError(f"{path} does not match its index at {name} (bytes {begin}-{end}, expected from {at}): "
-                            "delete it and run again to re-download")
+            raise ValueError(f"it does not match its index at {name}: bytes {begin}-{end}, expected from {at}")
         at = end
     if at != size:
-        raise LoadError(f"{path} is {'truncated' if size < at else 'longer than its index says'}: {size} bytes where "
-                        f"its index describes {at}; delete it and run again to re-download")
+        raise ValueError(f"{'truncated' if size < at else 'longer than its index says'}: {size} bytes where its "
+                         f"index describes {at}")
 
 
 # ------------------------------------------------------------- safetensors --
@@ -247,7 +256,10 @@ def load_safetensors(path):
         else None
     if entries is None or not all(is_safetensors_entry(info) for info in entries.values()):
         raise LoadError(f"{path} has a header that is not safetensors: delete it and run again to re-download")
-    check_extents(path, size - 8 - n, [(*info["data_offsets"], name) for name, info in entries.items()])
+    try:
+        check_extents(size - 8 - n, [(*info["data_offsets"], name) for name, info in entries.items()])
+    except ValueError as e:
+        raise LoadError(f"{path} is damaged ({e}): delete it and run again to re-download")
     tensors = {}
     for name, info in entries.items():
         if info["dtype"] not in SAFETENSORS_DTYPES:

@@ -13,8 +13,11 @@ import functools
 import hashlib
 import json
 import os
+import queue
 import re
+import threading
 import time
+import urllib.parse
 
 import requests
 import tiktoken
@@ -93,37 +96,16 @@ def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0, stall_s=6
         have = os.path.getsize(part) if os.path.exists(part) else 0
         headers = {"Accept-Encoding": "identity", **({"Range": f"bytes={have}-"} if have else {})}
         try:
-            with requests.get(url, stream=True, headers=headers, timeout=timeout_s) as r:
-                sha256 = linked_sha256(r)
-                resumed = r.status_code == 206
-                if r.status_code == 416 or resumed and not continues(r.headers, have):
-                    with contextlib.suppress(FileNotFoundError):  # the .part is not what the server would continue
-                        os.remove(part)
-                    raise _Retry("server did not resume where the download stopped; starting over")
-                if r.status_code in (401, 403, 404):
-                    raise LoadError(f"{url} answered HTTP {r.status_code}: check --base_url / ${BASE_URL_ENV}")
-                if r.status_code >= 400:
-                    raise _Retry(f"HTTP {r.status_code}")
-                length = r.headers.get("Content-Length", "")
-                if not re.fullmatch(r"[0-9]+", length) or int(length) > MOST_BYTES:
-                    raise LoadError(f"{url} sent Content-Length {length or 'none'}, so the download cannot be "
-                                    "verified: check --base_url / $" + BASE_URL_ENV)
-                total = (have if resumed else 0) + int(length)
-                with open(part, "ab" if resumed else "wb") as f, tqdm(
-                        total=total, initial=have if resumed else 0, unit="B", unit_scale=True,
-                        desc=os.path.basename(path), leave=False) as bar:
-                    since, got = time.monotonic(), 0  # the window the stall check counts over
-                    for chunk in arriving(r):
-                        f.write(chunk)
-                        bar.update(len(chunk))
-                        got += len(chunk)
-                        if time.monotonic() - since >= stall_s:
-                            if got < stall_bytes:
-                                raise _Retry(f"stalled: under {stall_bytes:,} bytes in {stall_s:g} s")
-                            since, got = time.monotonic(), 0
+            with responding(url, headers, timeout_s, stall_s) as chain:
+                r = chain[-1]
+                if r.status_code == 416 and is_whole(r.headers, have):
+                    total = have  # a run that stopped after the last byte, before the checks or the rename
+                else:
+                    total = receive(url, r, part, have, stall_s, stall_bytes)
             size = os.path.getsize(part)
             if size != total:
                 raise _Retry(f"got {size} of {total} bytes")
+            sha256 = linked_sha256(chain)
             if sha256 is not None and sha256_of(part) != sha256:
                 os.remove(part)
                 raise LoadError(f"{url} arrived damaged (its SHA-256 is not the {sha256[:12]}... the server names); "
@@ -147,6 +129,93 @@ def download_file(url, path, retries=5, backoff_s=1.0, timeout_s=30.0, stall_s=6
                     f"check your network or --base_url, then run again to resume")
 
 
+def receive(url, r, part, have, stall_s, stall_bytes):
+    """A response's body appended to the .part (a 206 that continues it) or written over it;
+    returns the size the file will have."""
+    resumed = r.status_code == 206
+    if r.status_code == 416 or resumed and not continues(r.headers, have):
+        with contextlib.suppress(FileNotFoundError):  # the .part is not what the server would continue
+            os.remove(part)
+        raise _Retry("server did not resume where the download stopped; starting over")
+    if r.status_code in (401, 403, 404):
+        raise LoadError(f"{url} answered HTTP {r.status_code}: check --base_url / ${BASE_URL_ENV}")
+    if r.status_code >= 400:
+        raise _Retry(f"HTTP {r.status_code}")
+    length = r.headers.get("Content-Length", "")
+    if not re.fullmatch(r"[0-9]+", length) or int(length) > MOST_BYTES:
+        raise LoadError(f"{url} sent Content-Length {length or 'none'}, so the download cannot be "
+                        "verified: check --base_url / $" + BASE_URL_ENV)
+    total = (have if resumed else 0) + int(length)
+    with open(part, "ab" if resumed else "wb") as f, tqdm(
+            total=total, initial=have if resumed else 0, unit="B", unit_scale=True,
+            desc=os.path.basename(part[:-len(".part")]), leave=False) as bar:
+        since, got = time.monotonic(), 0  # the window the stall check counts over
+        for chunk in arriving(r):
+            f.write(chunk)
+            bar.update(len(chunk))
+            got += len(chunk)
+            if time.monotonic() - since >= stall_s:
+                if got < stall_bytes:
+                    raise _Retry(f"stalled: under {stall_bytes:,} bytes in {stall_s:g} s")
+                since, got = time.monotonic(), 0
+    return total
+
+
+MOST_REDIRECTS = 10
+
+
+@contextlib.contextmanager
+def responding(url, headers, timeout_s, deadline_s):
+    """The streamed responses of a GET of `url`: the redirects that led to the last, then the
+    last, whose body is left to read. Two things requests' timeout (a bound on each read)
+    leaves open are bounded here: a status line and headers that come a byte at a time get
+    deadline_s in all (`within`), and a redirect's body is never read (a Session reads it
+    whole, however long it runs, even when told not to follow: so each hop goes to its
+    adapter, with the settings the environment gives a Session, proxies included)."""
+    chain, session = [], requests.Session()
+    try:
+        for _ in range(MOST_REDIRECTS + 1):
+            request = session.prepare_request(requests.Request("GET", url, headers=headers))
+            settings = session.merge_environment_settings(request.url, {}, True, None, None)
+            send = session.get_adapter(request.url).send
+            chain.append(within(deadline_s, functools.partial(send, request, timeout=timeout_s, **settings)))
+            if not chain[-1].is_redirect:
+                yield chain
+                return
+            url = urllib.parse.urljoin(url, chain[-1].headers["Location"])
+        raise requests.TooManyRedirects(f"more than {MOST_REDIRECTS} redirects")
+    finally:
+        for r in chain:
+            r.close()
+        session.close()
+
+
+def within(seconds, fn):
+    """fn() on a thread of its own, waited for `seconds` at most, after which the try has
+    stalled (the thread, a daemon, is left to the server's next byte or the process's end)."""
+    out = queue.Queue()
+
+    def run():
+        try:
+            out.put((True, fn()))
+        except Exception as e:  # raised where the caller waits
+            out.put((False, e))
+    threading.Thread(target=run, daemon=True).start()
+    try:
+        ok, value = out.get(timeout=seconds)
+    except queue.Empty:
+        raise _Retry(f"stalled: no response in {seconds:g} s") from None
+    if not ok:
+        raise value
+    return value
+
+
+def is_whole(headers, have):
+    """Whether a 416 (the Range asked starts at the file's end) names the file's length as the
+    .part's (`bytes */have`): the .part is whole already."""
+    return re.fullmatch(rf"bytes \*/{have}", headers.get("Content-Range", "").strip(), re.IGNORECASE) is not None
+
+
 def arriving(r, most=1 << 20):
     """A streamed response's body as it arrives, at most `most` bytes a piece: urllib3's read1
     returns what one read of the socket brings, where iter_content waits until `most` have come
@@ -165,12 +234,12 @@ def arriving(r, most=1 << 20):
         raise requests.exceptions.SSLError(e) from None
 
 
-def linked_sha256(r):
-    """The SHA-256 of the file a response brings, where the server names it: the Hugging Face
-    hub answers a download of a file it keeps in LFS (model.safetensors) with a redirect whose
-    X-Linked-Etag is the file's SHA-256; None for a server that names none."""
-    for response in (*r.history, r):
-        m = re.fullmatch(r'(?:W/)?"?([0-9a-f]{64})"?', response.headers.get("X-Linked-Etag", "").strip())
+def linked_sha256(chain):
+    """The SHA-256 of the file a chain of responses brings, where the server names it: the
+    Hugging Face hub answers a download of a file it keeps in LFS (model.safetensors) with a
+    redirect whose X-Linked-Etag is the file's SHA-256; None for a server that names none."""
+    for response in chain:
+        m = re.fullmatch(r'(?:W/)?"?([0-9a-f]{64})"?', response.headers.get("X-Linked-Etag", "").strip().lower())
         if m:
             return m[1]
     return None
@@ -216,7 +285,8 @@ def download_model(model_size, models_dir="models", source="openai", base_url=No
         missing.insert(missing.index(TF_DATA), TF_INDEX)  # the data is checked against it
     try:
         for f in missing:
-            check = functools.partial(check_tf_data, model_dir, urls[f]) if f == TF_DATA else None
+            check = {TF_INDEX: functools.partial(check_tf_index, urls[f]),
+                     TF_DATA: functools.partial(check_tf_data, model_dir, urls[f])}.get(f)
             download_file(urls[f], os.path.join(model_dir, f), check=check, **download_kw)
     except LoadError:
         for d in reversed(made):  # a download that wrote nothing leaves no empty folder (a .part stays, to resume)
@@ -226,17 +296,31 @@ def download_model(model_size, models_dir="models", source="openai", base_url=No
     return model_dir
 
 
-def check_tf_data(model_dir, url, part):
-    """A downloaded data file whose bytes are not what the index says (a damaged transfer, a
-    resume spliced onto another file, a mirror's other version) is removed, not renamed: each
-    tensor's crc32c against the one the index stores, as every load checks them."""
-    entries = checkpoint.read_checked_index(os.path.join(model_dir, TF_INDEX))
+def check_tf_index(url, part):
+    """A downloaded index that is not one GPT-2's reader can map (an error page, a damaged
+    copy: LevelDB stores each block's crc32c) is removed, not renamed."""
     try:
-        checkpoint.tf_tensors(entries, part)
+        checkpoint.read_checked_index(part)
     except (ValueError, LoadError) as e:
         os.remove(part)
         raise LoadError(f"{url} arrived damaged ({e}); removed it: run again to download it afresh, or check "
                         f"--base_url / ${BASE_URL_ENV}")
+
+
+def check_tf_data(model_dir, url, part):
+    """A downloaded data file whose bytes are not what the index says (a damaged transfer, a
+    resume spliced onto another file, an index of another version) is removed, not renamed,
+    and the index with it, so that the next run fetches a matching pair: each tensor's crc32c
+    against the one the index stores, as every load checks them."""
+    index_path = os.path.join(model_dir, TF_INDEX)
+    try:
+        checkpoint.tf_tensors(checkpoint.read_checked_index(index_path), part)
+    except (ValueError, LoadError) as e:
+        for path in (part, index_path):
+            os.remove(path)
+        raise LoadError(f"{url} does not match {TF_INDEX} ({e}); removed both: run again to download them afresh, "
+                        f"or check --base_url / ${BASE_URL_ENV}")
+
 
 # ------------------------------------------------------------------ loading --
 

@@ -12,7 +12,8 @@ import time
 LFS = "_lfs/"  # lfs=True: the hub's redirect of a file kept in LFS leads here
 
 # on every request, not the next only
-STICKY = ("always_short", "redirect_loop", "gzip", "endless", "superscript", "trickle")
+STICKY = ("always_short", "redirect_loop", "gzip", "endless", "superscript", "trickle", "header_trickle",
+          "redirect_trickle")
 
 
 class FaultyHandler(http.server.BaseHTTPRequestHandler):
@@ -28,6 +29,16 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
         path = os.path.join(server.root, name)
         if ".." in name or not os.path.isfile(path):
             self.send_error(404)
+            return
+        if server.faults.get(name) == "header_trickle":  # a status line, then a header a byte at a time
+            trickle(self, b"HTTP/1.1 200 OK\r\nX-Slow: " + b"x" * 10 ** 6, server.trickle_s)
+            return
+        if server.faults.get(name) == "redirect_trickle" and not stored:  # a redirect whose body never ends
+            self.send_response(302)
+            self.send_header("Location", "/" + LFS + name)
+            self.send_header("Content-Length", str(10 ** 9))
+            self.end_headers()
+            trickle(self, b"x" * 10 ** 6, server.trickle_s)
             return
         if server.lfs and name.endswith(".safetensors") and not stored:  # as the hub answers: a redirect naming its SHA-256
             self.send_response(302)
@@ -68,6 +79,7 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
             start = int(m.group(1))
             if start >= len(data):
                 self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{len(data)}")  # as RFC 9110 says a 416 should
                 self.end_headers()
                 return
             self.send_response(206)
@@ -83,15 +95,25 @@ class FaultyHandler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return
         if fault == "trickle":  # a byte at a time, each well inside any read timeout
-            try:
-                for i in range(len(body)):
-                    self.wfile.write(body[i:i + 1])
-                    self.wfile.flush()
-                    time.sleep(server.trickle_s)
-            except (BrokenPipeError, ConnectionResetError):  # the client gave up on it
-                self.close_connection = True
+            trickle(self, body, server.trickle_s)
             return
         self.wfile.write(body)
+
+
+def trickle(handler, body, pause_s, most_s=20.0):
+    """body a byte at a time, each well inside any read timeout, for most_s at most (a client
+    that gave up may have left its reading thread behind)."""
+    end = time.monotonic() + most_s
+    try:
+        for i in range(len(body)):
+            handler.wfile.write(body[i:i + 1])
+            handler.wfile.flush()
+            time.sleep(pause_s)
+            if time.monotonic() > end:
+                break
+    except (BrokenPipeError, ConnectionResetError):  # the client gave up on it
+        pass
+    handler.close_connection = True
 
 
 def start(root, ranges=True, lfs=False):

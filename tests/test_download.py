@@ -1,7 +1,9 @@
 """Downloads against a local server on 127.0.0.1: complete, resumed, dropped, missing, short."""
 import os
+import time
 
 import pytest
+import requests
 
 import fileserver
 import utils
@@ -86,6 +88,47 @@ def test_a_slow_server_above_the_stall_floor_is_waited_for(server, tmp_path):
     path = tmp_path / name  # ~25 bytes a window of 0.5 s: a pause of 0.45 s would be a stall
     utils.download_file(f"{server.url}/124M/{name}", str(path), retries=1, stall_s=0.5, stall_bytes=3, **FAST)
     assert path.read_bytes() == served(server, name)
+
+
+def test_headers_that_trickle_have_stalled(server, tmp_path):
+    """requests' timeout bounds each read: headers a byte at a time would hold a download forever."""
+    name = "hparams.json"
+    server.faults[f"124M/{name}"] = "header_trickle"
+    start = time.monotonic()
+    with pytest.raises(utils.LoadError, match=r"after 2 tries \(stalled: no response in 0.5 s\)"):
+        utils.download_file(f"{server.url}/124M/{name}", str(tmp_path / name), retries=2, stall_s=0.5, **FAST)
+    assert time.monotonic() - start < 10 and not (tmp_path / name).exists()
+
+
+def test_a_redirects_body_is_never_read(server, tmp_path):
+    """requests reads a redirect's body whole, even when told not to follow it: one that never
+    ends would hold the download forever (or fill the memory, sent fast)."""
+    name = "hparams.json"
+    server.faults[f"124M/{name}"] = "redirect_trickle"
+    start = time.monotonic()
+    utils.download_file(f"{server.url}/124M/{name}", str(tmp_path / name), stall_s=5, **FAST)
+    assert time.monotonic() - start < 5 and (tmp_path / name).read_bytes() == served(server, name)
+    assert [p for p, _ in server.requests] == [f"/124M/{name}", f"/{fileserver.LFS}124M/{name}"]
+
+
+def test_a_whole_part_is_checked_not_downloaded_again(server, tmp_path):
+    """A run that stopped after the last byte (before the checks or the rename) leaves a whole
+    .part: the server's 416 names its length, and the .part is checked and renamed."""
+    d = tmp_path / "models" / "124M"
+    d.mkdir(parents=True)
+    (d / utils.TF_INDEX).write_bytes(served(server, utils.TF_INDEX))
+    (d / (utils.TF_DATA + ".part")).write_bytes(served(server, utils.TF_DATA))
+    utils.download_model("124M", str(tmp_path / "models"), base_url=server.url, only=(utils.TF_DATA,), **FAST)
+    assert (d / utils.TF_DATA).read_bytes() == served(server, utils.TF_DATA)
+    assert [r for p, r in server.requests if p.endswith(utils.TF_DATA)] == [f"bytes={len(served(server, utils.TF_DATA))}-"]
+
+
+def test_the_hubs_sha256_is_read_in_either_case():
+    chain = [requests.Response() for _ in range(2)]
+    chain[0].headers["X-Linked-Etag"] = '"' + "AB" * 32 + '"'
+    assert utils.linked_sha256(chain) == "ab" * 32
+    chain[0].headers["X-Linked-Etag"] = "W/abc"
+    assert utils.linked_sha256(chain) is None
 
 
 def test_a_body_that_does_not_decode_is_one_clear_error(server, tmp_path):
@@ -228,12 +271,12 @@ def test_damaged_weights_are_removed_not_renamed_and_the_next_run_downloads_them
     name = utils.TF_DATA
     server.faults[f"124M/{name}"] = "flip"
     models = str(tmp_path / "models")
-    with pytest.raises(utils.LoadError, match=r"arrived damaged \(the bytes of model/\S+ do not have the crc32c.*"
-                                              r"run again") as e:
+    with pytest.raises(utils.LoadError, match=r"does not match model.ckpt.index \(the bytes of model/\S+ do not have "
+                                              r"the crc32c.*removed both: run again") as e:
         utils.download_model("124M", models, base_url=server.url, **FAST)
     assert "\n" not in str(e.value)
-    assert name not in os.listdir(os.path.join(models, "124M"))
-    assert name + ".part" not in os.listdir(os.path.join(models, "124M"))
+    left = os.listdir(os.path.join(models, "124M"))
+    assert not {name, name + ".part", utils.TF_INDEX} & set(left), left  # the next run fetches a matching pair
     d = utils.download_model("124M", models, base_url=server.url, **FAST)
     assert open(os.path.join(d, name), "rb").read() == served(server, name)
 
@@ -245,7 +288,7 @@ def test_a_resume_spliced_onto_another_file_fails_the_check(server, tmp_path):
     d.mkdir(parents=True)
     (d / utils.TF_INDEX).write_bytes(served(server, utils.TF_INDEX))
     (d / (utils.TF_DATA + ".part")).write_bytes(bytes(1000))
-    with pytest.raises(utils.LoadError, match="arrived damaged"):
+    with pytest.raises(utils.LoadError, match="does not match model.ckpt.index"):
         utils.download_model("124M", str(tmp_path / "models"), base_url=server.url, **FAST)
     assert (f"/124M/{utils.TF_DATA}", "bytes=1000-") in server.requests
     assert not (d / utils.TF_DATA).exists() and not (d / (utils.TF_DATA + ".part")).exists()
@@ -254,3 +297,19 @@ def test_a_resume_spliced_onto_another_file_fails_the_check(server, tmp_path):
 def test_the_data_file_alone_brings_its_index_to_be_checked_against(server, tmp_path):
     d = utils.download_model("124M", str(tmp_path / "models"), base_url=server.url, only=(utils.TF_DATA,), **FAST)
     assert sorted(os.listdir(d)) == sorted([utils.TF_INDEX, utils.TF_DATA])
+
+
+@pytest.mark.parametrize("fault", ["flip", "html"])
+def test_an_index_that_is_not_one_is_removed_before_the_data_downloads(server, tmp_path, fault):
+    """A damaged index (LevelDB stores each block's crc32c) or an error page in its place: one
+    line naming it when it arrives, not a data file blamed for it after gigabytes."""
+    if fault == "html":
+        open(os.path.join(server.root, "124M", utils.TF_INDEX), "wb").write(b"<html>Not Found</html>" * 10)
+    else:
+        server.faults[f"124M/{utils.TF_INDEX}"] = "flip"
+    models = tmp_path / "models"
+    with pytest.raises(utils.LoadError, match="model.ckpt.index arrived damaged .*removed it: run again") as e:
+        utils.download_model("124M", str(models), base_url=server.url, **FAST)
+    assert "\n" not in str(e.value)
+    assert not [f for f in os.listdir(models / "124M") if f.startswith("model.ckpt")]
+    assert f"/124M/{utils.TF_DATA}" not in [path for path, _ in server.requests]

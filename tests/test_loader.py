@@ -78,6 +78,35 @@ def test_every_load_checks_each_tensor_against_the_index_crc32c(tmp_path):
         utils.load_model_dir(d)
 
 
+def test_an_index_damaged_on_disk_names_the_index(tmp_path):
+    """A flipped byte in a tensor's crc32c field: the block's own crc32c names the index, where
+    the tensor's check would blame the data (and a re-download of the data would not help)."""
+    d = make_model_dir(str(tmp_path / "m"), "tiny-openai")
+    index = os.path.join(d, "model.ckpt.index")
+    raw = bytearray(open(index, "rb").read())
+    e = checkpoint.read_tf_index(index)["model/wte"]
+    at = bytes(raw).index(e["crc32c"].to_bytes(4, "little"))
+    raw[at] ^= 0x01
+    open(index, "wb").write(bytes(raw))
+    with pytest.raises(utils.LoadError, match=r"model.ckpt.index is corrupt \(a block's bytes do not have the crc32c "
+                                              r".*delete it"):
+        utils.load_model_dir(d)
+
+
+def test_an_entry_without_its_crc32c_field_has_the_default_0():
+    """proto3 leaves out a field holding its default: an entry with no crc32c says 0, which no
+    tensor's masked crc32c is in practice, so a damaged index cannot turn the check off."""
+    fields = entry((1, 0, 1), (2, 2, shape(4)), (4, 0, 0), (5, 0, 16))
+    assert checkpoint.parse_bundle_entry(fields)["crc32c"] == 0
+    assert checkpoint.parse_bundle_entry(fields + entry((6, 2, bytes([1, 2, 3, 4]))))["crc32c"] == 0x04030201
+
+
+def test_an_index_listing_more_tensors_than_any_gpt2_stops_at_the_limit(monkeypatch):
+    monkeypatch.setattr(checkpoint, "MOST_TENSORS", 100)
+    with pytest.raises(ValueError, match="more than 100 tensors"):
+        checkpoint.read_tf_index(os.path.join(REAL, "model.ckpt.index"))  # 148
+
+
 MATRICES = (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj"))
 
 
