@@ -141,6 +141,8 @@ def receive(url, r, part, have, stall_s, stall_bytes):
         raise LoadError(f"{url} answered HTTP {r.status_code}: check --base_url / ${BASE_URL_ENV}")
     if r.status_code >= 400:
         raise _Retry(f"HTTP {r.status_code}")
+    if r.status_code not in (200, 206):  # a 204, a 304, a 3xx with no Location: no file's bytes
+        raise LoadError(f"{url} answered HTTP {r.status_code}, not the file: check --base_url / ${BASE_URL_ENV}")
     length = r.headers.get("Content-Length", "")
     if not re.fullmatch(r"[0-9]+", length) or int(length) > MOST_BYTES:
         raise LoadError(f"{url} sent Content-Length {length or 'none'}, so the download cannot be "
@@ -213,7 +215,7 @@ def within(seconds, fn):
 def is_whole(headers, have):
     """Whether a 416 (the Range asked starts at the file's end) names the file's length as the
     .part's (`bytes */have`): the .part is whole already."""
-    return re.fullmatch(rf"bytes \*/{have}", headers.get("Content-Range", "").strip(), re.IGNORECASE) is not None
+    return have > 0 and re.fullmatch(rf"bytes \*/{have}", headers.get("Content-Range", "").strip(), re.IGNORECASE) is not None
 
 
 def arriving(r, most=1 << 20):
@@ -239,7 +241,7 @@ def linked_sha256(chain):
     Hugging Face hub answers a download of a file it keeps in LFS (model.safetensors) with a
     redirect whose X-Linked-Etag is the file's SHA-256; None for a server that names none."""
     for response in chain:
-        m = re.fullmatch(r'(?:W/)?"?([0-9a-f]{64})"?', response.headers.get("X-Linked-Etag", "").strip().lower())
+        m = re.fullmatch(r'(?:w/)?"?([0-9a-f]{64})"?', response.headers.get("X-Linked-Etag", "").strip().lower())
         if m:
             return m[1]
     return None

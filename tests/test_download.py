@@ -127,8 +127,19 @@ def test_the_hubs_sha256_is_read_in_either_case():
     chain = [requests.Response() for _ in range(2)]
     chain[0].headers["X-Linked-Etag"] = '"' + "AB" * 32 + '"'
     assert utils.linked_sha256(chain) == "ab" * 32
+    chain[0].headers["X-Linked-Etag"] = 'W/"' + "cd" * 32 + '"'
+    assert utils.linked_sha256(chain) == "cd" * 32
     chain[0].headers["X-Linked-Etag"] = "W/abc"
     assert utils.linked_sha256(chain) is None
+
+
+def test_an_answer_that_is_not_the_file_never_gets_its_name(tmp_path):
+    """A 304, or a 3xx with no Location, is no file's bytes: one line, nothing under the name."""
+    r = requests.Response()
+    r.status_code, r.headers["Content-Length"] = 304, "0"
+    with pytest.raises(utils.LoadError, match="answered HTTP 304, not the file"):
+        utils.receive("http://127.0.0.1:9/x", r, str(tmp_path / "x.part"), 0, 60.0, 1000)
+    assert not os.listdir(tmp_path)
 
 
 def test_a_body_that_does_not_decode_is_one_clear_error(server, tmp_path):
